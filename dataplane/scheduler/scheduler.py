@@ -1,0 +1,195 @@
+"""Continuous batching over the paged KV cache. Imports no torch.
+
+Each step every request's computed tokens catch up towards its total tokens, within a
+token budget: a whole prompt, a chunk of one, one decode token or a recompute after
+preemption are the same operation. Running requests go first (oldest first); waiting
+ones join, first come first served, while blocks, the budget and `max_num_seqs` allow.
+When a running request cannot get a block, the most recently admitted running request
+is preempted by recompute: its blocks are freed and it waits at the head of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dataplane.kvcache import KVCacheManager
+from dataplane.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so a new one is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- submission --------------------------------------------------------------------------
+    def max_total_tokens(self, request: Request) -> int:
+        """Tokens the request can ever hold: prompt plus max_tokens, capped at max_model_len."""
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue `request`, or raise ValueError when it can never run (so it cannot hang)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        blocks_needed = self.kv_cache.num_blocks_for(self.max_total_tokens(request))
+        if blocks_needed > self.kv_cache.num_total_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {blocks_needed} KV blocks but the pool has only "
+                f"{self.kv_cache.num_total_blocks}; lower max_tokens or raise kv_cache_memory"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admitting right after a preemption would only evict someone again next step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, and retire finished requests.
+
+        `sampled` maps request id to the token drawn for each scheduled request whose
+        `samples` was true. Returns the requests that finished this step (blocks freed).
+        """
+        finished: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        held = sum(len(r.block_table) for r in self.running) + sum(len(r.block_table) for r in self.waiting)
+        assert held == self.kv_cache.pool.num_used_blocks, (
+            f"requests hold {held} blocks but the pool has {self.kv_cache.pool.num_used_blocks} in use"
+        )
+        for r in self.waiting:
+            assert not r.block_table and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
+        assert len(self.running) <= self.max_num_seqs
