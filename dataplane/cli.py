@@ -1,10 +1,125 @@
-"""The `pagedserve` command line."""
+"""The `pagedserve` command line: models, generate, chat."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from dataplane.config import DEFAULT_MODEL
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a byte count)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named like vLLM's."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="store name or local Hugging Face folder")
+    g.add_argument(
+        "--model-home", default=None, help="model store directory (default $PAGEDSERVE_MODEL_HOME)"
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=2 * 2**30, help="KV pool size on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def make_llm(args: argparse.Namespace) -> Any:
+    from dataplane import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_threads=args.threads,
+        model_home=args.model_home,
+    )
+
+
+def make_sampling(args: argparse.Namespace) -> Any:
+    from dataplane import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = make_sampling(args)
+    llm = make_llm(args)
+    for out in llm.generate(args.prompts, params):
+        print(out.text)
+        print(
+            f"[{out.finish_reason}; {out.num_prompt_tokens} prompt + {out.num_output_tokens} generated tokens]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = make_sampling(args)
+    llm = make_llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("pagedserve chat — empty line or Ctrl-D to quit, /reset to clear history", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,13 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
     from dataplane.models.cli import add_models_parser
 
     add_models_parser(sub)
+
+    gen = sub.add_parser("generate", help="generate a completion for each prompt, offline")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal (reads stdin)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 1
     return result
 
 

@@ -29,7 +29,9 @@ class CacheConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype != "auto":

@@ -29,11 +29,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         stop_ids = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataplane.kvcache.block_pool import BlockPool
-from dataplane.scheduler.request import Request
+
+if TYPE_CHECKING:
+    # Annotation only: a runtime import makes `import dataplane.kvcache` circular via dataplane.scheduler.
+    from dataplane.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -53,6 +53,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.first_token_time: float | None = None
+        self.finish_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -136,6 +136,8 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
+            if request.num_computed_tokens != request.num_tokens:
+                raise RuntimeError(f"token sampled for {request} before its computed tokens caught up")
             request.append_output_token(token)
             reason = self._stop_reason(request, token)
             if reason is not None:

@@ -1,0 +1,164 @@
+"""CPU microbenchmark of the paged KV ops at SmolLM2 shapes (one layer call each).
+
+    .venv/bin/python benchmarks/paged_attention_cpu.py [--threads 2] [--repeats 30]
+
+Decode: 64 sequences, context lengths uniform in [50, 400], one new token each.
+Prefill: 4 fresh sequences of 300 tokens; chunked prefill: 4 sequences with 200 cached
+tokens and 100 new ones. Each paged figure is compared with SDPA on K/V that are already
+contiguous and padded (the "no paging" bound: no gather, no block tables). Timings are
+medians (and minima) over interleaved repeats, since the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
+from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+class Case:
+    """One batch composition: random paged cache, metadata, inputs and the dense bound."""
+
+    def __init__(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        dtype: torch.dtype,
+        group_tokens: int,
+        group_seqs: int,
+        rng: random.Random,
+    ) -> None:
+        nblocks = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
+        num_blocks = sum(nblocks) + 64
+        # A random permutation, so sequences' blocks are scattered as after a long run.
+        perm = rng.sample(range(num_blocks), num_blocks)
+        self.block_tables: list[list[int]] = []
+        i = 0
+        for n in nblocks:
+            self.block_tables.append(perm[i : i + n])
+            i += n
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.key_cache = torch.randn(shape).to(dtype)
+        self.value_cache = torch.randn(shape).to(dtype)
+        self.query_lens, self.seq_lens = query_lens, seq_lens
+        self.group_tokens, self.group_seqs = group_tokens, group_seqs
+        self.meta = self.build()
+        t = sum(query_lens)
+        self.query = torch.randn(t, NUM_HEADS, HEAD_DIM).to(dtype)
+        self.key = torch.randn(t, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+        self.value = torch.randn(t, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+        self.scale = HEAD_DIM**-0.5
+        # The bound: every sequence's K/V already contiguous, padded to the longest.
+        s, max_len = len(seq_lens), max(seq_lens)
+        self.dense_k = torch.randn(s, NUM_KV_HEADS, max_len, HEAD_DIM).to(dtype)
+        self.dense_v = torch.randn(s, NUM_KV_HEADS, max_len, HEAD_DIM).to(dtype)
+        max_q = max(query_lens)
+        self.dense_q = torch.randn(s, NUM_HEADS, max_q, HEAD_DIM).to(dtype)
+        key_pos = torch.arange(max_len)[None, None, :]
+        query_pos = (torch.tensor(seq_lens) - max_q)[:, None, None] + torch.arange(max_q)[None, :, None]
+        self.dense_mask = (key_pos <= query_pos)[:, None]  # [S, 1, max_q, max_len]
+        self.fresh = (
+            all(q == s_ for q, s_ in zip(query_lens, seq_lens, strict=True)) and len(set(seq_lens)) == 1
+        )
+
+    def build(self) -> AttentionMetadata:
+        return build_attention_metadata(
+            self.query_lens,
+            self.seq_lens,
+            self.block_tables,
+            BLOCK_SIZE,
+            "cpu",
+            decode_group_max_tokens=self.group_tokens,
+            decode_group_max_seqs=self.group_seqs,
+        )
+
+    def write(self) -> None:
+        write_kv_cache(self.key, self.value, self.key_cache, self.value_cache, self.meta.slot_mapping)
+
+    def attend(self) -> torch.Tensor:
+        return paged_attention(self.query, self.key_cache, self.value_cache, self.meta, self.scale)
+
+    def dense(self) -> torch.Tensor:
+        if self.fresh:
+            return F.scaled_dot_product_attention(
+                self.dense_q, self.dense_k, self.dense_v, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        return F.scaled_dot_product_attention(
+            self.dense_q,
+            self.dense_k,
+            self.dense_v,
+            attn_mask=self.dense_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+
+
+def measure(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Interleave the candidates so background load hits them alike; (median, min) in ms."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--group-tokens", type=int, default=DECODE_GROUP_MAX_TOKENS)
+    parser.add_argument("--group-seqs", type=int, default=DECODE_GROUP_MAX_SEQS)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    dtype = getattr(torch, args.dtype)
+
+    decode_lens = [rng.randint(50, 400) for _ in range(64)]
+    cases = {
+        "decode 64 x ctx 50-400": Case([1] * 64, decode_lens, dtype, args.group_tokens, args.group_seqs, rng),
+        "prefill 4 x 300": Case([300] * 4, [300] * 4, dtype, args.group_tokens, args.group_seqs, rng),
+        "chunked prefill 4 x (200 cached + 100 new)": Case(
+            [100] * 4, [300] * 4, dtype, args.group_tokens, args.group_seqs, rng
+        ),
+    }
+    print(
+        f"threads={args.threads} dtype={args.dtype} heads={NUM_HEADS}/{NUM_KV_HEADS} head_dim={HEAD_DIM} "
+        f"block_size={BLOCK_SIZE} decode groups: <= {args.group_tokens} tokens, <= {args.group_seqs} seqs"
+    )
+    for name, case in cases.items():
+        res = measure(
+            {
+                "build_attention_metadata (once per step)": case.build,
+                "write_kv_cache": case.write,
+                "paged_attention": case.attend,
+                "SDPA, contiguous padded K/V (bound)": case.dense,
+            },
+            args.repeats,
+        )
+        extra = f", {len(case.meta.decode_groups)} decode groups" if case.meta.decode_groups else ""
+        print(f"\n{name} (T={case.meta.num_tokens}{extra})")
+        for label, (med, mn) in res.items():
+            print(f"  {label:42s} median {med:7.3f} ms   min {mn:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

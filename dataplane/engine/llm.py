@@ -1,0 +1,199 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from dataplane.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from dataplane.engine.llm_engine import LLMEngine
+from dataplane.sampling_params import SamplingParams
+from dataplane.scheduler import Request
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_preemptions: int
+    time_to_first_token: float | None
+    latency: float
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLM:
+    """Batch generation on the paged engine, in process. Knob names follow vLLM's `LLM`."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int = 2 * 1024**3,
+        gpu_memory_utilization: float = 0.90,
+        num_gpu_blocks_override: int | None = None,
+        num_threads: int | None = None,
+        model_home: str | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_blocks_override=num_gpu_blocks_override,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+            ),
+        )
+        self.engine = LLMEngine(config, model_home=model_home)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        `prompts` are strings or token-id lists; `sampling_params` is one object for all or
+        one per prompt. Every prompt is validated before any is queued, so a bad one raises
+        ValueError and leaves the engine as it was.
+        """
+        batch = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(batch))
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        token_ids = [self.engine.tokenize(prompt) for prompt in batch]  # ValueError before any is queued
+        requests: list[Request] = []
+        try:
+            for ids, p in zip(token_ids, params, strict=True):
+                requests.append(self.engine.add_request(ids, p))
+        except ValueError:
+            for r in requests:
+                self.engine.abort_request(r.request_id)
+            raise
+        start = time.monotonic()
+        self._run(requests, use_tqdm)
+        return [self._to_output(r, prompt, start) for r, prompt in zip(requests, batch, strict=True)]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.engine.model_path} has no chat template; use generate() instead")
+        items: list[Any] = list(messages)
+        # One conversation (a list of message dicts) or several.
+        conversations: list[list[dict[str, str]]] = [items] if items and isinstance(items[0], dict) else items
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            if not conv:
+                raise ValueError("messages must contain at least one message")
+            prompts.append(self.apply_chat_template(conv, add_generation_prompt))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
+        ids: list[int] = list(out["input_ids"])
+        return ids
+
+    # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        items: list[Any] = list(prompts)
+        if not items:
+            raise ValueError("prompts must not be empty")
+        if all(isinstance(t, int) for t in items):
+            return [items]  # one token-id prompt
+        return items
+
+    @staticmethod
+    def _as_params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        out = list(params)
+        if len(out) != n:
+            raise ValueError(f"sampling_params has {len(out)} entries for {n} prompts")
+        return out
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        pending = {r.request_id for r in requests}
+        bar = tqdm(
+            total=len(requests), desc="generate", unit="req", disable=not use_tqdm or len(requests) < 2
+        )
+        try:
+            while pending:
+                result = self.engine.step()
+                for r in result.finished:
+                    if r.request_id in pending:
+                        pending.discard(r.request_id)
+                        bar.update(1)
+                if not result.num_batched_tokens and pending:
+                    # The scheduler refuses what can never fit, so an empty step here is a bug.
+                    raise RuntimeError(f"scheduler made no progress with {len(pending)} requests pending")
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+
+    def _to_output(self, r: Request, prompt: Prompt, start: float) -> RequestOutput:
+        ttft = None if r.first_token_time is None else r.first_token_time - max(start, r.arrival_time)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=r.prompt_token_ids,
+            text=self.engine.decode(r.output_token_ids),
+            token_ids=r.output_token_ids,
+            finish_reason=r.finish_reason or "abort",
+            num_preemptions=r.num_preemptions,
+            time_to_first_token=ttft,
+            latency=(r.finish_time or time.monotonic()) - r.arrival_time,
+        )

@@ -1,0 +1,193 @@
+"""LLMEngine: owns the block pool, the scheduler and the model runner, and steps them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from dataplane.config import EngineConfig
+from dataplane.kvcache import BlockPool, KVCacheManager
+from dataplane.kvcache.budget import KVCacheBudget, KVCacheShape, kv_memory_on_gpu, plan_kv_cache
+from dataplane.log import get_logger
+from dataplane.models import resolve_model_path
+from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
+from dataplane.runner.model_runner import ModelRunner
+from dataplane.sampling_params import SamplingParams
+from dataplane.scheduler import Request, Scheduler
+
+log = get_logger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one step produced: new tokens per request and the requests that finished."""
+
+    new_tokens: dict[str, int]
+    finished: list[Request]
+    num_batched_tokens: int
+    num_preempted: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_home: str | None = None) -> None:
+        self.config = config
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
+        torch.manual_seed(config.model.seed)
+        self.model_path = resolve_model_path(config.model.model, model_home)
+        self.tokenizer = load_tokenizer(self.model_path)
+        model = load_model(self.model_path, config.model.dtype, config.model.device)
+        hf = model.config
+        self.max_model_len = self._resolve_max_model_len(hf)
+        gen_cfg = getattr(model, "generation_config", None)
+        self.eos_token_ids = self._eos_ids(hf, gen_cfg)
+
+        kv_dtype = DTYPES[config.model.dtype]
+        shape = KVCacheShape(
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            bytes_per_element=torch.empty((), dtype=kv_dtype).element_size(),
+        )
+        self.budget = self._plan_budget(shape, model)
+        log.info(
+            "kv_cache_planned",
+            blocks=self.budget.num_blocks,
+            tokens=self.budget.num_tokens,
+            bytes_per_token=shape.bytes_per_token,
+            max_model_len=self.max_model_len,
+            max_concurrency=round(self.budget.max_concurrency(self.max_model_len), 2),
+            summary=self.budget.describe(self.max_model_len),
+        )
+        block_size = config.cache.block_size
+        self.pool = BlockPool(self.budget.num_blocks)
+        self.kv_cache = KVCacheManager(self.pool, block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            model, self.budget.num_blocks, block_size, kv_dtype, config.model.device, seed=config.model.seed
+        )
+        self._ids = itertools.count()
+
+    # -- set-up helpers ----------------------------------------------------------------------
+    def _resolve_max_model_len(self, hf: Any) -> int:
+        limit = int(getattr(hf, "max_position_embeddings", 0) or 0) or None
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True):
+            # Our kernels attend to the whole context; past the window the model would differ.
+            limit = min(limit, int(window)) if limit else int(window)
+        asked = self.config.scheduler.max_model_len
+        if asked is None:
+            if limit is None:
+                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+            return limit
+        if limit is not None and asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds the model's limit of {limit} tokens")
+        return asked
+
+    @staticmethod
+    def _eos_ids(hf: Any, gen_cfg: Any) -> tuple[int, ...]:
+        ids: list[int] = []
+        for source in (gen_cfg, hf):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.extend(value if isinstance(value, list) else [value])
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def _plan_budget(self, shape: KVCacheShape, model: Any) -> KVCacheBudget:
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            memory = cache.num_blocks_override * shape.bytes_per_block(cache.block_size)
+            return plan_kv_cache(shape, cache.block_size, memory)
+        device = torch.device(self.config.model.device)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            # Peak activations of the largest step: hidden states and MLP intermediates of every
+            # batched token, plus logits for up to max_num_seqs rows.
+            hf = model.config
+            tokens = self.config.scheduler.max_num_batched_tokens
+            elem = shape.bytes_per_element
+            activations = tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size) * elem
+            activations += self.config.scheduler.max_num_seqs * hf.vocab_size * 4
+            memory = kv_memory_on_gpu(total, cache.gpu_memory_utilization, weights, activations)
+            memory = min(memory, free)
+        else:
+            memory = cache.kv_cache_memory
+        return plan_kv_cache(shape, cache.block_size, memory)
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer; pass prompts as token-id lists")
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate, tokenize and queue one request; raises ValueError naming the bad field."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        request = Request(rid, token_ids, params, eos_token_id=eos)
+        if len(self.eos_token_ids) > 1 and not params.ignore_eos:
+            # Models with several end tokens (chat end + document end) stop on any of them.
+            extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
+            if extra:
+                request.sampling_params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self.runner.release(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> StepResult:
+        """Schedule, run the model once on the flattened batch, sample, retire finished requests."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return StepResult({}, [], 0, len(out.preempted))
+        sampled = self.runner.execute(out)
+        finished = self.scheduler.update_from_output(out, sampled)
+        now = time.monotonic()
+        for request in finished:
+            request.finish_time = now
+            self.runner.release(request.request_id)
+        return StepResult(sampled, finished, out.num_batched_tokens, len(out.preempted))
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

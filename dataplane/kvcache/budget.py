@@ -1,0 +1,73 @@
+"""The seed's memory-budget formula: how many KV blocks fit, and what that buys. Imports no torch.
+
+KV memory = device memory x gpu_memory_utilization - weights - peak activations (GPU), or
+`kv_cache_memory` bytes (CPU). blocks = KV memory / (2 x layers x block_size x kv_heads x
+head_dim x bytes per element). max concurrency = blocks x block_size / tokens per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_element: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V, every layer, one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+
+@dataclass(frozen=True)
+class KVCacheBudget:
+    shape: KVCacheShape
+    block_size: int
+    kv_memory_bytes: int
+    num_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def max_concurrency(self, tokens_per_request: int) -> float:
+        """Requests of `tokens_per_request` tokens each that fit at once (the seed's last formula)."""
+        return self.num_tokens / tokens_per_request
+
+    def describe(self, max_model_len: int) -> str:
+        return (
+            f"KV cache: {self.kv_memory_bytes / 2**20:.0f} MiB, {self.shape.bytes_per_token} B/token -> "
+            f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens; "
+            f"max concurrency {self.max_concurrency(max_model_len):.2f} requests at max_model_len={max_model_len}"
+        )
+
+
+def kv_memory_on_gpu(
+    total_bytes: int, gpu_memory_utilization: float, weight_bytes: int, activation_bytes: int
+) -> int:
+    """The seed's GPU formula; raises ValueError when nothing is left for the KV cache."""
+    available = int(total_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes
+    if available <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
+            f"(total {total_bytes}, weights {weight_bytes}, activations {activation_bytes} bytes)"
+        )
+    return available
+
+
+def plan_kv_cache(shape: KVCacheShape, block_size: int, kv_memory_bytes: int) -> KVCacheBudget:
+    """Blocks that fit in `kv_memory_bytes`; raises ValueError if not even one does."""
+    num_blocks = kv_memory_bytes // shape.bytes_per_block(block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV memory of {kv_memory_bytes} bytes holds no block of {shape.bytes_per_block(block_size)} bytes; "
+            "raise kv_cache_memory"
+        )
+    return KVCacheBudget(shape, block_size, kv_memory_bytes, num_blocks)

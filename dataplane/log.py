@@ -1,0 +1,39 @@
+"""structlog set-up: JSON lines when not on a TTY, readable console output on one."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from dataplane import env
+
+_configured = False
+
+
+def configure_logging() -> None:
+    global _configured
+    if _configured:
+        return
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(env.log_level())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    _configured = True
+
+
+def get_logger(name: str) -> Any:
+    configure_logging()
+    return structlog.get_logger(name)

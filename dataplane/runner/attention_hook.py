@@ -1,0 +1,69 @@
+"""Our paged attention, plugged into transformers through its attention interface.
+
+transformers' decoder layers call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
+with the projected, rotary-embedded q/k/v and pass through any extra keyword arguments
+given to the model's forward. The runner passes one `PagedStep` per forward as
+`paged_step=`; no global state is involved, so several engines can live in one process.
+An implementation name that is absent from transformers' mask registry also makes
+transformers skip building a dense causal mask, which the paged kernels do not need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import AttentionMetadata, paged_attention, write_kv_cache
+
+ATTN_IMPLEMENTATION = "pagedserve"
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """What every layer's attention needs for one step: shared metadata plus per-layer caches."""
+
+    metadata: AttentionMetadata
+    # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry point.
+
+    query: [1, num_heads, T, head_dim]; key/value: [1, num_kv_heads, T, head_dim] for the
+    T new tokens of the flattened batch. Returns ([1, T, num_heads, head_dim], None).
+    """
+    step: PagedStep | None = kwargs.get("paged_step")
+    if step is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the `paged_step` argument; "
+            "run the model through pagedserve's ModelRunner"
+        )
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    key_cache, value_cache = step.kv_caches[layer_idx]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, KVH, D]
+    v = value[0].transpose(0, 1)
+    write_kv_cache(k, v, key_cache, value_cache, step.metadata.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, key_cache, value_cache, step.metadata, scale)  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> str:
+    """Register our attention with transformers (idempotent); returns the implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

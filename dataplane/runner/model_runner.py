@@ -1,0 +1,92 @@
+"""Runs one scheduler step: flatten the batch, run the model once, sample."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from dataplane.runner.attention_hook import PagedStep
+from dataplane.runner.sampler import sample
+from dataplane.scheduler import SchedulerOutput
+from kernels import build_attention_metadata
+
+
+class ModelRunner:
+    """Owns the model and the physical KV tensors (one K and one V tensor per layer)."""
+
+    def __init__(
+        self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str, seed: int = 0
+    ) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.block_size = block_size
+        self.device = torch.device(device)
+        cfg = model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+        self._seed_rng = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+            self._generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Compute the scheduled tokens of every request; return the sampled token per request
+        whose computed tokens reach its total this step."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in out.scheduled:
+            r = item.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + item.num_new_tokens
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            block_tables.append(r.block_table)
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        hidden = self.decoder(
+            input_ids=ids, position_ids=pos, use_cache=False, paged_step=PagedStep(meta, self.kv_caches)
+        ).last_hidden_state[0]  # [T, hidden]
+        if not sample_rows:
+            return {}
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.lm_head(hidden.index_select(0, rows)).float()  # [N, vocab]
+        sampling = [s for s in out.scheduled if s.samples]
+        params = [s.request.sampling_params for s in sampling]
+        generators: list[torch.Generator | None] = [
+            None if p.greedy else self._generator_for(s.request.request_id, p.seed)
+            for s, p in zip(sampling, params, strict=True)
+        ]
+        tokens = sample(logits, params, generators)
+        return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}

@@ -1,0 +1,249 @@
+"""Per-step attention metadata, built once and shared by every layer of the step.
+
+Everything that depends only on the batch composition (slot mapping, gather indices,
+masks, the decode/prefill split) is computed here, so the per-layer ops do no index
+arithmetic and no host-side work beyond launching a few tensor ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+# Decode sequences are attended in groups padded to the longest member. Small groups of
+# similar length waste little work on padding and keep each group's gathered K/V
+# (group tokens x KVH x D x 2) near the CPU's L2/L3 while the attention reads it back;
+# larger groups amortise the fixed per-op cost. Tuned with benchmarks/paged_attention_cpu.py.
+DECODE_GROUP_MAX_TOKENS = 2048
+DECODE_GROUP_MAX_SEQS = 16
+# A group also closes when the next (shorter) sequence would leave more than this
+# fraction of its padded row unused.
+DECODE_GROUP_MAX_PAD_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences (one query token each) attended together in one batched call."""
+
+    # token_indices: [n] int64, rows of the flattened batch holding these sequences' queries
+    token_indices: torch.Tensor
+    # block_ids: [n * max_blocks] int64, block tables row-major; rows shorter than max_blocks
+    # are padded with a valid block id whose keys the mask hides
+    block_ids: torch.Tensor = field(repr=False)
+    # key_mask: [n, 1, 1, max_blocks * block_size] bool, True where the key position < seq_len
+    key_mask: torch.Tensor = field(repr=False)
+    num_seqs: int
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One sequence with several new query tokens (a prompt, or a chunk of one)."""
+
+    token_start: int  # its query tokens are rows [token_start, token_end) of the batch
+    token_end: int
+    seq_len: int  # context length including the new tokens
+    # block_ids: [ceil(seq_len / block_size)] int64
+    block_ids: torch.Tensor = field(repr=False)
+    # causal_mask: [query_len, seq_len] bool (True = may attend), or None when there is no
+    # cached prefix: then the mask is plain top-left causal and SDPA's is_causal skips the
+    # masked half of the work instead of computing and discarding it.
+    causal_mask: torch.Tensor | None = field(repr=False)
+
+    @property
+    def query_len(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What the paged KV ops need for one step of a flattened varlen batch.
+
+    T tokens from S sequences; sequence s owns rows query_start_loc[s]:query_start_loc[s+1]
+    of the batch, which are the last query_lens[s] tokens of its seq_lens[s]-token context.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # slot_mapping: [T] int64, cache slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor
+    # query_start_loc: [S + 1] int32, cumulative query lengths
+    query_start_loc: torch.Tensor
+    # seq_lens: [S] int32
+    seq_lens: torch.Tensor
+    # block_tables: [S, max_blocks_per_seq] int32, rows padded with 0
+    block_tables: torch.Tensor
+    decode_groups: tuple[DecodeGroup, ...]
+    prefills: tuple[PrefillSeq, ...]
+    num_decode_tokens: int
+
+
+def _as_int_array(values: Sequence[int], name: str) -> npt.NDArray[np.int64]:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a flat list of ints, got shape {arr.shape}")
+    return arr
+
+
+def _padded_block_table(
+    block_tables: Sequence[Sequence[int]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Ragged list of block ids -> ([S, max_len] padded with 0, [S] row lengths), no per-entry loop."""
+    row_lens = np.fromiter((len(row) for row in block_tables), dtype=np.int64, count=len(block_tables))
+    width = int(row_lens.max()) if row_lens.size else 0
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(row_lens.sum()))
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    table[np.arange(width)[None, :] < row_lens[:, None]] = flat
+    return table, row_lens
+
+
+def _decode_groups(
+    seqs: npt.NDArray[np.int64],
+    seq_lens: npt.NDArray[np.int64],
+    token_rows: npt.NDArray[np.int64],
+    table: npt.NDArray[np.int64],
+    block_size: int,
+    device: torch.device,
+    max_group_tokens: int,
+    max_group_seqs: int,
+) -> tuple[DecodeGroup, ...]:
+    if seqs.size == 0:
+        return ()
+    # Longest first, so each group's first member sets its padded width.
+    order = seqs[np.argsort(-seq_lens[seqs], kind="stable")]
+    # A plain list: the loop below indexes it per sequence, and numpy scalar access is slow.
+    nblocks: list[int] = ((seq_lens[order] + block_size - 1) // block_size).tolist()
+    groups: list[DecodeGroup] = []
+    i = 0
+    n_dec = order.size
+    while i < n_dec:
+        width = nblocks[i]
+        cap = max(1, min(max_group_seqs, max_group_tokens // (width * block_size)))
+        min_blocks = width * (1.0 - DECODE_GROUP_MAX_PAD_FRACTION)
+        j = i + 1
+        while j < n_dec and j - i < cap and nblocks[j] >= min_blocks:
+            j += 1
+        members = order[i:j]
+        n = members.size
+        block_ids = np.ascontiguousarray(table[members, :width]).reshape(-1)
+        key_mask = np.arange(width * block_size)[None, :] < seq_lens[members][:, None]
+        groups.append(
+            DecodeGroup(
+                token_indices=torch.from_numpy(np.ascontiguousarray(token_rows[members])).to(device),
+                block_ids=torch.from_numpy(block_ids).to(device),
+                key_mask=torch.from_numpy(key_mask).view(n, 1, 1, width * block_size).to(device),
+                num_seqs=n,
+                max_blocks=width,
+            )
+        )
+        i = j
+    return tuple(groups)
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+    *,
+    decode_group_max_tokens: int = DECODE_GROUP_MAX_TOKENS,
+    decode_group_max_seqs: int = DECODE_GROUP_MAX_SEQS,
+) -> AttentionMetadata:
+    """Precompute everything the step's layers share. Raises ValueError on inconsistent input.
+
+    block_tables[s] lists sequence s's physical blocks in logical order; it must cover
+    ceil(seq_lens[s] / block_size) blocks (extra trailing entries are allowed and ignored).
+    The keyword arguments tune decode grouping and are for benchmarks.
+    """
+    device = torch.device(device)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    q_lens = _as_int_array(query_lens, "query_lens")
+    s_lens = _as_int_array(seq_lens, "seq_lens")
+    num_seqs = q_lens.size
+    if s_lens.size != num_seqs or len(block_tables) != num_seqs:
+        raise ValueError(
+            f"query_lens, seq_lens and block_tables must have one entry per sequence, got "
+            f"{num_seqs}, {s_lens.size} and {len(block_tables)}"
+        )
+    if num_seqs and int(q_lens.min()) < 1:
+        raise ValueError(f"every query_len must be >= 1, got {q_lens.tolist()}")
+    if np.any(s_lens < q_lens):
+        raise ValueError(f"seq_lens must be >= query_lens, got seq_lens={s_lens.tolist()}")
+    table, row_lens = _padded_block_table(block_tables)
+    needed = (s_lens + block_size - 1) // block_size
+    if np.any(row_lens < needed):
+        bad = int(np.argmax(row_lens < needed))
+        raise ValueError(
+            f"block_tables[{bad}] has {int(row_lens[bad])} blocks but seq_len {int(s_lens[bad])} "
+            f"needs {int(needed[bad])} at block_size {block_size}"
+        )
+    if table.size and int(table.min()) < 0:
+        raise ValueError("block ids must be non-negative")
+
+    query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+
+    # Position of every new token within its sequence, then its slot, all vectorised.
+    token_seq = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(num_tokens) - query_start[token_seq] + (s_lens - q_lens)[token_seq]
+    slots = table[token_seq, positions // block_size] * block_size + positions % block_size
+    if np.unique(slots).size != num_tokens:
+        # Two tokens written to one slot means a shared block is being written: the cache
+        # manager failed to copy-on-write. index_copy_ would silently keep one of them.
+        raise ValueError("slot_mapping has duplicate slots: two new tokens map to the same cache slot")
+
+    is_decode = q_lens == 1
+    decode_groups = _decode_groups(
+        np.flatnonzero(is_decode),
+        s_lens,
+        query_start[:-1],
+        table,
+        block_size,
+        device,
+        decode_group_max_tokens,
+        decode_group_max_seqs,
+    )
+    prefills: list[PrefillSeq] = []
+    for s in np.flatnonzero(~is_decode).tolist():
+        q_len, s_len = int(q_lens[s]), int(s_lens[s])
+        mask: torch.Tensor | None = None
+        if s_len > q_len:
+            # query j sits at position s_len - q_len + j and sees keys 0..that position
+            first_pos = torch.arange(s_len - q_len, s_len, device=device)
+            mask = torch.arange(s_len, device=device)[None, :] <= first_pos[:, None]
+        start = int(query_start[s])
+        prefills.append(
+            PrefillSeq(
+                token_start=start,
+                token_end=start + q_len,
+                seq_len=s_len,
+                block_ids=torch.from_numpy(np.ascontiguousarray(table[s, : int(needed[s])])).to(device),
+                causal_mask=mask,
+            )
+        )
+
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        block_size=block_size,
+        max_query_len=int(q_lens.max()) if num_seqs else 0,
+        max_seq_len=int(s_lens.max()) if num_seqs else 0,
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
+        decode_groups=decode_groups,
+        prefills=tuple(prefills),
+        num_decode_tokens=int(is_decode.sum()),
+    )

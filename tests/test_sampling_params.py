@@ -1,0 +1,103 @@
+"""SamplingParams validation: every bad field raises ValueError naming that field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+
+from dataplane.sampling_params import SamplingParams
+
+
+def test_defaults() -> None:
+    p = SamplingParams()
+    assert p.max_tokens == 16
+    assert p.temperature == 1.0
+    assert p.top_p == 1.0
+    assert p.top_k == 0
+    assert p.min_p == 0.0
+    assert p.seed is None
+    assert p.stop_token_ids == ()
+    assert p.ignore_eos is False
+    assert p.greedy is False
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("max_tokens", None),
+        ("temperature", -0.01),
+        ("temperature", -math.inf),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.0001),
+        ("top_p", math.nan),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("min_p", math.nan),
+        ("seed", -1),
+        ("seed", 1.5),
+        ("stop_token_ids", (-1,)),
+        ("stop_token_ids", (3, -7)),
+        ("stop_token_ids", (1.0,)),
+        ("stop_token_ids", ("2",)),
+        ("stop_token_ids", (True,)),
+    ],
+)
+def test_bad_field_raises_value_error_naming_it(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field) as excinfo:
+        SamplingParams(**{field: value})
+    # The message says what was wrong: the field and the offending value.
+    assert repr(value) in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 1},
+        {"temperature": 0.0},
+        {"temperature": 2.5},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": -1},
+        {"top_k": 0},
+        {"top_k": 50},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+        {"seed": 0},
+        {"seed": 2**63},
+        {"stop_token_ids": (0, 5)},
+        {"ignore_eos": True},
+    ],
+)
+def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
+    p = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        assert getattr(p, name) == value
+
+
+def test_greedy_means_temperature_zero() -> None:
+    assert SamplingParams(temperature=0.0).greedy is True
+    assert SamplingParams(temperature=1e-5).greedy is False
+
+
+def test_stop_token_ids_become_a_tuple() -> None:
+    p = SamplingParams(stop_token_ids=[4, 2])  # type: ignore[arg-type]
+    assert p.stop_token_ids == (4, 2)
+    assert isinstance(p.stop_token_ids, tuple)
+    assert hash(p) == hash(SamplingParams(stop_token_ids=(4, 2)))
+
+
+def test_frozen() -> None:
+    p = SamplingParams()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.max_tokens = 3  # type: ignore[misc]

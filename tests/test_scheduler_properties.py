@@ -1,0 +1,420 @@
+"""Property tests: random submit / step / abort interleavings against a model-free scheduler.
+
+After every operation the scheduler's integrity holds; every step respects the token budget
+and max_num_seqs, is never empty while work remains, and allocates exactly the blocks its
+tokens need; preemption picks the most recently admitted requests and keeps their tokens;
+draining finishes everything within a bound of steps, and then every block is free.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from hypothesis import currently_in_test_context, given, settings, target
+from hypothesis import event as hypothesis_event
+from hypothesis import strategies as st
+
+from dataplane.kvcache import BlockPool, KVCacheManager, cdiv
+from dataplane.sampling_params import SamplingParams
+from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+EOS = 2
+STOP = 5
+VOCAB = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    special_rate: float = 0.25  # chance a sampled token is EOS or STOP
+
+
+@dataclass(frozen=True)
+class Submit:
+    prompt_len: int
+    max_tokens: int
+    eos: bool
+    ignore_eos: bool
+    stop: bool
+    reuse_id: int | None  # index of an earlier submission whose id to reuse
+
+
+@dataclass(frozen=True)
+class StepOp:
+    seed: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    index: int
+
+
+Op = Submit | StepOp | Abort
+
+
+def event(name: str) -> None:
+    """Hypothesis statistics when under @given; the harness also runs in plain tests."""
+    if currently_in_test_context():
+        hypothesis_event(name)
+
+
+class Harness:
+    """Drives a Scheduler and checks it against what the spec says must happen."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.pool = BlockPool(cfg.num_blocks)
+        self.s = Scheduler(
+            KVCacheManager(self.pool, cfg.block_size),
+            cfg.max_model_len,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+        )
+        self.submitted: list[Request] = []
+        self.outputs: dict[int, list[int]] = {}  # id(request) -> tokens we fed it
+        self.num_steps = 0
+
+    # -- operations --------------------------------------------------------------------------
+    def submit(self, op: Submit) -> None:
+        cfg = self.cfg
+        if op.reuse_id is not None and self.submitted:
+            rid = self.submitted[op.reuse_id % len(self.submitted)].request_id
+        else:
+            rid = f"r{len(self.submitted)}"
+        params = SamplingParams(
+            max_tokens=op.max_tokens, ignore_eos=op.ignore_eos, stop_token_ids=(STOP,) if op.stop else ()
+        )
+        request = Request(rid, [100 + i for i in range(op.prompt_len)], params, EOS if op.eos else None)
+        total = min(op.prompt_len + op.max_tokens, cfg.max_model_len)
+        if rid in self.s.requests:
+            refusal: str | None = "already in use"
+        elif op.prompt_len >= cfg.max_model_len:
+            refusal = "max_model_len"
+        elif cdiv(total, cfg.block_size) > cfg.num_blocks:
+            refusal = "KV blocks"
+        else:
+            refusal = None
+
+        before = (list(self.s.waiting), dict(self.s.requests))
+        try:
+            self.s.add_request(request)
+        except ValueError as e:
+            assert refusal is not None, f"refused a request that fits: {e}"
+            assert refusal in str(e)
+            assert (list(self.s.waiting), dict(self.s.requests)) == before
+        else:
+            assert refusal is None, f"accepted a request that must be refused ({refusal})"
+            assert self.s.max_total_tokens(request) == total
+            assert list(self.s.waiting)[-1] is request
+            self.submitted.append(request)
+            self.outputs[id(request)] = []
+        self.s.check_integrity()
+
+    def abort(self, op: Abort) -> None:
+        if not self.submitted:
+            return
+        # By id: an id may name a finished request and, later, a live one that reused it.
+        rid = self.submitted[op.index % len(self.submitted)].request_id
+        live = self.s.requests.get(rid)
+        request = live if live is not None else self.submitted[op.index % len(self.submitted)]
+        held = len(request.block_table)
+        free_before = self.pool.num_free_blocks
+        status_before = request.status
+        got = self.s.abort(rid)
+        if live is not None:
+            assert got is request
+            assert request.status is RequestStatus.FINISHED_ABORTED
+            assert request.block_table == []
+            assert self.pool.num_free_blocks == free_before + held
+            assert request not in self.s.running and request not in self.s.waiting
+        else:
+            assert got is None
+            assert request.status is status_before
+        self.s.check_integrity()
+
+    def step(self, op: StepOp) -> list[Request]:
+        cfg, s = self.cfg, self.s
+        rng = random.Random(op.seed)
+        had_work = s.has_unfinished()
+        prev_running = list(s.running)
+        prev_tables = {id(r): list(r.block_table) for r in s.running}
+
+        out = s.schedule()
+        self.num_steps += 1
+        self.check_schedule(out, had_work, prev_running, prev_tables)
+
+        sampled: dict[str, int] = {}
+        expect_finished: list[tuple[Request, str]] = []
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            r = item.request
+            if rng.random() < cfg.special_rate:
+                token = rng.choice((EOS, STOP))
+            else:
+                token = rng.choice([t for t in range(VOCAB) if t not in (EOS, STOP)])
+            sampled[r.request_id] = token
+            self.outputs[id(r)].append(token)
+            reason = self.expected_stop(r, token)
+            if reason is not None:
+                expect_finished.append((r, reason))
+        finished = s.update_from_output(out, sampled)
+        assert [(r, r.finish_reason) for r in finished] == expect_finished
+        for r in finished:
+            assert r.block_table == []
+            assert r.request_id not in s.requests
+        self.check_state()
+        return finished
+
+    # -- checks ------------------------------------------------------------------------------
+    def expected_stop(self, r: Request, token: int) -> str | None:
+        p = r.sampling_params
+        num_output = len(self.outputs[id(r)])
+        if not p.ignore_eos and r.eos_token_id is not None and token == r.eos_token_id:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if num_output >= p.max_tokens or r.num_prompt_tokens + num_output >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def check_schedule(
+        self,
+        out: SchedulerOutput,
+        had_work: bool,
+        prev_running: list[Request],
+        prev_tables: dict[int, list[int]],
+    ) -> None:
+        cfg, s = self.cfg, self.s
+        scheduled = [x.request for x in out.scheduled]
+        # Liveness: never an empty step while work remains; never work out of nothing.
+        assert out.is_empty == (not had_work)
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs
+        assert len(s.running) <= cfg.max_num_seqs
+        assert len({id(r) for r in scheduled}) == len(scheduled)
+        # Scheduled requests are the front of the running list: oldest first, admissions last.
+        assert scheduled == s.running[: len(scheduled)]
+        for x in out.scheduled:
+            r = x.request
+            assert x.num_new_tokens >= 1
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_computed_tokens + x.num_new_tokens <= r.num_tokens
+            # Exactly the blocks its tokens need, no more.
+            assert len(r.block_table) == cdiv(r.num_computed_tokens + x.num_new_tokens, cfg.block_size)
+
+        n = len(out.preempted)
+        if n:
+            event("preempted")
+            # Victims are the most recently admitted running requests, newest first ...
+            assert out.preempted == prev_running[::-1][:n]
+            # ... and wait at the head of the queue in their admission order.
+            assert list(s.waiting)[:n] == out.preempted[::-1]
+            for r in out.preempted:
+                assert r.status is RequestStatus.WAITING
+                assert r.num_computed_tokens == 0
+                assert r.block_table == []
+            # No admission in a step that had to preempt.
+            assert all(r in prev_running for r in scheduled)
+        # Block tables are append-only while held.
+        for r in s.running:
+            if id(r) in prev_tables:
+                old = prev_tables[id(r)]
+                assert r.block_table[: len(old)] == old
+        self.check_blocks()
+        s.check_integrity()
+
+    def check_blocks(self) -> None:
+        held = [b for r in self.s.running for b in r.block_table]
+        assert len(held) == len(set(held)), "a block is in two block tables"
+        assert sorted(held) == sorted(b.block_id for b in self.pool.blocks if b.ref_cnt > 0)
+        assert all(self.pool.blocks[b].ref_cnt == 1 for b in held)
+
+    def check_state(self) -> None:
+        cfg, s = self.cfg, self.s
+        for r in s.running:
+            assert len(r.block_table) == cdiv(r.num_computed_tokens, cfg.block_size)
+            assert r.num_computed_tokens < r.num_tokens  # a sampled token is always pending
+        for r in [*s.running, *s.waiting]:
+            assert r.output_token_ids == self.outputs[id(r)]  # kept across preemption
+            assert r.num_output_tokens < r.sampling_params.max_tokens
+            assert r.num_tokens < cfg.max_model_len
+            assert s.requests[r.request_id] is r
+        assert len(s.requests) == len(s.running) + len(s.waiting)
+        self.check_blocks()
+        s.check_integrity()
+
+    def drain(self) -> None:
+        """Step until done: within sum(max total tokens) steps, since the oldest running request
+        gains at least one computed token every step and is never the one preempted."""
+        bound = sum(self.s.max_total_tokens(r) for r in self.s.requests.values())
+        steps = 0
+        while self.s.has_unfinished():
+            assert steps < bound, f"no progress after {steps} steps: {self.s.running} {self.s.waiting}"
+            self.step(StepOp(seed=steps))
+            steps += 1
+        self.check_all_free()
+
+    def check_all_free(self) -> None:
+        assert not self.s.running and not self.s.waiting and not self.s.requests
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+        assert sorted(self.pool.free_queue.block_ids()) == list(range(self.pool.num_blocks))
+        for r in self.submitted:
+            assert r.status.finished
+            assert r.block_table == []
+        self.s.check_integrity()
+
+    def run(self, ops: list[Op]) -> None:
+        for op in ops:
+            if isinstance(op, Submit):
+                self.submit(op)
+            elif isinstance(op, StepOp):
+                self.step(op)
+            else:
+                self.abort(op)
+        self.drain()
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    num_blocks = draw(st.integers(1, 40))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    pool_tokens = num_blocks * block_size
+    # Mostly at least the pool's size (so the pool, not max_model_len, is what runs out),
+    # sometimes tight enough that max_model_len ends requests and refuses prompts.
+    if draw(st.sampled_from(["roomy", "roomy", "roomy", "tight"])) == "tight":
+        max_model_len = draw(st.integers(2, 16))
+    else:
+        max_model_len = draw(st.integers(pool_tokens, 2 * pool_tokens + 2))
+    return Config(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 48)),
+        max_model_len=max(2, max_model_len),
+        special_rate=draw(st.sampled_from([0.0, 0.05, 0.3])),
+    )
+
+
+def submits_for(cfg: Config) -> st.SearchStrategy[Submit]:
+    """Requests sized to the pool: most fit alone, a few do not (to exercise refusals)."""
+    capacity = min(cfg.num_blocks * cfg.block_size, cfg.max_model_len)
+    return st.builds(
+        Submit,
+        prompt_len=st.integers(1, max(1, capacity // 2)) | st.integers(1, capacity + 4),
+        max_tokens=st.integers(1, max(1, min(capacity // 2, 48))) | st.integers(1, 24),
+        eos=st.booleans(),
+        ignore_eos=st.booleans(),
+        stop=st.booleans(),
+        reuse_id=st.none() | st.none() | st.integers(0, 50),
+    )
+
+
+steps = st.builds(StepOp, seed=st.integers(0, 2**16))
+aborts = st.builds(Abort, index=st.integers(0, 50))
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[Config, list[Op]]:
+    cfg = draw(configs())
+    submits = submits_for(cfg)
+    ops = draw(
+        st.lists(
+            st.one_of(
+                submits,
+                submits,
+                submits,
+                steps,
+                steps,
+                steps,
+                steps,
+                steps,
+                steps,
+                aborts,  # aborts are rare
+            ),
+            min_size=6,
+            max_size=50,
+        )
+    )
+    return cfg, ops
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[Config, list[Submit]]:
+    cfg = draw(configs())
+    return cfg, draw(st.lists(submits_for(cfg), min_size=1, max_size=10))
+
+
+@settings(deadline=None, max_examples=200)
+@given(scenario=scenarios())
+def test_random_interleavings_keep_every_invariant(scenario: tuple[Config, list[Op]]) -> None:
+    cfg, ops = scenario
+    harness = Harness(cfg)
+    harness.run(ops)
+    if harness.s.num_preemptions:
+        event("run with preemption")
+    # Steer generation towards the interesting part: runs that preempt.
+    target(float(harness.s.num_preemptions), label="preemptions")
+
+
+@settings(deadline=None, max_examples=100)
+@given(workload=workloads())
+def test_accepted_requests_all_finish_without_deadlock(workload: tuple[Config, list[Submit]]) -> None:
+    """Liveness: submit everything up front, then only step; all accepted requests finish."""
+    cfg, requests = workload
+    harness = Harness(cfg)
+    for op in requests:
+        harness.submit(op)
+    harness.drain()
+    for r in harness.submitted:
+        assert r.finish_reason in ("stop", "length")
+    target(float(harness.s.num_preemptions), label="preemptions")
+
+
+def test_crafted_run_forces_preemption() -> None:
+    """Six small blocks, four growing requests: the harness sees preemptions and every check holds."""
+    cfg = Config(num_blocks=6, block_size=2, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    harness = Harness(cfg)
+    ops: list[Op] = [Submit(3, 6, eos=False, ignore_eos=False, stop=False, reuse_id=None) for _ in range(4)]
+    ops += [StepOp(seed=i) for i in range(3)]
+    harness.run(ops)
+    assert harness.s.num_preemptions > 0
+    assert sum(r.num_preemptions for r in harness.submitted) == harness.s.num_preemptions
+    for r in harness.submitted:
+        assert r.finish_reason == "length"
+        assert r.num_output_tokens == 6
+
+
+def test_seeded_sweep_reaches_preemption_and_drains() -> None:
+    """A deterministic sweep over small random workloads: preemption happens and nothing leaks."""
+    rng = random.Random(1234)
+    total_preemptions = 0
+    for _ in range(60):
+        cfg = Config(
+            num_blocks=rng.randint(2, 12),
+            block_size=rng.choice([1, 2, 4]),
+            max_num_seqs=rng.randint(1, 6),
+            max_num_batched_tokens=rng.randint(1, 24),
+            max_model_len=rng.randint(4, 48),
+        )
+        ops: list[Op] = []
+        for _ in range(rng.randint(1, 25)):
+            kind = rng.random()
+            if kind < 0.35:
+                ops.append(
+                    Submit(rng.randint(1, 12), rng.randint(1, 12), rng.random() < 0.3, False, False, None)
+                )
+            elif kind < 0.9:
+                ops.append(StepOp(rng.randrange(2**16)))
+            else:
+                ops.append(Abort(rng.randrange(50)))
+        harness = Harness(cfg)
+        harness.run(ops)
+        total_preemptions += harness.s.num_preemptions
+    assert total_preemptions > 0
