@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/paged_attention_cpu.py [--threads 2] [--repeats 30]
 
-Decode: 64 sequences, context lengths uniform in [50, 400], one new token each.
+Decode: 64 sequences, context lengths uniform in [50, 400], one new token each (and 16
+sequences of 1000-4000 tokens).
 Prefill: 4 fresh sequences of 300 tokens; chunked prefill: 4 sequences with 200 cached
 tokens and 100 new ones. Each paged figure is compared with SDPA on K/V that are already
 contiguous and padded (the "no paging" bound: no gather, no block tables). Timings are
@@ -36,6 +37,7 @@ class Case:
         dtype: torch.dtype,
         group_tokens: int,
         group_seqs: int,
+        group_min_seqs: int | None,
         rng: random.Random,
     ) -> None:
         nblocks = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
@@ -51,7 +53,7 @@ class Case:
         self.key_cache = torch.randn(shape).to(dtype)
         self.value_cache = torch.randn(shape).to(dtype)
         self.query_lens, self.seq_lens = query_lens, seq_lens
-        self.group_tokens, self.group_seqs = group_tokens, group_seqs
+        self.group_tokens, self.group_seqs, self.group_min_seqs = group_tokens, group_seqs, group_min_seqs
         self.meta = self.build()
         t = sum(query_lens)
         self.query = torch.randn(t, NUM_HEADS, HEAD_DIM).to(dtype)
@@ -80,6 +82,7 @@ class Case:
             "cpu",
             decode_group_max_tokens=self.group_tokens,
             decode_group_max_seqs=self.group_seqs,
+            decode_group_min_seqs=self.group_min_seqs,
         )
 
     def write(self) -> None:
@@ -125,6 +128,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--group-tokens", type=int, default=DECODE_GROUP_MAX_TOKENS)
     parser.add_argument("--group-seqs", type=int, default=DECODE_GROUP_MAX_SEQS)
+    parser.add_argument("--group-min-seqs", type=int, default=None, help="default: the thread count")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,17 +136,21 @@ def main() -> None:
     rng = random.Random(args.seed)
     dtype = getattr(torch, args.dtype)
 
-    decode_lens = [rng.randint(50, 400) for _ in range(64)]
+    grouping = (args.group_tokens, args.group_seqs, args.group_min_seqs)
     cases = {
-        "decode 64 x ctx 50-400": Case([1] * 64, decode_lens, dtype, args.group_tokens, args.group_seqs, rng),
-        "prefill 4 x 300": Case([300] * 4, [300] * 4, dtype, args.group_tokens, args.group_seqs, rng),
-        "chunked prefill 4 x (200 cached + 100 new)": Case(
-            [100] * 4, [300] * 4, dtype, args.group_tokens, args.group_seqs, rng
+        "decode 64 x ctx 50-400": Case(
+            [1] * 64, [rng.randint(50, 400) for _ in range(64)], dtype, *grouping, rng
         ),
+        "decode 16 x ctx 1000-4000": Case(
+            [1] * 16, [rng.randint(1000, 4000) for _ in range(16)], dtype, *grouping, rng
+        ),
+        "prefill 4 x 300": Case([300] * 4, [300] * 4, dtype, *grouping, rng),
+        "chunked prefill 4 x (200 cached + 100 new)": Case([100] * 4, [300] * 4, dtype, *grouping, rng),
     }
     print(
         f"threads={args.threads} dtype={args.dtype} heads={NUM_HEADS}/{NUM_KV_HEADS} head_dim={HEAD_DIM} "
-        f"block_size={BLOCK_SIZE} decode groups: <= {args.group_tokens} tokens, <= {args.group_seqs} seqs"
+        f"block_size={BLOCK_SIZE} decode groups: <= {args.group_tokens} tokens, <= {args.group_seqs} seqs, "
+        f">= {args.group_min_seqs or min(args.group_seqs, args.threads)} seqs"
     )
     for name, case in cases.items():
         res = measure(

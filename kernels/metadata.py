@@ -17,13 +17,18 @@ import torch
 
 # Decode sequences are attended in groups padded to the longest member. Small groups of
 # similar length waste little work on padding and keep each group's gathered K/V
-# (group tokens x KVH x D x 2) near the CPU's L2/L3 while the attention reads it back;
-# larger groups amortise the fixed per-op cost. Tuned with benchmarks/paged_attention_cpu.py.
-DECODE_GROUP_MAX_TOKENS = 2048
+# (group tokens x KVH x D x 2) in the CPU caches while the attention reads it back (one
+# gather of all groups up front measured 2-3x slower); larger groups amortise the fixed
+# per-op cost. Tuned with benchmarks/paged_attention_cpu.py on 1-2 threads.
+DECODE_GROUP_MAX_TOKENS = 4096
 DECODE_GROUP_MAX_SEQS = 16
 # A group also closes when the next (shorter) sequence would leave more than this
 # fraction of its padded row unused.
 DECODE_GROUP_MAX_PAD_FRACTION = 0.25
+# Even past the token budget a group takes min_group_seqs sequences (when their lengths
+# allow), by default one per intra-op thread: SDPA parallelises over (sequence, kv head)
+# pairs, and one long sequence with few kv heads leaves threads idle (measured ~1.8x slower
+# on 2 threads), while on one thread pairing long sequences only adds padding (~1.2x slower).
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,15 @@ class DecodeGroup:
     # token_indices: [n] int64, rows of the flattened batch holding these sequences' queries
     token_indices: torch.Tensor
     # block_ids: [n * max_blocks] int64, block tables row-major; rows shorter than max_blocks
-    # are padded with a valid block id whose keys the mask hides
+    # are padded with a valid block id (its copies are masked out and zeroed, see pad_rows)
     block_ids: torch.Tensor = field(repr=False)
     # key_mask: [n, 1, 1, max_blocks * block_size] bool, True where the key position < seq_len
     key_mask: torch.Tensor = field(repr=False)
+    # pad_rows: [num_padded] int64, the positions of the gathered [n * max_blocks * block_size]
+    # token rows that lie past their sequence's end (None when there are none). Those slots
+    # hold whatever the block's earlier owner left, possibly inf/NaN, and a masked key still
+    # enters P @ V with weight 0 (0 * NaN = NaN), so the gathered copies are zeroed.
+    pad_rows: torch.Tensor | None = field(repr=False)
     num_seqs: int
     max_blocks: int
 
@@ -84,6 +94,31 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSeq, ...]
     num_decode_tokens: int
+    # Most blocks any single decode group or prefill sequence gathers: the size of the
+    # gather workspace.
+    max_gather_blocks: int
+    # Scratch buffers reused by every layer of the step (see gather_workspace); not part of
+    # the metadata's value.
+    _workspace: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def gather_workspace(self, key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers, each [max_gather_blocks, block_size, KVH, D], made once per step.
+
+        Fresh multi-megabyte tensors per gather cost more than the gather itself on CPU (the
+        allocator maps new pages and the kernel zero-fills them), so the groups of a layer
+        and all layers of the step share these. Hence one metadata object must not serve
+        two paged_attention calls concurrently.
+        """
+        # Buffers made under inference_mode cannot be written outside it, hence the mode in the key.
+        key = (key_cache.dtype, key_cache.device, torch.is_inference_mode_enabled(), *key_cache.shape[1:])
+        buffers = self._workspace.get(key)
+        if buffers is None:
+            shape = (self.max_gather_blocks, *key_cache.shape[1:])
+            buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
+            self._workspace[key] = buffers
+        return buffers
 
 
 def _as_int_array(values: Sequence[int], name: str) -> npt.NDArray[np.int64]:
@@ -114,6 +149,7 @@ def _decode_groups(
     device: torch.device,
     max_group_tokens: int,
     max_group_seqs: int,
+    min_group_seqs: int,
 ) -> tuple[DecodeGroup, ...]:
     if seqs.size == 0:
         return ()
@@ -126,7 +162,7 @@ def _decode_groups(
     n_dec = order.size
     while i < n_dec:
         width = nblocks[i]
-        cap = max(1, min(max_group_seqs, max_group_tokens // (width * block_size)))
+        cap = min(max_group_seqs, max(min_group_seqs, max_group_tokens // (width * block_size)))
         min_blocks = width * (1.0 - DECODE_GROUP_MAX_PAD_FRACTION)
         j = i + 1
         while j < n_dec and j - i < cap and nblocks[j] >= min_blocks:
@@ -135,11 +171,13 @@ def _decode_groups(
         n = members.size
         block_ids = np.ascontiguousarray(table[members, :width]).reshape(-1)
         key_mask = np.arange(width * block_size)[None, :] < seq_lens[members][:, None]
+        pad_rows = np.flatnonzero(~key_mask)
         groups.append(
             DecodeGroup(
                 token_indices=torch.from_numpy(np.ascontiguousarray(token_rows[members])).to(device),
                 block_ids=torch.from_numpy(block_ids).to(device),
                 key_mask=torch.from_numpy(key_mask).view(n, 1, 1, width * block_size).to(device),
+                pad_rows=torch.from_numpy(pad_rows).to(device) if pad_rows.size else None,
                 num_seqs=n,
                 max_blocks=width,
             )
@@ -157,12 +195,14 @@ def build_attention_metadata(
     *,
     decode_group_max_tokens: int = DECODE_GROUP_MAX_TOKENS,
     decode_group_max_seqs: int = DECODE_GROUP_MAX_SEQS,
+    decode_group_min_seqs: int | None = None,
 ) -> AttentionMetadata:
     """Precompute everything the step's layers share. Raises ValueError on inconsistent input.
 
     block_tables[s] lists sequence s's physical blocks in logical order; it must cover
     ceil(seq_lens[s] / block_size) blocks (extra trailing entries are allowed and ignored).
-    The keyword arguments tune decode grouping and are for benchmarks.
+    The keyword arguments tune decode grouping and are for benchmarks; the minimum group
+    size defaults to torch's intra-op thread count (capped by the maximum).
     """
     device = torch.device(device)
     if block_size <= 0:
@@ -213,15 +253,18 @@ def build_attention_metadata(
         device,
         decode_group_max_tokens,
         decode_group_max_seqs,
+        min(decode_group_max_seqs, torch.get_num_threads())
+        if decode_group_min_seqs is None
+        else decode_group_min_seqs,
     )
     prefills: list[PrefillSeq] = []
     for s in np.flatnonzero(~is_decode).tolist():
         q_len, s_len = int(q_lens[s]), int(s_lens[s])
         mask: torch.Tensor | None = None
         if s_len > q_len:
-            # query j sits at position s_len - q_len + j and sees keys 0..that position
-            first_pos = torch.arange(s_len - q_len, s_len, device=device)
-            mask = torch.arange(s_len, device=device)[None, :] <= first_pos[:, None]
+            # the chunk's query j sits at position s_len - q_len + j and sees keys 0..that position
+            query_pos = torch.arange(s_len - q_len, s_len, device=device)
+            mask = torch.arange(s_len, device=device)[None, :] <= query_pos[:, None]
         start = int(query_start[s])
         prefills.append(
             PrefillSeq(
@@ -246,4 +289,8 @@ def build_attention_metadata(
         decode_groups=decode_groups,
         prefills=tuple(prefills),
         num_decode_tokens=int(is_decode.sum()),
+        max_gather_blocks=max(
+            [g.num_seqs * g.max_blocks for g in decode_groups] + [p.block_ids.shape[0] for p in prefills],
+            default=0,
+        ),
     )

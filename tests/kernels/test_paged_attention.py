@@ -18,6 +18,7 @@ from kernels import (
     paged_attention,
     write_kv_cache,
 )
+from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 from kernels.reference import dense_causal_attention_reference
 
 # fp32: the kernel and the float64 reference differ only by fp32 rounding in
@@ -57,7 +58,10 @@ def make_batch(
     head_dim: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    **meta_kwargs: int,
+    decode_group_max_tokens: int = DECODE_GROUP_MAX_TOKENS,
+    decode_group_max_seqs: int = DECODE_GROUP_MAX_SEQS,
+    decode_group_min_seqs: int | None = None,
+    nonfinite_garbage: bool = False,
 ) -> Batch:
     """Random paged batch whose new K/V are already written to the cache.
 
@@ -77,6 +81,11 @@ def make_batch(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
     value_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
+    if nonfinite_garbage:
+        # What a freed block may hold after an earlier request overflowed in half precision.
+        garbage = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+        key_cache = garbage[torch.arange(key_cache.numel()) % 3].view(shape)
+        value_cache = garbage[(torch.arange(value_cache.numel()) + 1) % 3].view(shape)
     # The cached prefix of each sequence: ordinary values at its real slots.
     for table, seq_len in zip(block_tables, seq_lens, strict=True):
         for pos in range(seq_len):
@@ -88,7 +97,16 @@ def make_batch(
     query = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype)
     key = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
-    meta = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, "cpu", **meta_kwargs)
+    meta = build_attention_metadata(
+        query_lens,
+        seq_lens,
+        block_tables,
+        block_size,
+        "cpu",
+        decode_group_max_tokens=decode_group_max_tokens,
+        decode_group_max_seqs=decode_group_max_seqs,
+        decode_group_min_seqs=decode_group_min_seqs,
+    )
     write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     return Batch(
         query_lens,
@@ -184,6 +202,10 @@ def test_many_decode_groups() -> None:
     for g in groups:
         assert g.num_seqs <= 4
         assert g.block_ids.shape == (g.num_seqs * g.max_blocks,)
+        # Decode rows are the sequences themselves here, so the mask rows are their lengths.
+        member_lens = [seq_lens[row] for row in g.token_indices.tolist()]
+        assert g.key_mask.sum(dim=-1).flatten().tolist() == member_lens
+        assert g.max_blocks == (max(member_lens) + 15) // 16
     assert max_error(batch) < FP32_ATOL
 
 
@@ -201,6 +223,24 @@ def test_strided_query_like_the_transformers_hook() -> None:
     strided = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided.is_contiguous()
     assert max_error(batch, strided) < FP32_ATOL
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, FP32_ATOL), (torch.bfloat16, BF16_ATOL)])
+def test_stale_nonfinite_slots_do_not_leak(dtype: torch.dtype, atol: float) -> None:
+    # Every slot outside the sequences' contexts (tails of last blocks, spare blocks that pad
+    # decode groups) holds NaN/inf; the kernel must never let them into a result.
+    batch = make_batch(
+        MIXED_QUERY_LENS,
+        MIXED_SEQ_LENS,
+        block_size=16,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=dtype,
+        nonfinite_garbage=True,
+    )
+    assert any(g.pad_rows is not None for g in batch.meta.decode_groups)
+    assert max_error(batch) < atol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -233,7 +273,7 @@ def test_empty_batch() -> None:
     block_size=st.sampled_from([1, 4, 16]),
     heads=st.sampled_from([(1, 1), (2, 1), (2, 3), (1, 4)]),
     head_dim=st.sampled_from([8, 64]),
-    grouping=st.sampled_from([(2048, 16), (16, 1), (64, 2)]),
+    grouping=st.sampled_from([(2048, 16, None), (16, 1, None), (64, 2, 2), (16, 4, 3)]),
     seed=st.integers(0, 2**16),
 )
 def test_random_batches_match_reference(
@@ -241,7 +281,7 @@ def test_random_batches_match_reference(
     block_size: int,
     heads: tuple[int, int],
     head_dim: int,
-    grouping: tuple[int, int],
+    grouping: tuple[int, int, int | None],
     seed: int,
 ) -> None:
     query_lens = [q for q, _ in seqs]
@@ -256,6 +296,7 @@ def test_random_batches_match_reference(
         seed=seed,
         decode_group_max_tokens=grouping[0],
         decode_group_max_seqs=grouping[1],
+        decode_group_min_seqs=grouping[2],
     )
     assert max_error(batch) < FP32_ATOL
 
