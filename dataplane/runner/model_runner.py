@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dataplane.runner.attention_hook import PagedStep
+from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from dataplane.runner.sampler import sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata
@@ -20,10 +21,13 @@ class ModelRunner:
         self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str, seed: int = 0
     ) -> None:
         self.model = model
+        self.device = torch.device(device)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        if onednn_linear_available(model.dtype, self.device):
+            pack_linears(model)
+            self.lm_head = model.get_output_embeddings()
         self.block_size = block_size
-        self.device = torch.device(device)
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers
         self.num_kv_heads: int = cfg.num_key_value_heads
