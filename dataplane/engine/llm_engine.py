@@ -181,6 +181,10 @@ class LLMEngine:
         for request in finished:
             request.finish_time = now
             self.runner.release(request.request_id)
+        if finished and not self.scheduler.has_unfinished():
+            # Idle is the one moment every block must be free: verify it (O(num_blocks)).
+            self.check_integrity()
+            assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
         return StepResult(sampled, finished, out.num_batched_tokens, len(out.preempted))
 
     def decode(self, token_ids: list[int]) -> str:
