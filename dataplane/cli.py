@@ -36,6 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=2 * 2**30, help="KV pool size on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached prompt blocks",
+    )
+    g.add_argument("--prefix-hash-seed", default="pagedserve", help="seed of the chained block hashes")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
@@ -49,6 +56,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
 
 
 def make_llm(args: argparse.Namespace) -> Any:
@@ -65,6 +73,8 @@ def make_llm(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_hash_seed=args.prefix_hash_seed,
         num_threads=args.threads,
         model_home=args.model_home,
     )
@@ -81,6 +91,7 @@ def make_sampling(args: argparse.Namespace) -> Any:
         min_p=args.min_p,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
+        n=args.n,
     )
 
 
@@ -88,7 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = make_sampling(args)
     llm = make_llm(args)
     for out in llm.generate(args.prompts, params):
-        print(out.text)
+        for completion in out.outputs:
+            print(completion.text)
         print(
             f"[{out.finish_reason}; {out.num_prompt_tokens} prompt + {out.num_output_tokens} generated tokens]",
             file=sys.stderr,

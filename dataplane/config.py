@@ -17,6 +17,11 @@ class CacheConfig:
     On the CPU the pool is sized by `kv_cache_memory` bytes; on a GPU by
     `gpu_memory_utilization` of device memory minus weights and peak activations.
     `num_blocks_override` pins the block count (tests use tiny pools).
+
+    With `enable_prefix_caching`, full blocks are kept after their requests end, under a
+    chained hash seeded by `prefix_hash_seed` (docs/prefix-hash.md); a control plane that
+    computes hashes must use the same seed. `enable_kv_events` records the pool's KV events
+    for whoever streams them to an external prefix index (it must drain them every step).
     """
 
     block_size: int = 16
@@ -24,6 +29,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90
     kv_cache_dtype: str = "auto"
     num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_hash_seed: str = "pagedserve"
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,6 +46,15 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+        for name in ("enable_prefix_caching", "enable_kv_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.prefix_hash_seed, str) or not self.prefix_hash_seed:
+            raise ValueError(f"prefix_hash_seed must be a non-empty string, got {self.prefix_hash_seed!r}")
+        if self.enable_kv_events and not self.enable_prefix_caching:
+            raise ValueError(
+                "enable_kv_events needs enable_prefix_caching: without it there is nothing to report"
+            )
 
 
 @dataclass(frozen=True)

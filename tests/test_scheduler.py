@@ -75,7 +75,9 @@ def free_ids(s: Scheduler) -> list[int]:
 
 TORCH_FREE_MODULES = [
     "dataplane.kvcache",
+    "dataplane.kvcache.block_hash",
     "dataplane.kvcache.block_pool",
+    "dataplane.kvcache.kv_events",
     "dataplane.kvcache.kv_cache_manager",
     "dataplane.scheduler",
     "dataplane.scheduler.request",
@@ -271,11 +273,14 @@ def test_waiting_queue_is_first_come_first_served_on_blocks() -> None:
     assert st.plan == [("a", 1, True)]
     assert st.finished == ["a"]
     assert free_ids(s) == [2, 1, 0]
+    # b's prompt is a's first 8 tokens: a's cached block 0 is a hit (block 1 would be too,
+    # but at least one token must be computed), so b computes only its second block.
     out = s.schedule()
-    assert plan_of(out) == [("b", 8, True), ("c", 1, True)]
-    assert (b.block_table, c.block_table) == ([2, 1], [0])
+    assert plan_of(out) == [("b", 4, True), ("c", 1, True)]
+    assert (b.block_table, c.block_table) == ([0, 2], [1])
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (4, 0)
     assert finish_step(s, out).finished == ["b", "c"]
-    assert free_ids(s) == [1, 2, 0]
+    assert free_ids(s) == [2, 0, 1]
 
 
 # -- preemption by recompute -----------------------------------------------------------------
@@ -317,15 +322,22 @@ def test_preemption_evicts_the_most_recently_admitted_and_it_resumes_with_its_to
     assert st.finished == ["b"]
     assert free_ids(s) == [4, 3, 2]
 
-    # c recomputes prompt + its kept token (4 tokens) and samples its second token.
+    # c recomputes prompt + its kept token (4 tokens) and samples its second token. Its
+    # first block [10, 11] is cached three times (a's 0, b's 2, its own old 4): the hit
+    # shares a's referenced copy, so c computes only [12, 61] into a new block, 4 (evicting
+    # its own old copy: block 0 still holds that hash). d takes block 3, evicting b's [12, 51].
     st = step(s, {"a": 43, "c": 62, "d": 71})
-    assert st.plan == [("a", 1, True), ("c", 4, True), ("d", 1, True)]
+    assert st.plan == [("a", 1, True), ("c", 2, True), ("d", 1, True)]
     assert st.finished == ["a", "d"]
-    assert c.block_table == [4, 3]
+    assert c.block_table == [0, 4]
     assert d.block_table == []
     assert c.output_token_ids == [61, 62]
     assert ids(s.running) == ["c"]
-    assert free_ids(s) == [5, 1, 0, 2]
+    assert s.kv_cache.pool.blocks[0].ref_cnt == 1  # a let go of it, c still holds it
+    assert free_ids(s) == [2, 5, 1, 3]
+    stats = s.kv_cache.prefix_cache_stats
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 4, 2)
+    assert c.num_cached_tokens == 0  # at its first admission nothing was cached yet
 
     st = step(s, {"c": 63})
     assert st.plan == [("c", 1, True)]
@@ -335,7 +347,7 @@ def test_preemption_evicts_the_most_recently_admitted_and_it_resumes_with_its_to
     assert c.all_token_ids == [10, 11, 12, 61, 62, 63]
     assert a.output_token_ids == [41, 42, 43]
     assert s.num_preemptions == 1
-    assert free_ids(s) == [1, 0, 2, 5, 3, 4]
+    assert free_ids(s) == [5, 1, 3, 2, 4, 0]
     assert s.kv_cache.pool.num_free_blocks == 6
 
 
@@ -359,14 +371,20 @@ def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_newest() -> N
     assert free_ids(s) == [5, 3, 2, 1]
     assert s.num_preemptions == 1
 
+    # b's first three tokens are still cached ([10] in a's block 0, [11] and [12] in its own
+    # old blocks 2 and 3). Resuming from them, b's next chunk (tokens 3 and 4) needs two new
+    # blocks besides the two evictable hits: four of the three free blocks, so b waits.
     st = step(s)
-    assert st.plan == [("a", 1, True), ("b", 3, False)]
+    assert st.plan == [("a", 1, True)]
     assert st.finished == ["a"]
-    assert b.block_table == [3, 2, 1]
+    assert free_ids(s) == [3, 2, 1, 5, 4, 0]
+    # With a gone everything fits: b computes 2 tokens instead of recomputing 5.
     st = step(s)
     assert st.plan == [("b", 2, True)]
     assert st.finished == ["b"]
-    assert free_ids(s) == [0, 4, 5, 1, 2, 3]
+    stats = s.kv_cache.prefix_cache_stats
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 5, 3)
+    assert free_ids(s) == [4, 5, 1, 3, 2, 0]  # b held [0, 2, 3, 1, 5]
     assert b.num_preemptions == 1
 
 

@@ -4,18 +4,34 @@ After every operation the scheduler's integrity holds; every step respects the t
 and max_num_seqs, is never empty while work remains, and allocates exactly the blocks its
 tokens need; preemption picks the most recently admitted requests and keeps their tokens;
 draining finishes everything within a bound of steps, and then every block is free.
+
+Prompts are drawn from a few shared prefixes with random tails and salts, so prefix-cache
+hits, shared blocks and evictions mix in. A shadow of the KV cache records, for every slot a
+step writes, which token prefix (and salt) its KV belongs to: every computed position a
+scheduled request attends to must hold its own prefix, so a wrong hit, a cross-salt hit or a
+write into a shared or cached block is caught. Replaying the KV events into a set must
+reproduce the pool's cached hashes after every operation.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import currently_in_test_context, given, settings, target
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
-from dataplane.kvcache import BlockPool, KVCacheManager, cdiv
+from dataplane.kvcache import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVCacheManager,
+    cdiv,
+)
 from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -32,6 +48,7 @@ class Config:
     max_num_batched_tokens: int
     max_model_len: int
     special_rate: float = 0.25  # chance a sampled token is EOS or STOP
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,17 @@ class Submit:
     ignore_eos: bool
     stop: bool
     reuse_id: int | None  # index of an earlier submission whose id to reuse
+    family: int = 0  # which shared prefix the prompt starts with
+    diverge_at: int | None = None  # from here on the prompt takes tokens from a small random tail
+    tail_seed: int = 0
+    salt: str | None = None
+
+    def prompt(self) -> list[int]:
+        rng = random.Random(self.tail_seed)
+        start = self.prompt_len if self.diverge_at is None else min(self.diverge_at, self.prompt_len)
+        return [100 * (self.family + 1) + i for i in range(start)] + [
+            rng.choice((50, 51)) for _ in range(self.prompt_len - start)
+        ]
 
 
 @dataclass(frozen=True)
@@ -50,11 +78,16 @@ class StepOp:
 
 
 @dataclass(frozen=True)
+class ResetPrefixCache:
+    pass
+
+
+@dataclass(frozen=True)
 class Abort:
     index: int
 
 
-Op = Submit | StepOp | Abort
+Op = Submit | StepOp | Abort | ResetPrefixCache
 
 
 def event(name: str) -> None:
@@ -68,9 +101,10 @@ class Harness:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.pool = BlockPool(cfg.num_blocks)
+        self.pool = BlockPool(cfg.num_blocks, enable_kv_events=cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.s = Scheduler(
-            KVCacheManager(self.pool, cfg.block_size),
+            self.kv,
             cfg.max_model_len,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
@@ -78,6 +112,16 @@ class Harness:
         self.submitted: list[Request] = []
         self.outputs: dict[int, list[int]] = {}  # id(request) -> tokens we fed it
         self.num_steps = 0
+        # Shadow KV: slot (block id, offset) -> (salt, prefix id) of the token whose KV it holds.
+        self.shadow: dict[tuple[int, int], tuple[str | None, int]] = {}
+        self.prefix_ids: dict[tuple[int, int], int] = {}  # (parent prefix id, token) -> prefix id
+        self.request_prefix_ids: dict[int, list[int]] = {}  # id(request) -> prefix id per position
+        # What an external index following the KV events believes the pool holds.
+        self.index: set[BlockHash] = set()
+        self.last_seq = 0
+        self.cleared: set[BlockHash] = set()
+        self.num_hit_tokens = 0
+        self.num_shared = 0  # shared blocks seen at checks, summed
 
     # -- operations --------------------------------------------------------------------------
     def submit(self, op: Submit) -> None:
@@ -89,7 +133,7 @@ class Harness:
         params = SamplingParams(
             max_tokens=op.max_tokens, ignore_eos=op.ignore_eos, stop_token_ids=(STOP,) if op.stop else ()
         )
-        request = Request(rid, [100 + i for i in range(op.prompt_len)], params, EOS if op.eos else None)
+        request = Request(rid, op.prompt(), params, EOS if op.eos else None, cache_salt=op.salt)
         total = min(op.prompt_len + op.max_tokens, cfg.max_model_len)
         if rid in self.s.requests:
             refusal: str | None = "already in use"
@@ -114,6 +158,7 @@ class Harness:
             self.submitted.append(request)
             self.outputs[id(request)] = []
         self.s.check_integrity()
+        self.follow_events()
 
     def abort(self, op: Abort) -> None:
         if not self.submitted:
@@ -122,7 +167,7 @@ class Harness:
         rid = self.submitted[op.index % len(self.submitted)].request_id
         live = self.s.requests.get(rid)
         request = live if live is not None else self.submitted[op.index % len(self.submitted)]
-        held = len(request.block_table)
+        released = sum(1 for b in request.block_table if self.pool.blocks[b].ref_cnt == 1)
         free_before = self.pool.num_free_blocks
         status_before = request.status
         got = self.s.abort(rid)
@@ -130,12 +175,24 @@ class Harness:
             assert got is request
             assert request.status is RequestStatus.FINISHED_ABORTED
             assert request.block_table == []
-            assert self.pool.num_free_blocks == free_before + held
+            assert self.pool.num_free_blocks == free_before + released  # shared blocks stay held
             assert request not in self.s.running and request not in self.s.waiting
         else:
             assert got is None
             assert request.status is status_before
         self.s.check_integrity()
+        self.follow_events()
+
+    def reset_prefix_cache(self) -> None:
+        referenced_before = [b.ref_cnt for b in self.pool.blocks]
+        free_before = self.pool.free_queue.block_ids()
+        self.kv.reset_prefix_cache()
+        assert self.pool.cached_block_hashes() == set()
+        assert all(b.block_hash is None for b in self.pool.blocks)
+        assert [b.ref_cnt for b in self.pool.blocks] == referenced_before
+        assert self.pool.free_queue.block_ids() == free_before
+        self.s.check_integrity()
+        self.follow_events()
 
     def step(self, op: StepOp) -> list[Request]:
         cfg, s = self.cfg, self.s
@@ -144,9 +201,13 @@ class Harness:
         prev_running = list(s.running)
         prev_tables = {id(r): list(r.block_table) for r in s.running}
 
+        prev_waiting = list(s.waiting)
+        stats_before = (self.kv.prefix_cache_stats.requests, self.kv.prefix_cache_stats.preempted_requests)
         out = s.schedule()
         self.num_steps += 1
         self.check_schedule(out, had_work, prev_running, prev_tables)
+        self.check_admissions(out, prev_waiting, stats_before)
+        self.check_and_write_kv(out, prev_waiting)
 
         sampled: dict[str, int] = {}
         expect_finished: list[tuple[Request, str]] = []
@@ -169,6 +230,7 @@ class Harness:
             assert r.block_table == []
             assert r.request_id not in s.requests
         self.check_state()
+        self.follow_events()
         return finished
 
     # -- checks ------------------------------------------------------------------------------
@@ -230,10 +292,95 @@ class Harness:
         s.check_integrity()
 
     def check_blocks(self) -> None:
-        held = [b for r in self.s.running for b in r.block_table]
-        assert len(held) == len(set(held)), "a block is in two block tables"
-        assert sorted(held) == sorted(b.block_id for b in self.pool.blocks if b.ref_cnt > 0)
-        assert all(self.pool.blocks[b].ref_cnt == 1 for b in held)
+        holders: Counter[int] = Counter()
+        positions: dict[int, set[int]] = {}
+        for r in self.s.running:
+            assert len(r.block_table) == len(set(r.block_table)), f"{r} holds a block twice"
+            holders.update(r.block_table)
+            for index, block_id in enumerate(r.block_table):
+                positions.setdefault(block_id, set()).add(index)
+        assert sorted(holders) == sorted(b.block_id for b in self.pool.blocks if b.ref_cnt > 0)
+        for block_id, n in holders.items():
+            assert self.pool.blocks[block_id].ref_cnt == n
+            if n > 1:
+                event("shared block")
+                self.num_shared += 1
+                assert self.cfg.enable_prefix_caching, "blocks shared without prefix caching"
+                # A hash chain pins a block to one logical position.
+                assert len(positions[block_id]) == 1, f"block {block_id} at positions {positions[block_id]}"
+
+    def prefix_ids_of(self, r: Request) -> list[int]:
+        """Interned ids of each token prefix of `r`: equal ids <=> equal token prefixes."""
+        ids = self.request_prefix_ids.setdefault(id(r), [])
+        for token in r.all_token_ids[len(ids) :]:
+            key = (ids[-1] if ids else -1, token)
+            ids.append(self.prefix_ids.setdefault(key, len(self.prefix_ids)))
+        return ids
+
+    def check_and_write_kv(self, out: SchedulerOutput, prev_waiting: list[Request]) -> None:
+        """What the model runner would read and write, against the shadow KV.
+
+        A request joining the batch reads its whole computed prefix (its hits); one already
+        running reads what it wrote itself, so its last computed slot is checked as a sample:
+        the writes below are what keep the rest intact.
+        """
+        bs = self.cfg.block_size
+        for x in out.scheduled:
+            r = x.request
+            pids = self.prefix_ids_of(r)
+            first = 0 if r in prev_waiting else max(0, r.num_computed_tokens - 1)
+            for p in range(first, r.num_computed_tokens):
+                slot = (r.block_table[p // bs], p % bs)
+                assert self.shadow.get(slot) == (r.cache_salt, pids[p]), f"{r} reads stale KV at {p}"
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + x.num_new_tokens):
+                block = self.pool.blocks[r.block_table[p // bs]]
+                assert block.ref_cnt == 1, f"{r} writes into shared {block}"
+                assert block.block_hash is None, f"{r} writes into cached {block}"
+                self.shadow[(block.block_id, p % bs)] = (r.cache_salt, pids[p])
+
+    def check_admissions(
+        self, out: SchedulerOutput, prev_waiting: list[Request], stats_before: tuple[int, int]
+    ) -> None:
+        stats = self.kv.prefix_cache_stats
+        admitted = [x.request for x in out.scheduled if x.request in prev_waiting]
+        first = [r for r in admitted if r.num_preemptions == 0]
+        if not self.cfg.enable_prefix_caching:
+            assert all(r.num_computed_tokens == 0 for r in admitted)
+            assert stats == type(stats)()
+            return
+        assert stats.requests - stats_before[0] == len(first)
+        assert stats.preempted_requests - stats_before[1] == len(admitted) - len(first)
+        assert 0 <= stats.hits <= stats.queries
+        for r in admitted:
+            assert r.num_computed_tokens % self.cfg.block_size == 0
+            assert r.num_computed_tokens < r.num_tokens  # at least one token computed for logits
+            if r.num_computed_tokens:
+                event("prefix-cache hit")
+                self.num_hit_tokens += r.num_computed_tokens
+        for r in first:
+            assert r.num_cached_tokens == r.num_computed_tokens
+
+    def follow_events(self) -> None:
+        """Apply the pool's KV events to an external index; it must match the pool."""
+        for record in self.pool.take_events():
+            assert record.seq == self.last_seq + 1
+            self.last_seq = record.seq
+            e = record.event
+            if isinstance(e, BlockStored):
+                assert not self.index & set(e.block_hashes), "stored a hash the pool already held"
+                # A parent is held by the request that stored its child, so only a reset drops it.
+                assert e.parent_block_hash is None or e.parent_block_hash in self.index | self.cleared
+                assert len(e.token_ids) == len(e.block_hashes) * self.cfg.block_size
+                self.index.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                event("evicted")
+                assert set(e.block_hashes) <= self.index
+                self.index.difference_update(e.block_hashes)
+            else:
+                assert isinstance(e, AllBlocksCleared)
+                self.cleared |= self.index
+                self.index.clear()
+        assert self.index == self.pool.cached_block_hashes()
 
     def check_state(self) -> None:
         cfg, s = self.cfg, self.s
@@ -263,7 +410,8 @@ class Harness:
     def check_all_free(self) -> None:
         assert not self.s.running and not self.s.waiting and not self.s.requests
         assert self.pool.num_free_blocks == self.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)  # every block free or cached-unreferenced
+        assert self.kv.num_used_tokens == 0
         assert sorted(self.pool.free_queue.block_ids()) == list(range(self.pool.num_blocks))
         for r in self.submitted:
             assert r.status.finished
@@ -276,6 +424,8 @@ class Harness:
                 self.submit(op)
             elif isinstance(op, StepOp):
                 self.step(op)
+            elif isinstance(op, ResetPrefixCache):
+                self.reset_prefix_cache()
             else:
                 self.abort(op)
         self.drain()
@@ -299,6 +449,7 @@ def configs(draw: st.DrawFn) -> Config:
         max_num_batched_tokens=draw(st.integers(1, 48)),
         max_model_len=max(2, max_model_len),
         special_rate=draw(st.sampled_from([0.0, 0.05, 0.3])),
+        enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
     )
 
 
@@ -313,11 +464,16 @@ def submits_for(cfg: Config) -> st.SearchStrategy[Submit]:
         ignore_eos=st.booleans(),
         stop=st.booleans(),
         reuse_id=st.none() | st.none() | st.integers(0, 50),
+        family=st.integers(0, 1),
+        diverge_at=st.none() | st.none() | st.integers(0, capacity),
+        tail_seed=st.integers(0, 3),
+        salt=st.none() | st.none() | st.sampled_from(["x", "y"]),
     )
 
 
 steps = st.builds(StepOp, seed=st.integers(0, 2**16))
 aborts = st.builds(Abort, index=st.integers(0, 50))
+resets = st.just(ResetPrefixCache())
 
 
 @st.composite
@@ -336,7 +492,8 @@ def scenarios(draw: st.DrawFn) -> tuple[Config, list[Op]]:
                 steps,
                 steps,
                 steps,
-                aborts,  # aborts are rare
+                aborts,  # aborts and resets are rare
+                resets,
             ),
             min_size=6,
             max_size=50,
@@ -359,8 +516,9 @@ def test_random_interleavings_keep_every_invariant(scenario: tuple[Config, list[
     harness.run(ops)
     if harness.s.num_preemptions:
         event("run with preemption")
-    # Steer generation towards the interesting part: runs that preempt.
+    # Steer generation towards the interesting parts: runs that preempt and share blocks.
     target(float(harness.s.num_preemptions), label="preemptions")
+    target(float(min(harness.num_shared, 100)), label="shared blocks")  # capped: bigger only means slower
 
 
 @settings(deadline=None, max_examples=100)

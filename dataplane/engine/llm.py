@@ -18,16 +18,41 @@ Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One generated sequence of a prompt (several with n > 1)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    cumulative_logprob: float | None = None
+    logprobs: list[float] | None = None  # per token, when SamplingParams.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
     num_preemptions: int
     time_to_first_token: float | None
     latency: float
+
+    # The first completion's fields, for the common n == 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -35,7 +60,7 @@ class RequestOutput:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.outputs[0].token_ids)
 
 
 class LLM:
@@ -55,6 +80,8 @@ class LLM:
         kv_cache_memory: int = 2 * 1024**3,
         gpu_memory_utilization: float = 0.90,
         num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_hash_seed: str = "pagedserve",
         num_threads: int | None = None,
         model_home: str | None = None,
     ) -> None:
@@ -65,6 +92,8 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 gpu_memory_utilization=gpu_memory_utilization,
                 num_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+                prefix_hash_seed=prefix_hash_seed,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -73,6 +102,10 @@ class LLM:
             ),
         )
         self.engine = LLMEngine(config, model_home=model_home)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block hash (needed after a weight change); returns how many."""
+        return self.engine.kv_cache.reset_prefix_cache()
 
     @property
     def tokenizer(self) -> Any:
@@ -83,6 +116,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
@@ -99,14 +133,17 @@ class LLM:
         requests: list[Request] = []
         try:
             for ids, p in zip(token_ids, params, strict=True):
-                requests.append(self.engine.add_request(ids, p))
+                requests.append(self.engine.add_request(ids, p, cache_salt=cache_salt))
         except ValueError:
             for r in requests:
                 self.engine.abort_request(r.request_id)
             raise
         start = time.monotonic()
         self._run(requests, use_tqdm)
-        return [self._to_output(r, prompt, start) for r, prompt in zip(requests, batch, strict=True)]
+        outputs = [self._to_output(r, prompt, start) for r, prompt in zip(requests, batch, strict=True)]
+        for r in requests:
+            self.engine.release(r.request_id)
+        return outputs
 
     def chat(
         self,
@@ -163,10 +200,8 @@ class LLM:
         return out
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        pending = {r.request_id for r in requests}
-        bar = tqdm(
-            total=len(requests), desc="generate", unit="req", disable=not use_tqdm or len(requests) < 2
-        )
+        pending = {s.request_id for r in requests for s in self.engine.samples_of(r.request_id)}
+        bar = tqdm(total=len(pending), desc="generate", unit="seq", disable=not use_tqdm or len(pending) < 2)
         try:
             while pending:
                 result = self.engine.step()
@@ -178,22 +213,39 @@ class LLM:
                     # The scheduler refuses what can never fit, so an empty step here is a bug.
                     raise RuntimeError(f"scheduler made no progress with {len(pending)} requests pending")
         except BaseException:
-            for rid in pending:
-                self.engine.abort_request(rid)
+            for r in requests:
+                self.engine.abort_request(r.request_id)
             raise
         finally:
             bar.close()
 
     def _to_output(self, r: Request, prompt: Prompt, start: float) -> RequestOutput:
+        all_samples = self.engine.samples_of(r.request_id)
+        params = r.sampling_params
+        samples = all_samples
+        if params.num_samples > params.n:  # best_of: keep the n most likely samples
+            samples = sorted(all_samples, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[: params.n]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.engine.decode(s.output_token_ids),
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason or "abort",
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
+                top_logprobs=list(s.output_top_logprobs) if params.logprobs else None,
+            )
+            for i, s in enumerate(samples)
+        ]
         ttft = None if r.first_token_time is None else r.first_token_time - max(start, r.arrival_time)
+        last_finish = max((s.finish_time or time.monotonic()) for s in all_samples)
         return RequestOutput(
             request_id=r.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=r.prompt_token_ids,
-            text=self.engine.decode(r.output_token_ids),
-            token_ids=r.output_token_ids,
-            finish_reason=r.finish_reason or "abort",
-            num_preemptions=r.num_preemptions,
+            outputs=completions,
+            num_cached_tokens=r.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in all_samples),
             time_to_first_token=ttft,
-            latency=(r.finish_time or time.monotonic()) - r.arrival_time,
+            latency=last_finish - r.arrival_time,
         )

@@ -17,7 +17,7 @@ from dataplane.models import resolve_model_path
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
 from dataplane.sampling_params import SamplingParams
-from dataplane.scheduler import Request, Scheduler
+from dataplane.scheduler import Request, RequestStatus, Scheduler
 
 log = get_logger(__name__)
 
@@ -64,8 +64,13 @@ class LLMEngine:
             summary=self.budget.describe(self.max_model_len),
         )
         block_size = config.cache.block_size
-        self.pool = BlockPool(self.budget.num_blocks)
-        self.kv_cache = KVCacheManager(self.pool, block_size)
+        self.pool = BlockPool(self.budget.num_blocks, enable_kv_events=config.cache.enable_kv_events)
+        self.kv_cache = KVCacheManager(
+            self.pool,
+            block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            hash_seed=config.cache.prefix_hash_seed,
+        )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_model_len=self.max_model_len,
@@ -76,6 +81,10 @@ class LLMEngine:
             model, self.budget.num_blocks, block_size, kv_dtype, config.model.device, seed=config.model.seed
         )
         self._ids = itertools.count()
+        # Parallel sampling: siblings of a primary request wait here until the primary has
+        # computed the prompt, then join and reuse its cached full blocks (ref counts rise).
+        self._pending_siblings: dict[str, list[Request]] = {}
+        self._samples: dict[str, list[Request]] = {}
 
     # -- set-up helpers ----------------------------------------------------------------------
     def _resolve_max_model_len(self, hf: Any) -> int:
@@ -144,31 +153,65 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate, tokenize and queue one request; raises ValueError naming the bad field."""
+        """Validate, tokenize and queue one request; raises ValueError naming the bad field.
+
+        With `params.n` / `best_of` > 1 the returned request is the first sample; the others
+        (ids `<id>#1`, `<id>#2`, ...) join once it has computed the prompt, sharing its full
+        prompt blocks through the prefix cache. `samples_of(id)` lists all of them.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._samples:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        primary = self._new_request(rid, token_ids, params, cache_salt)
+        self.scheduler.add_request(primary)
+        samples = [primary]
+        for i in range(1, params.num_samples):
+            seed = None if params.seed is None else params.seed + i
+            samples.append(self._new_request(f"{rid}#{i}", token_ids, replace(params, seed=seed), cache_salt))
+        if len(samples) > 1:
+            self._pending_siblings[rid] = samples[1:]
+        self._samples[rid] = samples
+        return primary
+
+    def _new_request(
+        self, rid: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> Request:
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        request = Request(rid, token_ids, params, eos_token_id=eos)
         if len(self.eos_token_ids) > 1 and not params.ignore_eos:
             # Models with several end tokens (chat end + document end) stop on any of them.
             extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
-            if extra:
-                request.sampling_params = replace(params, stop_token_ids=params.stop_token_ids + extra)
-        self.scheduler.add_request(request)
-        return request
+            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return Request(rid, token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
+
+    def samples_of(self, request_id: str) -> list[Request]:
+        """Every sample of a request added with `add_request` (one unless n/best_of > 1)."""
+        return list(self._samples.get(request_id, []))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request group once its outputs have been read (the engine keeps them until then)."""
+        self._samples.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> Request | None:
-        request = self.scheduler.abort(request_id)
-        if request is not None:
-            self.runner.release(request_id)
-        return request
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Abort a request and all its samples, freeing their blocks; returns the primary
+        request, or None when the id is unknown (or already released)."""
+        samples = self._samples.pop(request_id, None)
+        self._pending_siblings.pop(request_id, None)
+        if samples is None:
+            return None
+        for r in samples:
+            if self.scheduler.abort(r.request_id) is None and not r.status.finished:
+                r.status = RequestStatus.FINISHED_ABORTED  # a sibling that never joined
+            self.runner.release(r.request_id)
+        return samples[0]
 
     def step(self) -> StepResult:
         """Schedule, run the model once on the flattened batch, sample, retire finished requests."""
@@ -176,16 +219,35 @@ class LLMEngine:
         if out.is_empty:
             return StepResult({}, [], 0, len(out.preempted))
         sampled = self.runner.execute(out)
-        finished = self.scheduler.update_from_output(out, sampled)
+        for item in out.scheduled:
+            token = sampled.get(item.request.request_id)
+            if token is not None and token.logprob is not None:
+                item.request.output_logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    item.request.output_top_logprobs.append(token.top_logprobs)
+        token_ids = {rid: t.token_id for rid, t in sampled.items()}
+        finished = self.scheduler.update_from_output(out, token_ids)
+        self._admit_siblings()
         now = time.monotonic()
         for request in finished:
             request.finish_time = now
             self.runner.release(request.request_id)
-        if finished and not self.scheduler.has_unfinished():
+        if finished and not self.has_unfinished_requests():
             # Idle is the one moment every block must be free: verify it (O(num_blocks)).
             self.check_integrity()
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
-        return StepResult(sampled, finished, out.num_batched_tokens, len(out.preempted))
+        return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted))
+
+    def _admit_siblings(self) -> None:
+        for rid, siblings in list(self._pending_siblings.items()):
+            primary = self._samples[rid][0]
+            if primary.num_output_tokens or primary.status.finished:
+                del self._pending_siblings[rid]
+                for sibling in siblings:
+                    self.scheduler.add_request(sibling)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_siblings)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

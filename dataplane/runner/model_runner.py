@@ -9,7 +9,7 @@ import torch
 
 from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
-from dataplane.runner.sampler import sample
+from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata
 
@@ -57,7 +57,7 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Compute the scheduled tokens of every request; return the sampled token per request
         whose computed tokens reach its total this step."""
         input_ids: list[int] = []
@@ -92,5 +92,10 @@ class ModelRunner:
             None if p.greedy else self._generator_for(s.request.request_id, p.seed)
             for s, p in zip(sampling, params, strict=True)
         ]
-        tokens = sample(logits, params, generators)
+        no_history: tuple[list[int], list[int]] = ([], [])
+        histories = [
+            (s.request.prompt_token_ids, s.request.output_token_ids) if p.has_penalties else no_history
+            for s, p in zip(sampling, params, strict=True)
+        ]
+        tokens = sample(logits, params, generators, histories)
         return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}

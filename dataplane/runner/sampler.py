@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from dataplane.sampling_params import SamplingParams
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # under the model's raw distribution, when asked for
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties on one row [V]."""
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        picked = logits[seen]
+        picked = torch.where(
+            picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+        )
+        logits[seen] = picked
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)[:vocab]
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -34,18 +64,41 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+) -> list[SampledToken]:
     """One token per row. Greedy rows take the argmax; the others draw with their own generator,
-    so a seeded request gets the same tokens whatever else shares its batch."""
+    so a seeded request gets the same tokens whatever else shares its batch.
+
+    `histories[i]` = (prompt ids, output ids) of row i; needed only for rows with penalties.
+    """
     # logits: [N, vocab]
-    greedy_tokens = logits.argmax(dim=-1).tolist()
+    raw = logits
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        if histories is None:
+            raise ValueError("penalties need the token histories")
+        logits = logits.clone()
+        for i in penalised:
+            logits[i] = apply_penalties(logits[i], params[i], *histories[i])
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled_rows:
-        return list(greedy_tokens)
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    probs = _filtered_probs(logits.index_select(0, rows).float(), [params[i] for i in sampled_rows])
-    tokens = list(greedy_tokens)
-    for j, i in enumerate(sampled_rows):
-        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
-    return tokens
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits.index_select(0, rows).float(), [params[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    out = [SampledToken(t) for t in tokens]
+    logprob_rows = [i for i, p in enumerate(params) if p.needs_logprobs]
+    if logprob_rows:
+        rows = torch.tensor(logprob_rows, device=logits.device)
+        logprobs = raw.index_select(0, rows).float().log_softmax(dim=-1)  # [M, V]
+        for j, i in enumerate(logprob_rows):
+            out[i].logprob = float(logprobs[j, tokens[i]])
+            k = params[i].logprobs
+            if k:
+                values, ids = logprobs[j].topk(k)
+                out[i].top_logprobs = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return out

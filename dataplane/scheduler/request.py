@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from dataplane.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dataplane.kvcache.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +34,11 @@ class Request:
     The scheduler advances `num_computed_tokens` towards `num_tokens` (prompt plus generated
     tokens): a prefill, a chunk of one, a decode step or a recompute after preemption are all
     the same operation. `block_table` is append-only while the request holds its blocks.
+
+    `cache_salt` isolates prefix-cache sharing: requests with different salts (or one with
+    a salt and one without) never share a block. `num_cached_tokens` is how many prompt
+    tokens the prefix cache served at first admission; `block_hashes` are the chained
+    hashes of its full blocks, filled in by the KV cache manager.
     """
 
     def __init__(
@@ -39,9 +48,12 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -50,8 +62,14 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.cache_salt = cache_salt
+        self.block_hashes: list[BlockHash] = []
+        self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # Filled by the engine when the sampling params ask for logprobs (or best_of ranking).
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -70,6 +88,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(self.output_logprobs) if self.output_logprobs else None
 
     @property
     def finish_reason(self) -> str | None:

@@ -6,11 +6,15 @@ preemption are the same operation. Running requests go first (oldest first); wai
 ones join, first come first served, while blocks, the budget and `max_num_seqs` allow.
 When a running request cannot get a block, the most recently admitted running request
 is preempted by recompute: its blocks are freed and it waits at the head of the queue.
+
+A request joining the batch (new, or resumed after preemption) first takes the cached
+blocks that start its tokens and computes only the rest; the blocks each step fills are
+cached when the step's output comes back, once their KV is written.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dataplane.kvcache import KVCacheManager
@@ -103,8 +107,9 @@ class Scheduler:
         # Admitting right after a preemption would only evict someone again next step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_new) is None:
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new, new_computed_blocks=hit_blocks) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -133,6 +138,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -188,10 +194,13 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
-        held = sum(len(r.block_table) for r in self.running) + sum(len(r.block_table) for r in self.waiting)
-        assert held == self.kv_cache.pool.num_used_blocks, (
-            f"requests hold {held} blocks but the pool has {self.kv_cache.pool.num_used_blocks} in use"
+        pool = self.kv_cache.pool
+        holders = Counter(b for r in [*self.running, *self.waiting] for b in r.block_table)
+        assert len(holders) == pool.num_used_blocks, (
+            f"requests hold {len(holders)} blocks but the pool has {pool.num_used_blocks} in use"
         )
+        for block_id, n in holders.items():
+            assert pool.blocks[block_id].ref_cnt == n, f"{pool.blocks[block_id]} is in {n} block tables"
         for r in self.waiting:
             assert not r.block_table and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
         assert len(self.running) <= self.max_num_seqs
