@@ -1,20 +1,28 @@
 """CPU microbenchmark of the paged KV ops at SmolLM2 shapes (one layer call each).
 
-    .venv/bin/python benchmarks/paged_attention_cpu.py [--threads 2] [--repeats 30]
+    .venv/bin/python benchmarks/paged_attention_cpu.py [--threads 2] [--repeats 30] [--cold-build]
 
 Decode: 64 sequences, context lengths uniform in [50, 400], one new token each (and 16
 sequences of 1000-4000 tokens).
 Prefill: 4 fresh sequences of 300 tokens; chunked prefill: 4 sequences with 200 cached
-tokens and 100 new ones. Each paged figure is compared with SDPA on K/V that are already
-contiguous and padded (the "no paging" bound: no gather, no block tables). Timings are
-medians (and minima) over interleaved repeats, since the machine may be shared.
+tokens and 100 new ones. paged_attention runs with impl="cpp" (the C++ decode kernel;
+fp32 only) and impl="torch" (gathers + SDPA); prefill takes SDPA either way. Each is
+compared with SDPA on K/V that are already contiguous and padded (the "no paging" bound:
+no gather, no block tables). Timings are medians (and minima) over interleaved repeats,
+since the machine may be shared.
+
+The C++ extension is built (or found in torch's extension cache) first and its load time
+printed; --cold-build builds it from scratch in a fresh temporary extension directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -22,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
+from kernels.attention import AttentionImpl
+from kernels.cpu_ext import load_cpu_kernels
 from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -88,8 +98,14 @@ class Case:
     def write(self) -> None:
         write_kv_cache(self.key, self.value, self.key_cache, self.value_cache, self.meta.slot_mapping)
 
-    def attend(self) -> torch.Tensor:
-        return paged_attention(self.query, self.key_cache, self.value_cache, self.meta, self.scale)
+    def build_with_groups(self) -> AttentionMetadata:
+        # The torch path's decode groups are built on first use, once per step.
+        meta = self.build()
+        _ = meta.decode_groups
+        return meta
+
+    def attend(self, impl: AttentionImpl) -> torch.Tensor:
+        return paged_attention(self.query, self.key_cache, self.value_cache, self.meta, self.scale, impl=impl)
 
     def dense(self) -> torch.Tensor:
         if self.fresh:
@@ -130,11 +146,27 @@ def main() -> None:
     parser.add_argument("--group-seqs", type=int, default=DECODE_GROUP_MAX_SEQS)
     parser.add_argument("--group-min-seqs", type=int, default=None, help="default: the thread count")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cold-build", action="store_true", help="build the C++ extension from scratch in a temp dir"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dtype = getattr(torch, args.dtype)
+
+    if args.cold_build:
+        # torch's cpp_extension reads this when it builds; a fresh directory means no cache.
+        os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="pagedserve_ext_")
+    t0 = time.perf_counter()
+    kernels = load_cpu_kernels(strict=True, verbose=args.cold_build)
+    build_s = time.perf_counter() - t0
+    assert kernels is not None
+    print(
+        f"C++ extension {'cold build' if args.cold_build else 'load (cached build, if any)'}: "
+        f"{build_s:.2f} s, cflags {' '.join(kernels.cflags)}"
+    )
+    impls: list[AttentionImpl] = ["cpp", "torch"] if dtype == torch.float32 else ["torch"]
 
     grouping = (args.group_tokens, args.group_seqs, args.group_min_seqs)
     cases = {
@@ -153,15 +185,16 @@ def main() -> None:
         f">= {args.group_min_seqs or min(args.group_seqs, args.threads)} seqs"
     )
     for name, case in cases.items():
-        res = measure(
-            {
-                "build_attention_metadata (once per step)": case.build,
-                "write_kv_cache": case.write,
-                "paged_attention": case.attend,
-                "SDPA, contiguous padded K/V (bound)": case.dense,
-            },
-            args.repeats,
-        )
+        # Host-side metadata work is timed apart from the attention calls: right after one of
+        # those (tens of MB through the caches) the same build measures ~3x slower.
+        host: dict[str, Callable[[], object]] = {"build_attention_metadata (once per step)": case.build}
+        if case.meta.num_decode_tokens:
+            host["  with the torch path's decode groups"] = case.build_with_groups
+        fns: dict[str, Callable[[], object]] = {"write_kv_cache": case.write}
+        for impl in impls:
+            fns[f"paged_attention impl={impl}"] = functools.partial(case.attend, impl)
+        fns["SDPA, contiguous padded K/V (bound)"] = case.dense
+        res = measure(host, args.repeats) | measure(fns, args.repeats)
         extra = f", {len(case.meta.decode_groups)} decode groups" if case.meta.decode_groups else ""
         print(f"\n{name} (T={case.meta.num_tokens}{extra})")
         for label, (med, mn) in res.items():

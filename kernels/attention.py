@@ -1,19 +1,29 @@
-"""Paged attention over a flattened varlen batch (torch implementation, the CPU default).
+"""Paged attention over a flattened varlen batch.
 
-Decode queries are attended in length-sorted groups: each group gathers its sequences'
-K/V blocks with one index_select per tensor (whole blocks are contiguous in the cache, so
-this is a memcpy per block) and runs one batched SDPA with a key-length mask. Prefill
-chunks run one SDPA per sequence with the right causal alignment. SDPA's CPU flash kernel
-accepts the strided K/V views directly and handles GQA without repeating KV heads.
+Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
+(kernels/cpu/paged_attention.cpp, built on first use by kernels.cpu_ext), which reads K/V
+straight from the paged cache. Otherwise they take the torch path: length-sorted groups,
+each gathering its sequences' K/V blocks with one index_select per tensor (whole blocks are
+contiguous in the cache, so this is a memcpy per block) and running one batched SDPA with a
+key-length mask. Prefill chunks always run one SDPA per sequence with the right causal
+alignment. SDPA's CPU flash kernel accepts the strided K/V views directly and handles GQA
+without repeating KV heads.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cache_ops import check_kv_caches
+from kernels.cpu_ext import CpuKernels, load_cpu_kernels
 from kernels.metadata import AttentionMetadata
+
+# "auto": the C++ decode kernel where it applies (CPU, fp32) and builds, else torch;
+# "cpp": the C++ kernel or an error; "torch": the torch path only.
+AttentionImpl = Literal["auto", "cpp", "torch"]
 
 
 def _check_inputs(
@@ -40,18 +50,40 @@ def _check_inputs(
         raise ValueError(f"metadata is on {meta.slot_mapping.device} but the cache is on {key_cache.device}")
 
 
+def _decode_kernels(query: torch.Tensor, meta: AttentionMetadata, impl: AttentionImpl) -> CpuKernels | None:
+    """The C++ kernels if this call's decode tokens should use them, else None (torch path)."""
+    if impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    supported = query.device.type == "cpu" and query.dtype == torch.float32
+    if impl == "cpp" and not supported:
+        raise ValueError(
+            f"impl='cpp' needs a float32 CPU query, got {query.dtype} on {query.device}; use 'auto'"
+        )
+    if impl == "torch" or not supported or meta.num_decode_tokens == 0:
+        return None
+    return load_cpu_kernels(strict=impl == "cpp")
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    impl: AttentionImpl = "auto",
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context.
 
     query: [T, H, D] (any strides); key_cache, value_cache: [num_blocks, block_size, KVH, D]
     already holding this step's new tokens (write_kv_cache first). H = KVH * group, query head
     h reads kv head h // group. Returns a new contiguous [T, H, D] in the query dtype.
+
+    impl chooses the decode path: "auto" (default) uses the C++ CPU kernel for fp32 CPU
+    queries, building it on the first such call (seconds, once per machine; see
+    kernels.cpu_ext) and falling back to torch if it cannot be built; "cpp" insists on it
+    (ValueError for other dtypes/devices, RuntimeError if it cannot be built); "torch" never
+    uses it. Prefill tokens always take the torch (SDPA) path.
     """
     _check_inputs(query, key_cache, value_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
@@ -61,11 +93,28 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)
     # out_grouped: [T, KVH, group, D], a view of out in the per-kv-head layout
     out_grouped = out.view(num_tokens, num_kv_heads, group, head_dim)
+
+    kernels = _decode_kernels(query, meta, impl)
+    if kernels is not None:
+        # The kernel reads any [T, H, D] strides but needs head_dim contiguous.
+        q = query if query.stride(2) == 1 else query.contiguous()
+        kernels.paged_decode_attention(
+            out,
+            q,
+            key_cache,
+            value_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.decode_token_rows,
+            scale,
+        )
+        if not meta.prefills:
+            return out
     # Gathers go into step-wide scratch buffers; each group's attention finishes with its
     # slice before the next group overwrites it (ops on one device run in order).
-    k_buf, v_buf = meta.gather_workspace(key_cache)
+    k_buf, v_buf = meta.gather_workspace(key_cache, meta.max_prefill_blocks if kernels else None)
 
-    for g in meta.decode_groups:
+    for g in meta.decode_groups if kernels is None else ():
         n, max_len = g.num_seqs, g.max_blocks * block_size
         # One query token per sequence, so the `group` query heads sharing a kv head are
         # folded into SDPA's query-length axis: one [group, D] x [D, L] product per kv head

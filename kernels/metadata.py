@@ -71,11 +71,29 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
+class _DecodeGroupSpec:
+    """What building the torch path's decode groups needs, kept until they are first used."""
+
+    seqs: npt.NDArray[np.int64]
+    seq_lens: npt.NDArray[np.int64]
+    token_rows: npt.NDArray[np.int64]
+    table: npt.NDArray[np.int64]
+    max_group_tokens: int
+    max_group_seqs: int
+    min_group_seqs: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What the paged KV ops need for one step of a flattened varlen batch.
 
     T tokens from S sequences; sequence s owns rows query_start_loc[s]:query_start_loc[s+1]
     of the batch, which are the last query_lens[s] tokens of its seq_lens[s]-token context.
+
+    Decode sequences (one new token) are described twice: flat per-sequence tensors for the
+    C++ CPU kernel (decode_block_tables, decode_seq_lens, decode_token_rows; a few small
+    numpy ops) and length-sorted padded groups for the torch path (decode_groups), which
+    cost more host work and are only built when first read.
     """
 
     num_tokens: int
@@ -91,31 +109,68 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     # block_tables: [S, max_blocks_per_seq] int32, rows padded with 0
     block_tables: torch.Tensor
-    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSeq, ...]
     num_decode_tokens: int
-    # Most blocks any single decode group or prefill sequence gathers: the size of the
-    # gather workspace.
-    max_gather_blocks: int
-    # Scratch buffers reused by every layer of the step (see gather_workspace); not part of
-    # the metadata's value.
+    # The decode sequences for the C++ kernel, longest first (the kernel hands out work in
+    # this order, so long sequences start early and short ones fill in at the end):
+    # decode_block_tables: [S_dec, max_decode_blocks] int32, rows padded with 0;
+    # decode_seq_lens: [S_dec] int32; decode_token_rows: [S_dec] int64, the query row of each.
+    decode_block_tables: torch.Tensor = field(repr=False)
+    decode_seq_lens: torch.Tensor = field(repr=False)
+    decode_token_rows: torch.Tensor = field(repr=False)
+    # Most blocks any single prefill sequence gathers.
+    max_prefill_blocks: int
+    _decode_group_spec: _DecodeGroupSpec = field(repr=False, compare=False)
+    # Lazily built decode groups and scratch buffers reused by every layer of the step (see
+    # gather_workspace); not part of the metadata's value.
+    _groups: dict[str, tuple[DecodeGroup, ...]] = field(default_factory=dict, repr=False, compare=False)
     _workspace: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
-    def gather_workspace(self, key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V gather buffers, each [max_gather_blocks, block_size, KVH, D], made once per step.
+    @property
+    def decode_groups(self) -> tuple[DecodeGroup, ...]:
+        """The torch path's decode groups, built on first use and kept for the step's other layers."""
+        groups = self._groups.get("decode")
+        if groups is None:
+            spec = self._decode_group_spec
+            groups = _decode_groups(
+                spec.seqs,
+                spec.seq_lens,
+                spec.token_rows,
+                spec.table,
+                self.block_size,
+                self.slot_mapping.device,
+                spec.max_group_tokens,
+                spec.max_group_seqs,
+                spec.min_group_seqs,
+            )
+            self._groups["decode"] = groups
+        return groups
 
-        Fresh multi-megabyte tensors per gather cost more than the gather itself on CPU (the
+    @property
+    def max_gather_blocks(self) -> int:
+        """Most blocks any single decode group or prefill sequence of the torch path gathers."""
+        return max([g.num_seqs * g.max_blocks for g in self.decode_groups] + [self.max_prefill_blocks])
+
+    def gather_workspace(
+        self, key_cache: torch.Tensor, num_blocks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers, each [>= num_blocks, block_size, KVH, D], made once per step.
+
+        num_blocks defaults to max_gather_blocks (what the torch path's decode groups and
+        prefills need); the C++ decode path asks for max_prefill_blocks only. Fresh
+        multi-megabyte tensors per gather cost more than the gather itself on CPU (the
         allocator maps new pages and the kernel zero-fills them), so the groups of a layer
         and all layers of the step share these. Hence one metadata object must not serve
         two paged_attention calls concurrently.
         """
+        needed = self.max_gather_blocks if num_blocks is None else num_blocks
         # Buffers made under inference_mode cannot be written outside it, hence the mode in the key.
         key = (key_cache.dtype, key_cache.device, torch.is_inference_mode_enabled(), *key_cache.shape[1:])
         buffers = self._workspace.get(key)
-        if buffers is None:
-            shape = (self.max_gather_blocks, *key_cache.shape[1:])
+        if buffers is None or buffers[0].shape[0] < needed:
+            shape = (needed, *key_cache.shape[1:])
             buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
             self._workspace[key] = buffers
         return buffers
@@ -244,19 +299,21 @@ def build_attention_metadata(
         raise ValueError("slot_mapping has duplicate slots: two new tokens map to the same cache slot")
 
     is_decode = q_lens == 1
-    decode_groups = _decode_groups(
-        np.flatnonzero(is_decode),
-        s_lens,
-        query_start[:-1],
-        table,
-        block_size,
-        device,
-        decode_group_max_tokens,
-        decode_group_max_seqs,
-        min(decode_group_max_seqs, torch.get_num_threads())
+    decode_seqs = np.flatnonzero(is_decode)
+    group_spec = _DecodeGroupSpec(
+        seqs=decode_seqs,
+        seq_lens=s_lens,
+        token_rows=query_start[:-1],
+        table=table,
+        max_group_tokens=decode_group_max_tokens,
+        max_group_seqs=decode_group_max_seqs,
+        min_group_seqs=min(decode_group_max_seqs, torch.get_num_threads())
         if decode_group_min_seqs is None
         else decode_group_min_seqs,
     )
+    # Longest first; stable, so equal lengths keep batch order.
+    decode_order = decode_seqs[np.argsort(-s_lens[decode_seqs], kind="stable")]
+    decode_width = int(needed[decode_order].max()) if decode_order.size else 0
     prefills: list[PrefillSeq] = []
     for s in np.flatnonzero(~is_decode).tolist():
         q_len, s_len = int(q_lens[s]), int(s_lens[s])
@@ -286,11 +343,13 @@ def build_attention_metadata(
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
-        decode_groups=decode_groups,
         prefills=tuple(prefills),
-        num_decode_tokens=int(is_decode.sum()),
-        max_gather_blocks=max(
-            [g.num_seqs * g.max_blocks for g in decode_groups] + [p.block_ids.shape[0] for p in prefills],
-            default=0,
-        ),
+        num_decode_tokens=int(decode_seqs.size),
+        decode_block_tables=torch.from_numpy(
+            np.ascontiguousarray(table[decode_order, :decode_width], dtype=np.int32)
+        ).to(device),
+        decode_seq_lens=torch.from_numpy(s_lens[decode_order].astype(np.int32)).to(device),
+        decode_token_rows=torch.from_numpy(query_start[decode_order]).to(device),
+        max_prefill_blocks=max((p.block_ids.shape[0] for p in prefills), default=0),
+        _decode_group_spec=group_spec,
     )

@@ -12,6 +12,7 @@ from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata
+from kernels.cpu_ext import load_cpu_kernels
 
 
 class ModelRunner:
@@ -27,6 +28,8 @@ class ModelRunner:
         if onednn_linear_available(model.dtype, self.device):
             pack_linears(model)
             self.lm_head = model.get_output_embeddings()
+            # Build (or load the cached build of) the C++ decode kernel now, not in the first step.
+            load_cpu_kernels()
         self.block_size = block_size
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers

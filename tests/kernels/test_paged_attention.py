@@ -1,4 +1,8 @@
-"""Paged KV ops against the dense float64 reference (kernels.reference)."""
+"""Paged KV ops against the dense float64 reference (kernels.reference).
+
+fp32 decode tests run both decode implementations: impl="torch" (gathers + SDPA) and
+impl="cpp" (the C++ kernel, which must build here: no skip). See also test_cpu_kernels.py.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from kernels import (
     paged_attention,
     write_kv_cache,
 )
+from kernels.attention import AttentionImpl
 from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 from kernels.reference import dense_causal_attention_reference
 
@@ -123,9 +128,13 @@ def make_batch(
     )
 
 
-def max_error(batch: Batch, query: torch.Tensor | None = None) -> float:
+# Both decode paths, for fp32 tests.
+IMPLS: list[AttentionImpl] = ["torch", "cpp"]
+
+
+def max_error(batch: Batch, query: torch.Tensor | None = None, impl: AttentionImpl = "auto") -> float:
     q = batch.query if query is None else query
-    out = paged_attention(q, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    out = paged_attention(q, batch.key_cache, batch.value_cache, batch.meta, batch.scale, impl=impl)
     assert out.shape == batch.query.shape
     assert out.dtype == batch.query.dtype
     ref = dense_causal_attention_reference(
@@ -146,11 +155,12 @@ MIXED_QUERY_LENS = [1, 7, 1, 1, 5, 1, 9, 1]
 MIXED_SEQ_LENS = [37, 7, 64, 1, 23, 100, 41, 18]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (2, 3), (1, 8)])
 def test_mixed_batch_matches_reference_fp32(
-    num_kv_heads: int, group: int, block_size: int, head_dim: int
+    num_kv_heads: int, group: int, block_size: int, head_dim: int, impl: AttentionImpl
 ) -> None:
     batch = make_batch(
         MIXED_QUERY_LENS,
@@ -161,7 +171,7 @@ def test_mixed_batch_matches_reference_fp32(
         head_dim=head_dim,
     )
     assert batch.meta.num_decode_tokens == 5 and len(batch.meta.prefills) == 3
-    assert max_error(batch) < FP32_ATOL
+    assert max_error(batch, impl=impl) < FP32_ATOL
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, BF16_ATOL), (torch.float16, FP16_ATOL)])
@@ -206,27 +216,36 @@ def test_many_decode_groups() -> None:
         member_lens = [seq_lens[row] for row in g.token_indices.tolist()]
         assert g.key_mask.sum(dim=-1).flatten().tolist() == member_lens
         assert g.max_blocks == (max(member_lens) + 15) // 16
-    assert max_error(batch) < FP32_ATOL
+    assert max_error(batch, impl="torch") < FP32_ATOL
 
 
-def test_long_chunked_prefill_and_decode() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_chunked_prefill_and_decode(impl: AttentionImpl) -> None:
     # A 3rd chunk of a long prompt next to decodes longer than one group's token budget.
     batch = make_batch(
         [64, 1, 1], [300, 513, 47], block_size=16, num_kv_heads=2, group=4, head_dim=64, seed=3
     )
-    assert max_error(batch) < FP32_ATOL
+    assert max_error(batch, impl=impl) < FP32_ATOL
 
 
-def test_strided_query_like_the_transformers_hook() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_query_like_the_transformers_hook(impl: AttentionImpl) -> None:
     # The attention hook passes query[0].transpose(0, 1) of a [1, H, T, D] tensor.
     batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, block_size=16, num_kv_heads=3, group=3, head_dim=64)
     strided = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided.is_contiguous()
-    assert max_error(batch, strided) < FP32_ATOL
+    assert max_error(batch, strided, impl=impl) < FP32_ATOL
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, FP32_ATOL), (torch.bfloat16, BF16_ATOL)])
-def test_stale_nonfinite_slots_do_not_leak(dtype: torch.dtype, atol: float) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "atol", "impl"),
+    [
+        (torch.float32, FP32_ATOL, "torch"),
+        (torch.float32, FP32_ATOL, "cpp"),
+        (torch.bfloat16, BF16_ATOL, "torch"),
+    ],
+)
+def test_stale_nonfinite_slots_do_not_leak(dtype: torch.dtype, atol: float, impl: AttentionImpl) -> None:
     # Every slot outside the sequences' contexts (tails of last blocks, spare blocks that pad
     # decode groups) holds NaN/inf; the kernel must never let them into a result.
     batch = make_batch(
@@ -240,7 +259,7 @@ def test_stale_nonfinite_slots_do_not_leak(dtype: torch.dtype, atol: float) -> N
         nonfinite_garbage=True,
     )
     assert any(g.pad_rows is not None for g in batch.meta.decode_groups)
-    assert max_error(batch) < atol
+    assert max_error(batch, impl=impl) < atol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -252,14 +271,21 @@ def test_uses_fused_sdpa_kernel(dtype: torch.dtype) -> None:
         MIXED_QUERY_LENS, MIXED_SEQ_LENS, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype
     )
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+        paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, impl="torch"
+        )
+        if dtype == torch.float32:
+            paged_attention(
+                batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, impl="cpp"
+            )
 
 
-def test_empty_batch() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch(impl: AttentionImpl) -> None:
     meta = build_attention_metadata([], [], [], 16, "cpu")
     cache = torch.zeros(4, 16, 2, 8)
     write_kv_cache(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), cache, cache.clone(), meta.slot_mapping)
-    out = paged_attention(torch.zeros(0, 4, 8), cache, cache.clone(), meta, 1.0)
+    out = paged_attention(torch.zeros(0, 4, 8), cache, cache.clone(), meta, 1.0, impl=impl)
     assert out.shape == (0, 4, 8)
 
 
@@ -298,7 +324,8 @@ def test_random_batches_match_reference(
         decode_group_max_seqs=grouping[1],
         decode_group_min_seqs=grouping[2],
     )
-    assert max_error(batch) < FP32_ATOL
+    for impl in IMPLS:
+        assert max_error(batch, impl=impl) < FP32_ATOL
 
 
 # ---- metadata -------------------------------------------------------------------------
@@ -315,6 +342,11 @@ def test_slot_mapping_and_layout() -> None:
     assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 0], [1, 0, 9]]
     assert (meta.num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len) == (6, 3, 3, 6)
     assert meta.num_decode_tokens == 1
+    # The C++ decode kernel's view: just sequence 0, whose query is row 0.
+    assert meta.decode_block_tables.tolist() == [[7, 2]]
+    assert meta.decode_block_tables.dtype == torch.int32
+    assert meta.decode_seq_lens.tolist() == [5] and meta.decode_seq_lens.dtype == torch.int32
+    assert meta.decode_token_rows.tolist() == [0] and meta.decode_token_rows.dtype == torch.int64
     assert [(p.token_start, p.token_end, p.seq_len) for p in meta.prefills] == [(1, 4, 3), (4, 6, 6)]
     assert meta.prefills[0].causal_mask is None  # fresh prompt: plain is_causal
     mask = meta.prefills[1].causal_mask

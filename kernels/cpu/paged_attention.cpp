@@ -1,0 +1,478 @@
+// CPU decode paged attention: one query token per sequence, K/V read in place from the
+// paged cache (no gather copy), fp32.
+//
+// Op: pagedserve_cpu::paged_decode_attention(out, query, key_cache, value_cache,
+//     block_tables, seq_lens, token_rows, scale) -> ()
+//   out, query:   [T, H, D] float32, head_dim contiguous (out is written in place, only at
+//                 the rows token_rows names)
+//   key_cache, value_cache: [num_blocks, block_size, KVH, D] float32, contiguous
+//   block_tables: [S, max_blocks] int32, contiguous; seq_lens: [S] int32; token_rows: [S] int64
+//
+// Work item = (sequence, kv head). The G = H / KVH query heads sharing a kv head are done
+// together, so every K and V row is loaded once for all of them. Softmax is two-pass in
+// fp32: scores for the whole context (G x seq_len floats, in L1/L2), then exp and the
+// P @ V pass. Work items are handed out dynamically from an atomic counter inside one
+// parallel_for over torch's own intra-op threads (no second thread pool); items come in
+// the order given, so the caller passes sequences longest first. Slots past a sequence's
+// length are never read, so whatever stale values (NaN, inf) they hold cannot leak in.
+//
+// Build time matters (it is JIT-built on first use, and from scratch in CI), and it is
+// dominated by parsing torch headers. This file uses only the stable ABI (torch >= 2.10):
+// those headers parse in ~1 s where <torch/library.h> + ATen take ~5 s (<torch/extension.h>
+// more still), and the library keeps loading across torch versions.
+// torch::stable::parallel_for is at::parallel_for inside libtorch, so the kernel runs on
+// torch's intra-op threads and the extension needs no -fopenmp (and links no libgomp).
+#define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 10) << 48))
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Explicit portable SIMD through GCC/Clang vector extensions: 16 floats, which the compiler
+// maps onto one AVX-512 register, two AVX2 / NEON-pair registers or four SSE ones, whatever
+// -march allows. Plain loops left this to the auto-vectoriser, which kept the accumulators
+// on the stack and reduced scalar by scalar (measured ~2x slower).
+#if !(defined(__GNUC__) || defined(__clang__))
+#error "paged_attention.cpp needs GCC or Clang vector extensions"
+#endif
+constexpr int kW = 16;
+typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kW * sizeof(int32_t))));
+typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline float hsum(vfloat v) {
+#if defined(__clang__) || __GNUC__ >= 12
+  const vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float sum = 0.0f;
+  for (int l = 0; l < kW; ++l) sum += v[l];
+  return sum;
+#endif
+}
+
+inline float hmax(vfloat v) {
+  float m = v[0];
+  for (int l = 1; l < kW; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// exp(x) for x <= 0 (a score minus its row max), branch-free on whole vectors:
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes expf
+// coefficients, ~1 ulp), 2^n built in the exponent bits. Inputs below -87 give ~1e-38
+// instead of a denormal or 0, which cannot matter next to the row max's exp(0) = 1.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits
+  // are then that integer (two's complement), and subtracting the constant gives it as a float.
+  const vfloat magic = splat(12582912.0f);
+  const vfloat shifted = x * 1.44269504088896341f + magic;
+  const vfloat n = shifted - magic;
+  vfloat r = x - n * 0.693359375f;  // ln2 split in two so n * ln2 is exact enough
+  r = r - n * -2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vint bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  const vint magic_bits = vint{} + 0x4b400000;  // bit pattern of 12582912.0f
+  const vint scale_bits = (bits - magic_bits + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return p * scale;
+}
+
+// Blocks are scattered through the cache, so the hardware prefetchers cannot run ahead of
+// a sequence; the kernel prefetches the rows it will read about kPrefetchTokens positions
+// later itself. Into L2 (locality 1), not L1: prefetcht0 of a whole block stalled on
+// fill buffers and gained ~7%, L2 prefetch ~40% (64 x 50-400, 1 thread).
+constexpr int64_t kPrefetchTokens = 32;
+
+// always_inline: GCC's IPA treats a function whose only effect is a prefetch as const and
+// deletes calls to it that are not inlined early (it did, through a lambda: no prefetch left).
+__attribute__((always_inline)) inline void prefetch_rows(const float* rows, int64_t n, int64_t row_stride,
+                                                         int64_t row_len) {
+  for (int64_t o = 0; o < n; ++o) {
+    const char* r = reinterpret_cast<const char*>(rows + o * row_stride);
+    for (int64_t byte = 0; byte < row_len * static_cast<int64_t>(sizeof(float)); byte += 64) {
+      __builtin_prefetch(r + byte, 0, 1);
+    }
+  }
+}
+
+struct Problem {
+  float* out;
+  const float* query;
+  const float* key_cache;
+  const float* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int64_t* token_rows;
+  int64_t out_stride_t, out_stride_h;
+  int64_t q_stride_t, q_stride_h;
+  int64_t max_blocks;
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t group;
+  int64_t head_dim;
+  int64_t max_seq_len;
+  float scale;
+};
+
+// Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D] and
+// 1 / softmax denominators [G], where
+// Lpad = max_seq_len rounded up to kW so the softmax loops run on whole vectors.
+struct Scratch {
+  int64_t score_stride;
+  std::vector<float> q, scores, acc, inv;
+  explicit Scratch(const Problem& p)
+      : score_stride((p.max_seq_len + kW - 1) / kW * kW),
+        q(p.group * p.head_dim),
+        scores(p.group * score_stride),
+        acc(p.group * p.head_dim),
+        inv(p.group) {}
+};
+
+// Head-dim specialisations: NV = D / kW vectors per row, so a query or accumulator row
+// lives in NV registers. NV == 0 is the generic runtime-D path.
+template <int NV>
+struct Row {
+  static float dot(const float* a, const float* b, int64_t) {
+    vfloat acc = load(a) * load(b);
+    for (int c = 1; c < NV; ++c) acc += load(a + c * kW) * load(b + c * kW);
+    return hsum(acc);
+  }
+  // out[0:4] = a . b_k for the 4 rows b_k = b + k * stride. The four 16-lane partial sums
+  // are reduced together (transpose-and-add), 3x fewer shuffles than reducing each alone.
+  static void dot4(const float* a, const float* b, int64_t stride, float* out, int64_t) {
+    vfloat p0 = load(a) * load(b);
+    vfloat p1 = load(a) * load(b + stride);
+    vfloat p2 = load(a) * load(b + 2 * stride);
+    vfloat p3 = load(a) * load(b + 3 * stride);
+    for (int c = 1; c < NV; ++c) {
+      const vfloat ac = load(a + c * kW);
+      p0 += ac * load(b + c * kW);
+      p1 += ac * load(b + stride + c * kW);
+      p2 += ac * load(b + 2 * stride + c * kW);
+      p3 += ac * load(b + 3 * stride + c * kW);
+    }
+#if defined(__clang__) || __GNUC__ >= 12
+    // [p0 half sums (8 lanes) | p1 half sums (8 lanes)], and the same for p2, p3
+    const vfloat q01 = __builtin_shufflevector(p0, p1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                       __builtin_shufflevector(p0, p1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vfloat q23 = __builtin_shufflevector(p2, p3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                       __builtin_shufflevector(p2, p3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    // 4 lanes per row: [p0 | p1 | p2 | p3]
+    const vfloat r = __builtin_shufflevector(q01, q23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                     __builtin_shufflevector(q01, q23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vfloat4 sums = (__builtin_shufflevector(r, r, 0, 4, 8, 12) + __builtin_shufflevector(r, r, 1, 5, 9, 13)) +
+                         (__builtin_shufflevector(r, r, 2, 6, 10, 14) + __builtin_shufflevector(r, r, 3, 7, 11, 15));
+    std::memcpy(out, &sums, sizeof(sums));
+#else
+    out[0] = hsum(p0);
+    out[1] = hsum(p1);
+    out[2] = hsum(p2);
+    out[3] = hsum(p3);
+#endif
+  }
+  // acc[0:D] += sum_o w[o] * v_rows[o * row_stride : + D] for o < n, acc in registers.
+  static void axpy_rows(float* acc, const float* w, const float* v_rows, int64_t n, int64_t row_stride,
+                        int64_t) {
+    vfloat a[NV];
+    for (int c = 0; c < NV; ++c) a[c] = load(acc + c * kW);
+    for (int64_t o = 0; o < n; ++o) {
+      const float* v = v_rows + o * row_stride;
+      const vfloat wo = splat(w[o]);
+      for (int c = 0; c < NV; ++c) a[c] += wo * load(v + c * kW);
+    }
+    for (int c = 0; c < NV; ++c) store(acc + c * kW, a[c]);
+  }
+};
+
+// Any head_dim: whole vectors while they last, then scalars.
+template <>
+struct Row<0> {
+  static float dot(const float* a, const float* b, int64_t d) {
+    const int64_t d_vec = d - d % kW;
+    vfloat acc = {};
+    for (int64_t i = 0; i < d_vec; i += kW) acc += load(a + i) * load(b + i);
+    float sum = hsum(acc);
+    for (int64_t i = d_vec; i < d; ++i) sum += a[i] * b[i];
+    return sum;
+  }
+  static void dot4(const float* a, const float* b, int64_t stride, float* out, int64_t d) {
+    for (int k = 0; k < 4; ++k) out[k] = dot(a, b + k * stride, d);
+  }
+  static void axpy_rows(float* acc, const float* w, const float* v_rows, int64_t n, int64_t row_stride,
+                        int64_t d) {
+    const int64_t d_vec = d - d % kW;
+    for (int64_t o = 0; o < n; ++o) {
+      const float* v = v_rows + o * row_stride;
+      const vfloat wo = splat(w[o]);
+      for (int64_t i = 0; i < d_vec; i += kW) store(acc + i, load(acc + i) + wo * load(v + i));
+      for (int64_t i = d_vec; i < d; ++i) acc[i] += w[o] * v[i];
+    }
+  }
+};
+
+// One sequence's blocks, as seen from one kv head's slice of each row.
+struct Blocks {
+  const int32_t* table;
+  int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim;
+
+  const float* rows(const float* head, int64_t b) const {
+    return head + static_cast<int64_t>(table[b]) * block_stride;
+  }
+  // always_inline for the same reason as prefetch_rows.
+  __attribute__((always_inline)) void prefetch(const float* head, int64_t b) const {
+    if (b < num_blocks) {
+      prefetch_rows(rows(head, b), std::min(block_size, seq_len - b * block_size), row_stride, head_dim);
+    }
+  }
+};
+
+// One work item: sequence s, kv head h, i.e. query heads [h * G, (h + 1) * G).
+template <int NV>
+void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
+  const int64_t D = p.head_dim;
+  const int64_t G = p.group;
+  const int64_t L = p.seq_lens[s];
+  const int64_t row = p.token_rows[s];
+  const int32_t* table = p.block_tables + s * p.max_blocks;
+  const int64_t bs = p.block_size;
+  const int64_t num_blocks = (L + bs - 1) / bs;
+  const int64_t pf_blocks = (kPrefetchTokens + bs - 1) / bs;
+  // Elements between consecutive token rows of one kv head, and between blocks.
+  const int64_t row_stride = p.num_kv_heads * D;
+  const int64_t block_stride = bs * row_stride;
+  const float* k_head = p.key_cache + h * D;
+  const float* v_head = p.value_cache + h * D;
+  const Blocks blocks{table, num_blocks, L, bs, block_stride, row_stride, D};
+  const int64_t ss = scratch.score_stride;
+  float* q = scratch.q.data();            // [G, D]
+  float* scores = scratch.scores.data();  // [G, ss], positions >= L unused
+  float* acc = scratch.acc.data();        // [G, D]
+
+  for (int64_t g = 0; g < G; ++g) {
+    const float* src = p.query + row * p.q_stride_t + (h * G + g) * p.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * p.scale;
+  }
+
+  // Pass 1: scores = (q * scale) . k for every context position, straight from the blocks.
+  // A block's rows are swept once per query head and stay in L1 between heads.
+  for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(k_head, b);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    blocks.prefetch(k_head, b + pf_blocks);
+    const int64_t pos = b * bs;
+    const int64_t n = std::min(bs, L - pos);
+    const float* k_rows = blocks.rows(k_head, b);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float* sc = scores + g * ss + pos;
+      int64_t o = 0;
+      for (; o + 4 <= n; o += 4) Row<NV>::dot4(qg, k_rows + o * row_stride, row_stride, sc + o, D);
+      for (; o < n; ++o) sc[o] = Row<NV>::dot(qg, k_rows + o * row_stride, D);
+    }
+  }
+
+  // Softmax numerators in place, on whole vectors: the tail past L is padded with -inf
+  // (its exp is ~0 and pass 2 never reads it). 1 / denominator scales the output.
+  const int64_t l_pad = (L + kW - 1) / kW * kW;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * ss;
+    for (int64_t i = L; i < l_pad; ++i) sc[i] = -std::numeric_limits<float>::infinity();
+    vfloat mv = load(sc);
+    for (int64_t i = kW; i < l_pad; i += kW) {
+      const vfloat x = load(sc + i);
+      mv = x > mv ? x : mv;
+    }
+    const float m = hmax(mv);
+    vfloat sum = {};
+    for (int64_t i = 0; i < l_pad; i += kW) {
+      const vfloat e = exp_nonpositive(load(sc + i) - m);
+      store(sc + i, e);
+      sum += e;
+    }
+    // Padding adds at most exp(-87) ~ 1e-38 per slot: nothing at fp32 resolution.
+    scratch.inv[g] = 1.0f / hsum(sum);
+  }
+
+  // Pass 2: acc = P @ V, block by block, each head's accumulator row in registers.
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(v_head, b);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    blocks.prefetch(v_head, b + pf_blocks);
+    const int64_t pos = b * bs;
+    const int64_t n = std::min(bs, L - pos);
+    const float* v_rows = blocks.rows(v_head, b);
+    for (int64_t g = 0; g < G; ++g) {
+      Row<NV>::axpy_rows(acc + g * D, scores + g * ss + pos, v_rows, n, row_stride, D);
+    }
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    float* dst = p.out + row * p.out_stride_t + (h * G + g) * p.out_stride_h;
+    const float inv = scratch.inv[g];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+  }
+}
+
+template <int NV>
+void run(const Problem& p, int64_t num_seqs) {
+  const int64_t num_items = num_seqs * p.num_kv_heads;
+  std::atomic<int64_t> next{0};
+  // One task per intra-op thread; each pulls (sequence, kv head) items until none are left,
+  // so ragged lengths balance without a cost model (the caller orders sequences longest
+  // first). A nested call (already inside a parallel region) runs every item inline.
+  const int64_t threads = torch::stable::get_num_threads();
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, num_items));
+  torch::stable::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    Scratch scratch(p);
+    for (;;) {
+      const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+      if (item >= num_items) break;
+      attend_one<NV>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
+    }
+  });
+}
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+void paged_decode_attention(
+    Tensor out,
+    Tensor query,
+    Tensor key_cache,
+    Tensor value_cache,
+    Tensor block_tables,
+    Tensor seq_lens,
+    Tensor token_rows,
+    double scale) {
+  STD_TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
+  STD_TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, KVH, D]");
+  for (int64_t i = 0; i < 4; ++i) {
+    STD_TORCH_CHECK(value_cache.size(i) == key_cache.size(i), "value_cache shape != key_cache shape");
+  }
+  for (int64_t i = 0; i < 3; ++i) {
+    STD_TORCH_CHECK(out.size(i) == query.size(i), "out shape != query shape");
+  }
+  for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
+    STD_TORCH_CHECK(t->is_cpu(), "paged_decode_attention is a CPU kernel");
+    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float, "paged_decode_attention supports float32 only");
+  }
+  STD_TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  STD_TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
+  STD_TORCH_CHECK(
+      block_tables.dim() == 2 && block_tables.scalar_type() == ScalarType::Int && block_tables.is_contiguous(),
+      "block_tables must be a contiguous int32 [S, max_blocks]");
+  const int64_t num_seqs = block_tables.size(0);
+  STD_TORCH_CHECK(
+      seq_lens.dim() == 1 && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous() &&
+          seq_lens.size(0) == num_seqs,
+      "seq_lens must be a contiguous int32 [S]");
+  STD_TORCH_CHECK(
+      token_rows.dim() == 1 && token_rows.scalar_type() == ScalarType::Long && token_rows.is_contiguous() &&
+          token_rows.size(0) == num_seqs,
+      "token_rows must be a contiguous int64 [S]");
+  for (const Tensor* t : {&block_tables, &seq_lens, &token_rows}) {
+    STD_TORCH_CHECK(t->is_cpu(), "metadata tensors must be on the CPU");
+  }
+
+  const int64_t num_tokens = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t head_dim = key_cache.size(3);
+  STD_TORCH_CHECK(query.size(2) == head_dim, "query head_dim != cache head_dim");
+  STD_TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of KVH");
+  const int64_t max_blocks = block_tables.size(1);
+
+  // Validate the indices up front (a few thousand ints), so the hot loop needs no checks.
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t* rows = token_rows.const_data_ptr<int64_t>();
+  int64_t max_seq_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s];
+    STD_TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len, " out of range");
+    STD_TORCH_CHECK(rows[s] >= 0 && rows[s] < num_tokens, "token_rows[", s, "] = ", rows[s], " out of range");
+    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b) {
+      const int64_t block = tables[s * max_blocks + b];
+      STD_TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                  " is not a block of the cache");
+    }
+    max_seq_len = std::max(max_seq_len, len);
+  }
+  if (num_seqs == 0) {
+    return;
+  }
+
+  Problem p{};
+  p.out = out.mutable_data_ptr<float>();
+  p.query = query.const_data_ptr<float>();
+  p.key_cache = key_cache.const_data_ptr<float>();
+  p.value_cache = value_cache.const_data_ptr<float>();
+  p.block_tables = tables;
+  p.seq_lens = lens;
+  p.token_rows = rows;
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.q_stride_t = query.stride(0);
+  p.q_stride_h = query.stride(1);
+  p.max_blocks = max_blocks;
+  p.block_size = block_size;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_heads / num_kv_heads;
+  p.head_dim = head_dim;
+  p.max_seq_len = max_seq_len;
+  p.scale = static_cast<float>(scale);
+
+  switch (head_dim) {
+    case 64:
+      run<64 / kW>(p, num_seqs);
+      break;
+    case 128:
+      run<128 / kW>(p, num_seqs);
+      break;
+    default:
+      run<0>(p, num_seqs);
+  }
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
+}

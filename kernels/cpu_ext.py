@@ -1,0 +1,157 @@
+"""C++ CPU kernels (kernels/cpu/*.cpp), JIT-built with torch.utils.cpp_extension on first use.
+
+Nothing is built at import: the first load_cpu_kernels() call compiles the extension (about
+3-4 s cold on 2 cores, see benchmarks/paged_attention_cpu.py --cold-build) into torch's extension cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR as torch reads it), where later
+processes find it and only relink-check it; within a process the result is memoised. If
+the build fails (no C++ compiler, no ninja) a single warning is logged and callers fall back
+to the torch implementations.
+
+The build uses -march=native: it runs on the machine that will use it, so the kernel gets
+whatever vector width that CPU has (AVX-512, AVX2, NEON, ...) and never an instruction it
+lacks. The extension's name carries a fingerprint of the CPU, so a cache directory shared
+between different machines (an NFS home) never hands one CPU's build to another. A
+compiler that rejects -march=native gets a second, portable build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.cpp",)
+# The TORCH_LIBRARY namespace the sources register their ops under.
+_OP_NAMESPACE = "pagedserve_cpu"
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded extension's ops (see kernels/cpu/paged_attention.cpp for their contracts)."""
+
+    # paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+    #                        token_rows, scale) -> None, writes out in place
+    paged_decode_attention: Callable[..., None]
+    library_path: str
+    cflags: tuple[str, ...]
+
+
+_lock = threading.Lock()
+# Unset until the first load; then the kernels, or the exception the build failed with.
+_loaded: list[CpuKernels | BaseException] = []
+
+
+def load_cpu_kernels(*, strict: bool = False, verbose: bool = False) -> CpuKernels | None:
+    """Build (first call, or after a source change) and load the C++ CPU kernels.
+
+    Returns None when they cannot be built (one warning is logged for the process), or
+    raises RuntimeError instead with strict=True (for tests, where a missing kernel is a
+    failure). verbose shows the compiler's command lines and output.
+    """
+    with _lock:
+        if not _loaded:
+            try:
+                _loaded.append(_build(verbose))
+            except Exception as exc:  # any build or load failure means: use the torch path
+                logger.warning(
+                    "pagedserve: the C++ CPU kernels could not be built, using the slower torch "
+                    "attention path (needs a C++ compiler and ninja: pip install ninja): %s",
+                    _summarise(exc),
+                )
+                _loaded.append(exc)
+        result = _loaded[0]
+    if isinstance(result, BaseException):
+        if strict:
+            raise RuntimeError(f"the C++ CPU kernels could not be built: {result}") from result
+        return None
+    return result
+
+
+def _summarise(exc: BaseException, max_lines: int = 15) -> str:
+    lines = str(exc).strip().splitlines()
+    if len(lines) <= max_lines:
+        return " | ".join(lines)
+    return " | ".join(["...", *lines[-max_lines:]])
+
+
+def _cpu_fingerprint() -> str:
+    """What distinguishes this CPU for -march=native: its model and feature flags."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
+                    parts.append(line.strip())
+                elif not line.strip() and len(parts) > 2:
+                    break  # the first processor describes them all
+    except OSError:
+        pass  # not Linux: the machine and processor strings are what there is
+    return "\n".join(parts)
+
+
+def _path_with_ninja() -> str:
+    """PATH, plus the pip ninja's directory when no ninja is on it.
+
+    torch runs `ninja` by name; a venv's ninja is not on PATH when the venv's python is run
+    without activating the venv (as CI and `make` do).
+    """
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is not None:
+        return path
+    try:
+        import ninja
+
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        return path
+    return os.pathsep.join([bin_dir, path]) if path else bin_dir
+
+
+def _build(verbose: bool) -> CpuKernels:
+    from torch.utils import cpp_extension
+
+    # The source uses only torch's stable ABI; parallelism comes from libtorch's own
+    # parallel_for, so no OpenMP flags (see kernels/cpu/paged_attention.cpp).
+    attempts = [["-O3", "-march=native"], ["-O3"]]
+    fingerprint = hashlib.sha256(_cpu_fingerprint().encode()).hexdigest()[:12]
+    old_path = os.environ.get("PATH")
+    errors: list[str] = []
+    # torch's build reads PATH when it runs; restored below.
+    os.environ["PATH"] = _path_with_ninja()
+    try:
+        for i, cflags in enumerate(attempts):
+            name = f"pagedserve_cpu_{fingerprint}" + ("" if i == 0 else "_portable")
+            try:
+                library = cpp_extension.load(
+                    name=name,
+                    sources=[str(s) for s in _SOURCES],
+                    extra_cflags=cflags,
+                    is_python_module=False,
+                    verbose=verbose,
+                )
+            except Exception as exc:
+                errors.append(f"{' '.join(cflags)}: {exc}")
+                # A missing toolchain fails both attempts alike; only a rejected flag warrants
+                # the portable retry.
+                if "ninja" in str(exc).lower() and "required" in str(exc).lower():
+                    break
+                continue
+            op = getattr(torch.ops, _OP_NAMESPACE).paged_decode_attention.default
+            return CpuKernels(paged_decode_attention=op, library_path=str(library), cflags=tuple(cflags))
+    finally:
+        if old_path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = old_path
+    raise RuntimeError("\n".join(errors))
