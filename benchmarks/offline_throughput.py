@@ -56,7 +56,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import default_model, load_note, phase, warn_if_busy
 from benchmarks.workloads import chat_prompts, describe, output_lengths
 
 GOAL_RATIO = 2.0
@@ -487,13 +488,6 @@ def _met(ok: bool | None) -> str:
     return "n/a" if ok is None else ("MET" if ok else "NOT MET")
 
 
-def _load_note() -> tuple[float, ...]:
-    try:
-        return tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        return ()
-
-
 def build_report(
     args: argparse.Namespace,
     model_path: Path,
@@ -680,13 +674,6 @@ def print_report(rep: dict[str, Any]) -> None:
 
 
 # -- main --------------------------------------------------------------------------------------
-def default_model() -> str:
-    try:
-        from dataplane.config import DEFAULT_MODEL
-
-        return DEFAULT_MODEL
-    except ImportError:  # pragma: no cover
-        return "SmolLM2-135M-Instruct"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -732,18 +719,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _phase(name: str, fn: Callable[[], Any]) -> Any:
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
-    out = fn()
-    print(
-        f"[{time.strftime('%H:%M:%S')}] {name} done in {time.perf_counter() - t:.1f} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -752,13 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dataplane.models import resolve_model_path
 
     model_path = resolve_model_path(args.model)
-    loads = {"start": _load_note()}
-    if loads["start"] and loads["start"][0] > 0.5:
-        print(
-            f"warning: load average {loads['start']}: other processes are busy; on 2 cores torch timings "
-            "may be 10-100x off (PEERS.md 'Contention')",
-            file=sys.stderr,
-        )
+    loads = {"start": load_note()}
+    warn_if_busy(loads["start"])
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     prompts = chat_prompts(tokenizer, args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
@@ -770,16 +740,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ours = roof = peer = None
     if not args.skip_engine:
-        ours = _phase("engine", lambda: run_engine(args, str(model_path), prompts, lengths))
-        loads["after_engine"] = _load_note()
+        ours = phase("engine", lambda: run_engine(args, str(model_path), prompts, lengths))
+        loads["after_engine"] = load_note()
         if not args.skip_roofline:
-            roof = _phase(
+            roof = phase(
                 "roofline",
                 lambda: measure_roofline(shapes, ours.steps, args.roofline_reps, args.skip_prefill_roofline),
             )
     if not args.skip_peer:
-        peer = _phase("transformers", lambda: run_peer(model_path, prompts, lengths, args.peer_batch_size))
-    loads["end"] = _load_note()
+        peer = phase("transformers", lambda: run_peer(model_path, prompts, lengths, args.peer_batch_size))
+    loads["end"] = load_note()
 
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, peer, loads)
     print_report(rep)

@@ -57,7 +57,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import default_model, load_note, phase, warn_if_busy
 from benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
 
 SEED_TTFT_REDUCTION = 0.60  # the seed's claim: TTFT -60% with caching on
@@ -112,22 +113,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def load_note() -> tuple[float, ...]:
-    try:
-        return tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        return ()
-
-
-def default_model() -> str:
-    try:
-        from dataplane.config import DEFAULT_MODEL
-
-        return DEFAULT_MODEL
-    except ImportError:  # pragma: no cover
-        return "SmolLM2-135M-Instruct"
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -592,18 +577,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _phase(name: str, fn: Callable[[], Any]) -> Any:
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
-    out = fn()
-    print(
-        f"[{time.strftime('%H:%M:%S')}] {name} done in {time.perf_counter() - t:.1f} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -614,12 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
     loads = {"start": load_note()}
-    if loads["start"] and loads["start"][0] > 0.5:
-        print(
-            f"warning: load average {loads['start']}: other processes are busy; on 2 cores torch timings "
-            "may be 10-100x off (PEERS.md 'Contention')",
-            file=sys.stderr,
-        )
+    warn_if_busy(loads["start"])
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     dialogues = customer_service_dialogues(args.conversations, args.seed)
     system_tokens = system_prompt_tokens(tokenizer, dialogues[0].system)
@@ -632,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, DialogueRun] = {}
     for label in args.runs:
         caching = label == "on"
-        runs[label] = _phase(
+        runs[label] = phase(
             f"caching {label.upper()}",
             functools.partial(run_dialogues, args, str(model_path), dialogues, caching),
         )
