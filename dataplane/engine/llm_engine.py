@@ -163,7 +163,8 @@ class LLMEngine:
 
         With `params.n` / `best_of` > 1 the returned request is the first sample; the others
         (ids `<id>#1`, `<id>#2`, ...) join once it has computed the prompt, sharing its full
-        prompt blocks through the prefix cache. `samples_of(id)` lists all of them.
+        prompt blocks through the prefix cache. `samples_of(id)` lists all of them until
+        `release(id)`, which a caller must do once it has read a finished request's outputs.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
