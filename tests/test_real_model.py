@@ -72,35 +72,30 @@ def test_chat_answers_the_capital_of_france(llm: LLM) -> None:
     assert out[0].finish_reason == "stop"  # the model ends its turn with <|im_end|>
 
 
-def test_cli_generate(model_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", "generate", "The capital of France is", "--max-tokens", "8"],
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`pagedserve ARGS...` in a fresh interpreter, as a user would run it."""
+    return subprocess.run(
+        [sys.executable, "-m", "dataplane.cli", *args],
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_cli_generate(model_path: Path) -> None:
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
 
 
 def test_cli_chat_reads_stdin(model_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", "chat", "--max-tokens", "32"],
-        input="What is the capital of France?\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli("chat", "--max-tokens", "32", stdin="What is the capital of France?\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
 
 
 def test_cli_missing_model_names_the_pull_command(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", "generate", "hi", "--model-home", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("generate", "hi", "--model-home", str(tmp_path))
     assert proc.returncode == 1
     assert "pagedserve models pull SmolLM2-135M-Instruct" in proc.stderr
