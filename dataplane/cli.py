@@ -1,4 +1,8 @@
-"""The `pagedserve` command line: models, generate, chat."""
+"""The `pagedserve` command line: models, generate, chat, dataplane, controlplane, serve, client.
+
+Subcommands import their heavy modules lazily: `pagedserve controlplane` and `pagedserve client`
+never import torch.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +25,12 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+ENGINE_GROUP_TITLE = "engine"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named like vLLM's."""
-    g = parser.add_argument_group("engine")
+    g = parser.add_argument_group(ENGINE_GROUP_TITLE)
     g.add_argument("--model", default=DEFAULT_MODEL, help="store name or local Hugging Face folder")
     g.add_argument(
         "--model-home", default=None, help="model store directory (default $PAGEDSERVE_MODEL_HOME)"
@@ -36,6 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=2 * 2**30, help="KV pool size on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="pin the KV pool's block count")
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -73,10 +81,34 @@ def make_llm(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash_seed=args.prefix_hash_seed,
         num_threads=args.threads,
         model_home=args.model_home,
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.threads
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_blocks_override=args.num_gpu_blocks_override,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_hash_seed=args.prefix_hash_seed,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
     )
 
 
@@ -152,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from clients.python.cli import add_client_parser
+    from controlplane.main import add_controlplane_parsers
+    from dataplane.server.main import add_dataplane_parser
+
+    add_dataplane_parser(sub)
+    add_controlplane_parsers(sub)
+    add_client_parser(sub)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""`pagedserve client generate`: call a running server from the shell (prints the text to stdout)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_client_parser(sub: Any) -> None:
+    client = sub.add_parser("client", help="call a running pagedserve server")
+    actions = client.add_subparsers(dest="client_command", required=True)
+    gen = actions.add_parser("generate", help="generate a completion and print it")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the control plane's gRPC address")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.set_defaults(func=cmd_client_generate)
+
+
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from clients.python.client import Completion, GenerationClient
+
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    kwargs = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    try:
+        with GenerationClient(args.address, timeout=args.timeout) as client:
+            if args.stream:
+                for item in client.generate_stream(prompt, **kwargs):
+                    if isinstance(item, Completion):
+                        print(flush=True)
+                        _report(item)
+                    else:
+                        print(item.text, end="", flush=True)
+            else:
+                for completion in client.generate(prompt, **kwargs):
+                    print(completion.text)
+                    _report(completion)
+    except grpc.RpcError as exc:
+        print(f"pagedserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(c: Any) -> None:
+    print(
+        f"[{c.finish_reason}; {c.prompt_tokens} prompt ({c.cached_tokens} cached) + {c.completion_tokens} "
+        f"generated tokens; ttft {c.time_to_first_token_seconds * 1000:.0f} ms, total {c.e2e_seconds:.2f} s]",
+        file=sys.stderr,
+    )

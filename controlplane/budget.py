@@ -1,0 +1,53 @@
+"""Block-budget accounting for one data plane, as one control-plane replica sees it. No torch.
+
+The data plane reports its free blocks (evictable cached blocks included) after every step.
+Between admitting a request and the data plane's first report that covers it (its first
+token, its end or its rejection), the request's blocks are reserved here so that a burst of
+admissions cannot overcommit the pool. Until that report, the reservation and the blocks the
+data plane has already allocated for a prefill in progress may both count: the error is on
+the safe side and lasts one prefill.
+"""
+
+from __future__ import annotations
+
+
+class BlockBudget:
+    def __init__(self) -> None:
+        self.total_blocks = 0
+        self.reported_free_blocks = 0
+        self._reserved: dict[str, int] = {}
+        self._reserved_total = 0
+
+    def report(self, free_blocks: int, total_blocks: int) -> None:
+        self.reported_free_blocks = free_blocks
+        self.total_blocks = total_blocks
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved_total
+
+    @property
+    def available_blocks(self) -> int:
+        return self.reported_free_blocks - self._reserved_total
+
+    def reserve(self, request_id: str, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if request_id in self._reserved:
+            raise ValueError(f"request {request_id!r} already holds a reservation")
+        self._reserved[request_id] = num_blocks
+        self._reserved_total += num_blocks
+
+    def release(self, request_id: str) -> int:
+        """Drop a reservation (no-op when there is none); returns the blocks released."""
+        blocks = self._reserved.pop(request_id, 0)
+        self._reserved_total -= blocks
+        return blocks
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._reserved
+
+    def clear(self) -> None:
+        self._reserved.clear()
+        self._reserved_total = 0
+        self.reported_free_blocks = 0

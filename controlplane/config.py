@@ -1,0 +1,64 @@
+"""Control-plane configuration: frozen dataclasses, one place. Imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Knobs of the routing score (see docs/routing.md).
+
+    score(d) = prefix_weight · cached_prompt_fraction(d)
+             − usage_weight · budget_used_fraction_after(d)
+             − load_weight · max(running + waiting, in_flight)(d) / max_num_seqs(d)
+    """
+
+    prefix_weight: float = 1.0
+    usage_weight: float = 0.5
+    load_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_weight", "usage_weight", "load_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    """`dataplanes` are host:port addresses; `dataplane_dns` (host:port) is re-resolved every
+    `dns_refresh_s` and every address it yields joins the set (the Helm headless Service).
+
+    Admission: at most `max_queue_len` requests wait for KV budget, each at most
+    `queue_timeout_s` (or its gRPC deadline, if sooner). A request reserves the blocks its
+    prompt needs (minus those the chosen data plane already caches) plus
+    `decode_reserve_blocks` for its first generated tokens.
+    """
+
+    model: str
+    dataplanes: tuple[str, ...] = ()
+    dataplane_dns: str | None = None
+    dns_refresh_s: float = 10.0
+    max_queue_len: int = 1024
+    queue_timeout_s: float = 60.0
+    decode_reserve_blocks: int = 1
+    routing: RoutingWeights = field(default_factory=RoutingWeights)
+    reconnect_backoff_s: float = 0.2
+    reconnect_backoff_max_s: float = 2.0
+    model_home: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.dataplanes and not self.dataplane_dns:
+            raise ValueError(
+                "dataplanes: give at least one --dataplane HOST:PORT or --dataplane-dns NAME:PORT"
+            )
+        for address in (*self.dataplanes, *([self.dataplane_dns] if self.dataplane_dns else [])):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dataplane address must be HOST:PORT, got {address!r}")
+        if self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        if self.decode_reserve_blocks < 0:
+            raise ValueError(f"decode_reserve_blocks must be >= 0, got {self.decode_reserve_blocks}")

@@ -1,0 +1,34 @@
+"""Errors the control plane returns to clients, with the status each transport maps them to."""
+
+from __future__ import annotations
+
+# gRPC status name -> HTTP status (the OpenAI front end uses the same errors).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+    "INTERNAL": 500,
+}
+
+
+class ServiceError(Exception):
+    """A request failed with `code` (a gRPC status name) and a message for the client."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        if code not in HTTP_STATUS:
+            raise ValueError(f"unknown status code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+
+def invalid_argument(message: str) -> ServiceError:
+    return ServiceError("INVALID_ARGUMENT", message)

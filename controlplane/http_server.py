@@ -1,0 +1,68 @@
+"""The control plane's HTTP port: health now; /metrics and the OpenAI API mount here too.
+
+uvicorn runs inside the control plane's own event loop (beside the grpc.aio server), on a
+socket bound before start so an ephemeral port (0) is known to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from controlplane.dispatcher import Dispatcher
+
+
+def create_app(dispatcher: Dispatcher, model_name: str) -> FastAPI:
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one data plane is connected, else 503 (a readiness probe)."""
+        links = dispatcher.connections.values()
+        body = {
+            "status": "ok" if dispatcher.healthy else "unavailable",
+            "model": model_name,
+            "dataplanes": {c.address: ("serving" if c.healthy else "down") for c in links},
+        }
+        return JSONResponse(body, status_code=200 if dispatcher.healthy else 503)
+
+    @app.get("/live")
+    async def live() -> dict[str, str]:
+        """200 as long as the process serves HTTP (a liveness probe)."""
+        return {"status": "ok"}
+
+    return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the process's own handlers stop everything, uvicorn included
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http-server")
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self._socket.close()

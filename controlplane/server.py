@@ -1,0 +1,116 @@
+"""Assemble and run a control plane: dispatcher, gRPC GenerationService, HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.dispatcher import Dispatcher
+from controlplane.http_server import HttpServer, create_app
+from controlplane.servicer import GenerationServicer
+from controlplane.tokenizer import Tokenizer
+from dataplane.log import get_logger
+from dataplane.models.store import resolve_model_path
+from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = get_logger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+_HEALTH_POLL_S = 0.5
+
+
+@dataclass
+class ControlPlane:
+    """A running control plane (see `start_control_plane`)."""
+
+    dispatcher: Dispatcher
+    grpc_server: grpc.aio.Server
+    grpc_port: int
+    http: HttpServer | None
+    _health_task: asyncio.Task[None]
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        self._health_task.cancel()
+        await self.grpc_server.stop(grace_s)
+        if self.http is not None:
+            await self.http.stop()
+        await self.dispatcher.stop()
+
+
+async def create_server(
+    dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0"
+) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server with GenerationService, health and reflection; returns it and its port."""
+    server, port, _ = await _start_grpc(dispatcher, tokenizer, model_name, address)
+    return server, port
+
+
+async def _start_grpc(
+    dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, address: str
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(dispatcher, tokenizer, model_name), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the control plane to {address}")
+    await server.start()
+    return server, port, health_servicer
+
+
+async def _track_health(dispatcher: Dispatcher, health_servicer: health.aio.HealthServicer) -> None:
+    """SERVING while some data plane is connected: load balancers route around us otherwise."""
+    last = None
+    while True:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if dispatcher.healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            last = status
+        await asyncio.sleep(_HEALTH_POLL_S)
+
+
+async def start_control_plane(
+    config: ControlPlaneConfig, host: str = "127.0.0.1", grpc_port: int = 0, http_port: int | None = 0
+) -> ControlPlane:
+    """Connect to the data planes and serve gRPC (and HTTP unless `http_port` is None)."""
+    tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
+    dispatcher = Dispatcher(config)
+    await dispatcher.start()
+    server, port, health_servicer = await _start_grpc(
+        dispatcher, tokenizer, config.model, f"{host}:{grpc_port}"
+    )
+    health_task = asyncio.create_task(_track_health(dispatcher, health_servicer))
+    http = None
+    if http_port is not None:
+        http = HttpServer(create_app(dispatcher, config.model), host, http_port)
+        await http.start()
+    return ControlPlane(dispatcher, server, port, http, health_task)
+
+
+async def run_until_signalled(control_plane: ControlPlane) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("controlplane_stopping")
+    await control_plane.stop()

@@ -1,0 +1,95 @@
+"""`pagedserve dataplane`: load the engine, start its loop thread, serve DataPlaneService."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dataplane.config import EngineConfig
+from dataplane.log import get_logger
+from dataplane.server.engine_loop import DataPlaneIdentity, EngineLoop
+from dataplane.server.servicer import DataPlaneServicer
+from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+
+log = get_logger(__name__)
+
+SERVICE_NAME = dataplane_pb2.DESCRIPTOR.services_by_name["DataPlaneService"].full_name
+# Keepalive pings let both sides notice a dead peer within seconds, not minutes.
+GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+def build_engine_loop(
+    config: EngineConfig, model_home: str | None = None, dataplane_id: str | None = None
+) -> EngineLoop:
+    """Load the model and the engine (KV events on, so control planes can index the cache)."""
+    from dataclasses import replace
+
+    from dataplane.engine.llm_engine import LLMEngine
+
+    if config.cache.enable_prefix_caching and not config.cache.enable_kv_events:
+        config = replace(config, cache=replace(config.cache, enable_kv_events=True))
+    engine = LLMEngine(config, model_home)
+    identity = DataPlaneIdentity(
+        dataplane_id=dataplane_id or f"{socket.gethostname()}-{os.getpid()}",
+        model=config.model.model,
+        block_size=config.cache.block_size,
+        num_blocks=engine.pool.num_blocks,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        prefix_hash_seed=config.cache.prefix_hash_seed,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        vocab_size=int(engine.runner.model.config.vocab_size),
+    )
+    return EngineLoop(engine, identity)
+
+
+async def create_server(engine_loop: EngineLoop, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(DataPlaneServicer(engine_loop), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the data plane to {address}")
+    if not engine_loop.alive:
+        engine_loop.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+async def serve(engine_loop: EngineLoop, address: str, grace_s: float = 5.0) -> None:
+    """Run until SIGINT/SIGTERM, then stop accepting, end the streams and stop the loop."""
+    server, port = await create_server(engine_loop, address)
+    host = address.rsplit(":", 1)[0]
+    log.info("dataplane_serving", address=f"{host}:{port}", dataplane_id=engine_loop.identity.dataplane_id)
+    print(f"pagedserve dataplane listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("dataplane_stopping")
+    await server.stop(grace_s)
+    engine_loop.stop()
+    for task in (waiter, stopper):
+        task.cancel()

@@ -1,0 +1,1 @@
+"""pagedserve gRPC contracts: the .proto sources and the Python code generated from them."""
