@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install pull serve chat test lint typecheck unit bench clean
+.PHONY: install pull serve chat protos test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,15 +19,22 @@ install: $(STAMP)
 pull: install
 	$(BIN)/pagedserve models pull --quiet
 
-# Until the gRPC server lands, the main job is an interactive chat on the default model.
+# One control plane (gRPC :50051, HTTP :8000) plus one data plane on the default model; Ctrl-C stops both.
 serve: pull
+	$(BIN)/pagedserve serve
+
+chat: pull
 	$(BIN)/pagedserve chat
 
-chat: serve
+# Regenerate the Python gRPC code (and typed stubs) from protos/*.proto.
+protos: install
+	$(BIN)/python -m protos.generate
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/buf lint protos
+	$(BIN)/python -m protos.generate --check
 
 typecheck: install
 	$(BIN)/mypy

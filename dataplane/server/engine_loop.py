@@ -115,6 +115,7 @@ class EngineLoop:
         self._pending_events: list[dataplane_pb2.KVEvent] = []
         self._stats_dirty = False
         self._draining = False
+        self._num_aborted = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: BaseException | None = None
@@ -346,6 +347,7 @@ class EngineLoop:
             return
         samples = self.engine.samples_of(group.engine_id)
         self.engine.abort_request(group.engine_id)
+        self._num_aborted += 1
         if notify:
             box = self._outbox(stream_id)
             for request in samples:
@@ -377,6 +379,7 @@ class EngineLoop:
             prefix_cache_hits=prefix.hits,
             num_preemptions=sched.num_preemptions,
             draining=self._draining,
+            num_aborted_requests=self._num_aborted,
         )
 
     def _snapshot(self) -> dataplane_pb2.DataPlaneSnapshot:

@@ -251,6 +251,7 @@ class PoolStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _builtins.int
     total_blocks: _builtins.int
     free_blocks: _builtins.int
     """Blocks an allocation can take now, evictable cached blocks included."""
@@ -262,6 +263,8 @@ class PoolStats(_message.Message):
     prefix_cache_hits: _builtins.int
     num_preemptions: _builtins.int
     draining: _builtins.bool
+    num_aborted_requests: _builtins.int
+    """Requests aborted before they finished (client cancel, stop string, stream closed)."""
     def __init__(
         self,
         *,
@@ -274,10 +277,11 @@ class PoolStats(_message.Message):
         prefix_cache_hits: _builtins.int = ...,
         num_preemptions: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        num_aborted_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "draining", b"draining", "free_blocks", b"free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "total_blocks", b"total_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "draining", b"draining", "free_blocks", b"free_blocks", "num_aborted_requests", b"num_aborted_requests", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "total_blocks", b"total_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

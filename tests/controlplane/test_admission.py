@@ -1,0 +1,151 @@
+"""Admission queue: FIFO placement as budgets change, bounded length, deadlines, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controlplane.admission import AdmissionQueue
+from controlplane.budget import BlockBudget
+from controlplane.errors import ServiceError
+
+
+class Pool:
+    """A fake data plane budget: place() reserves `need` blocks if they fit."""
+
+    def __init__(self, free: int) -> None:
+        self.budget = BlockBudget()
+        self.budget.report(free, free)
+
+    def placer(self, rid: str, need: int):  # type: ignore[no-untyped-def]
+        def place() -> str | None:
+            if self.budget.available_blocks < need:
+                return None
+            self.budget.reserve(rid, need)
+            return rid
+
+        return place
+
+
+def make_queue(pool: Pool, max_len: int = 4, timeout: float = 5.0) -> AdmissionQueue[str]:
+    return AdmissionQueue(max_len, timeout, release=pool.budget.release)
+
+
+def test_placed_at_once_when_it_fits() -> None:
+    async def run() -> None:
+        pool = Pool(10)
+        q = make_queue(pool)
+        assert await q.admit(pool.placer("a", 4)) == ("a", 0.0)
+        assert pool.budget.available_blocks == 6
+
+    asyncio.run(run())
+
+
+def test_waiters_are_placed_in_order_when_blocks_free_up() -> None:
+    async def run() -> None:
+        pool = Pool(4)
+        q = make_queue(pool)
+        await q.admit(pool.placer("a", 4))
+        big = asyncio.create_task(q.admit(pool.placer("big", 4)))
+        small = asyncio.create_task(q.admit(pool.placer("small", 1)))
+        await asyncio.sleep(0.01)
+        assert len(q) == 2 and not big.done() and not small.done()
+        pool.budget.release("a")
+        q.poke()
+        assert (await big)[0] == "big"
+        assert not small.done()  # FIFO: the small one does not jump the queue
+        pool.budget.release("big")
+        q.poke()
+        assert (await small)[0] == "small"
+
+    asyncio.run(run())
+
+
+def test_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
+    async def run() -> None:
+        pool = Pool(1)
+        q = make_queue(pool, max_len=1)
+        await q.admit(pool.placer("a", 1))
+        waiting = asyncio.create_task(q.admit(pool.placer("b", 1)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ServiceError) as err:
+            await q.admit(pool.placer("c", 1))
+        assert err.value.code == "RESOURCE_EXHAUSTED"
+        assert err.value.retry_after_s is not None and err.value.retry_after_s >= 1
+        assert "queue is full" in err.value.message
+        waiting.cancel()
+
+    asyncio.run(run())
+
+
+def test_deadline_while_queued() -> None:
+    async def run() -> None:
+        pool = Pool(1)
+        q = make_queue(pool)
+        await q.admit(pool.placer("a", 1))
+        with pytest.raises(ServiceError) as err:
+            await q.admit(pool.placer("b", 1), timeout_s=0.05)
+        assert err.value.code == "DEADLINE_EXCEEDED"
+        assert len(q) == 0
+
+    asyncio.run(run())
+
+
+def test_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
+    async def run() -> None:
+        pool = Pool(1)
+        q = make_queue(pool)
+        await q.admit(pool.placer("a", 1))
+        task = asyncio.create_task(q.admit(pool.placer("b", 1)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert len(q) == 0
+        pool.budget.release("a")
+        q.poke()
+        assert pool.budget.reserved_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_a_placement_is_never_orphaned_by_a_cancel() -> None:
+    async def run() -> None:
+        pool = Pool(1)
+        q = make_queue(pool)
+        await q.admit(pool.placer("a", 1))
+        task = asyncio.create_task(q.admit(pool.placer("b", 1)))
+        await asyncio.sleep(0.01)
+        pool.budget.release("a")
+        q.poke()  # places "b" (reserving its block) ...
+        task.cancel()  # ... and its caller is cancelled before it resumes
+        try:
+            placed = await task
+        except asyncio.CancelledError:
+            assert pool.budget.reserved_blocks == 0  # released on the way out
+        else:
+            assert placed[0] == "b" and pool.budget.holds("b")  # the caller got it and owns it
+
+    asyncio.run(run())
+
+
+def test_a_placement_error_fails_the_waiter() -> None:
+    async def run() -> None:
+        pool = Pool(0)
+        q = make_queue(pool)
+        calls = 0
+
+        def place() -> str | None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return None
+            raise ServiceError("UNAVAILABLE", "no data plane")
+
+        task = asyncio.create_task(q.admit(place))
+        await asyncio.sleep(0.01)
+        q.poke()
+        with pytest.raises(ServiceError, match="no data plane"):
+            await task
+
+    asyncio.run(run())

@@ -1,0 +1,138 @@
+"""Real servers on ephemeral ports for the gRPC end-to-end tests.
+
+Data planes run in-process (their engine loop in its own thread, as in production) or as
+subprocesses when a test must kill one; control planes likewise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.server import ControlPlane, start_control_plane
+from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from dataplane.server.engine_loop import EngineLoop
+from dataplane.server.server import build_engine_loop, create_server
+from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def engine_config(
+    model: str | Path, num_blocks: int | None = 64, max_model_len: int | None = 1024, **kw: Any
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(model), num_threads=1),
+        cache=CacheConfig(num_blocks_override=num_blocks, enable_prefix_caching=True, **kw),
+        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=16),
+    )
+
+
+@dataclass
+class DataPlane:
+    loop: EngineLoop
+    server: grpc.aio.Server
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        self.loop.stop()
+
+
+async def start_dataplane(config: EngineConfig, name: str = "dp") -> DataPlane:
+    loop = build_engine_loop(config, dataplane_id=name)
+    server, port = await create_server(loop, "127.0.0.1:0")
+    return DataPlane(loop, server, port)
+
+
+async def start_controlplane(model: str | Path, addresses: Sequence[str], **kw: Any) -> ControlPlane:
+    config = ControlPlaneConfig(model=str(model), dataplanes=tuple(addresses), **kw)
+    cp = await start_control_plane(config, "127.0.0.1", 0, http_port=None)
+    assert await cp.dispatcher.wait_ready(10.0), "no data plane connected"
+    for link in cp.dispatcher.connections.values():
+        await link.wait_connected(10.0)
+    return cp
+
+
+async def get_state(address: str) -> dataplane_pb2.GetStateResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await dataplane_pb2_grpc.DataPlaneServiceStub(channel).GetState(
+            dataplane_pb2.GetStateRequest(), timeout=5
+        )
+
+
+async def wait_idle(address: str, timeout_s: float = 10.0) -> dataplane_pb2.GetStateResponse:
+    """Poll until the data plane runs nothing and every block is free again (or fail)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = await get_state(address)
+        stats = state.snapshot.stats
+        if (
+            not state.requests
+            and stats.free_blocks == stats.total_blocks
+            and stats.num_running == stats.num_waiting == 0
+        ):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"data plane not idle after {timeout_s}s: {stats} requests={list(state.requests)}"
+            )
+        await asyncio.sleep(0.05)
+
+
+class Process:
+    """A `pagedserve` subprocess; `address` is parsed from its "... on HOST:PORT" line."""
+
+    def __init__(self, argv: list[str], marker: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dataplane.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if marker in line:
+                self.address = line.split(marker, 1)[1].split()[0].strip()
+                break
+        else:
+            raise AssertionError(
+                f"`pagedserve {' '.join(argv)}` exited with {self.proc.wait()} before serving"
+            )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        self.proc.wait(timeout=20)
+
+
+def dataplane_process(model: Path, num_blocks: int = 64) -> Process:
+    argv = ["dataplane", "--port", "0", "--model", str(model), "--threads", "1"]
+    argv += ["--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "1024"]
+    return Process(argv, "listening on ")
+
+
+def controlplane_process(model: Path, dataplanes: Sequence[str]) -> Process:
+    argv = ["controlplane", "--model", str(model), "--grpc-port", "0", "--http-port", "0"]
+    for address in dataplanes:
+        argv += ["--dataplane", address]
+    return Process(argv, "gRPC on ")

@@ -1,0 +1,275 @@
+"""The two planes end to end on tiny models: real gRPC servers on ephemeral ports.
+
+Covers cancellation (blocks come back), INVALID_ARGUMENT / NOT_FOUND, queue overflow
+(RESOURCE_EXHAUSTED), prefix-aware routing and load spreading over two data planes, a data
+plane killed mid-stream (UNAVAILABLE within 2 s, later requests succeed on the other) and a
+control plane killed mid-load (no data-plane block leaks; a new one serves at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.python import AsyncGenerationClient, Completion, StreamChunk
+from dataplane import LLM, SamplingParams
+from tests.grpc.harness import (
+    controlplane_process,
+    dataplane_process,
+    engine_config,
+    get_state,
+    start_controlplane,
+    start_dataplane,
+    wait_idle,
+)
+from tests.tiny_models import make_tiny_model
+
+LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def test_stream_equals_offline_greedy_and_cancel_frees_every_block(tiny: Path) -> None:
+    prompts = [prompt(i, 5 + 7 * i) for i in range(4)]
+    llm = LLM(str(tiny), num_gpu_blocks_override=64, max_model_len=1024, num_threads=1)
+    offline = [
+        o.token_ids
+        for o in llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    ]
+    del llm
+
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny))
+        cp = await start_controlplane(tiny, [dp.address])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                results = await asyncio.gather(
+                    *(client.generate(p, max_tokens=40, temperature=0.0, ignore_eos=True) for p in prompts)
+                )
+                assert [r[0].token_ids for r in results] == offline
+                assert [r[0].finish_reason for r in results] == ["length"] * 4
+                assert [r[0].prompt_tokens for r in results] == [len(p) for p in prompts]
+                assert [r[0].completion_tokens for r in results] == [40] * 4
+
+                # Cancel a long stream after a few chunks: the data plane aborts it and frees its blocks.
+                stream = client.generate_stream(prompt(9, 40), **LONG)
+                seen = 0
+                async for item in stream:
+                    assert isinstance(item, StreamChunk)
+                    seen += 1
+                    if seen == 5:
+                        break
+                running = await get_state(dp.address)
+                assert [r.num_prompt_tokens for r in running.requests] == [40]
+                assert running.snapshot.stats.free_blocks < 64
+                await stream.aclose()
+                idle = await wait_idle(dp.address, timeout_s=5)
+                assert idle.snapshot.stats.free_blocks == 64
+                assert idle.snapshot.stats.num_aborted_requests == 1
+            dp.loop.engine.check_integrity()  # type: ignore[attr-defined]
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
+def test_bad_requests_get_invalid_argument_naming_the_field(tiny: Path) -> None:
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny, num_blocks=8, max_model_len=256))
+        cp = await start_controlplane(tiny, [dp.address])
+        cases = [
+            ({"max_tokens": 0}, "INVALID_ARGUMENT", "max_tokens"),
+            ({"temperature": -1.0}, "INVALID_ARGUMENT", "temperature"),
+            ({"top_p": 1.5}, "INVALID_ARGUMENT", "top_p"),
+            ({"stop": [""]}, "INVALID_ARGUMENT", "stop"),
+            ({"model": "other-model"}, "NOT_FOUND", "model"),
+        ]
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                for kwargs, code, field in cases:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.generate([5, 6, 7], **kwargs)  # type: ignore[arg-type]
+                    assert err.value.code().name == code, kwargs
+                    assert field in (err.value.details() or ""), (kwargs, err.value.details())
+                prompts = {
+                    "prompt.token_ids": [5, 999_999],
+                    "prompt.text": "no tokenizer for this model",
+                    "max_model_len": list(range(3, 300)),
+                }
+                for field, bad in prompts.items():
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.generate(bad, max_tokens=4)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert field in (err.value.details() or ""), err.value.details()
+                # Larger than the data plane's whole pool (8 blocks × 16 tokens): refused at once.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate(list(range(3, 103)), max_tokens=100, ignore_eos=True)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "whole pool" in (err.value.details() or "")
+                # The server keeps serving.
+                ok = await client.generate([5, 6, 7], max_tokens=3, temperature=0.0)
+                assert ok[0].completion_tokens == 3
+            idle = await wait_idle(dp.address)
+            assert idle.snapshot.stats.free_blocks == 8
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
+def test_full_admission_queue_is_resource_exhausted(tiny: Path) -> None:
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny, num_blocks=64))
+        # Each request reserves its prompt block plus 60 decode blocks: one runs, one waits.
+        cp = await start_controlplane(tiny, [dp.address], max_queue_len=1, decode_reserve_blocks=60)
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                first = client.generate_stream(prompt(1, 8), **LONG)
+                got = 0
+                async for _ in first:
+                    got += 1
+                    if got == 120:  # 8 blocks allocated: 56 free < 61 needed
+                        break  # (the stream stays open until aclose below)
+                queued = asyncio.create_task(client.generate(prompt(2, 8), max_tokens=4))
+                await asyncio.sleep(0.3)
+                assert len(cp.dispatcher.admission) == 1 and not queued.done()  # the second one waits ...
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # ... so a third finds the queue full
+                    await client.generate(prompt(3, 8), max_tokens=4)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "retry in" in (err.value.details() or "")
+                trailers = dict(err.value.trailing_metadata() or ())
+                assert float(trailers["retry-after"]) >= 1
+                await first.aclose()  # cancels the first: its blocks return, the queued one runs
+                result = await asyncio.wait_for(queued, 20)
+                assert result[0].completion_tokens == 4
+            await wait_idle(dp.address)
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
+async def _drain(stream):  # type: ignore[no-untyped-def]
+    async for _ in stream:
+        pass
+
+
+def test_shared_prefix_goes_to_the_data_plane_that_caches_it_and_load_spreads(tiny: Path) -> None:
+    async def run() -> None:
+        dps = [await start_dataplane(engine_config(tiny, num_blocks=128), name=f"dp{i}") for i in range(2)]
+        cp = await start_controlplane(tiny, [d.address for d in dps])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                shared = prompt(100, 96)  # 6 full blocks
+                await client.generate([*shared, 7], max_tokens=2, temperature=0.0)
+                stats = [d.loop.engine.kv_cache.prefix_cache_stats for d in dps]  # type: ignore[attr-defined]
+                owner = next(i for i, s in enumerate(stats) if s.requests == 1)
+                other = 1 - owner
+                await asyncio.sleep(0.1)  # the owner's KV events reach the control plane's index
+                for suffix in range(4):
+                    out = await client.generate([*shared, 10 + suffix, 11], max_tokens=2, temperature=0.0)
+                    assert out[0].cached_tokens == 96
+                assert stats[owner].requests == 5 and stats[owner].hits == 4 * 96
+                assert stats[other].requests == 0
+
+                # Unrelated prompts, all at once: both data planes take a share.
+                unrelated = [prompt(200 + i, 20) for i in range(8)]
+                await asyncio.gather(*(client.generate(p, max_tokens=24, temperature=0.0) for p in unrelated))
+                assert stats[other].requests >= 2, (stats[owner].requests, stats[other].requests)
+                assert stats[owner].requests >= 5 + 2
+            for d in dps:
+                await wait_idle(d.address)
+        finally:
+            await cp.stop()
+            for d in dps:
+                await d.stop()
+
+    asyncio.run(run())
+
+
+def test_killed_data_plane_fails_streams_fast_and_the_other_serves(tiny: Path) -> None:
+    procs = [dataplane_process(tiny), dataplane_process(tiny)]
+
+    async def run() -> None:
+        cp = await start_controlplane(tiny, [p.address for p in procs])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                stream = client.generate_stream(prompt(5, 10), **LONG)
+                got = 0
+                async for _ in stream:
+                    got += 1
+                    if got == 3:
+                        break  # (and resume below)
+                states = [await get_state(p.address) for p in procs]
+                victim = next(i for i, s in enumerate(states) if s.requests)
+                procs[victim].kill()
+                killed_at = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for item in stream:
+                        assert not isinstance(item, Completion)
+                elapsed = time.monotonic() - killed_at
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert elapsed < 2.0, elapsed
+                assert "went away" in (err.value.details() or "")
+                survivor = procs[1 - victim]
+                for i in range(3):
+                    out = await client.generate(prompt(50 + i, 12), max_tokens=5, temperature=0.0)
+                    assert out[0].completion_tokens == 5
+                await wait_idle(survivor.address)
+        finally:
+            await cp.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_control_plane_killed_mid_load_leaks_nothing_and_a_new_one_serves(tiny: Path) -> None:
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny, num_blocks=256))
+        first = controlplane_process(tiny, [dp.address])
+        try:
+            client = AsyncGenerationClient(first.address)
+            streams = [
+                asyncio.create_task(_drain(client.generate_stream(prompt(i, 30), **LONG))) for i in range(4)
+            ]
+            while (await get_state(dp.address)).snapshot.stats.num_running < 4:
+                await asyncio.sleep(0.05)
+            first.kill()
+            for task in streams:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await task
+            await client.close()
+            idle = await wait_idle(dp.address, timeout_s=5)
+            assert idle.num_streams == 0
+            second = controlplane_process(tiny, [dp.address])
+            try:
+                async with AsyncGenerationClient(second.address) as client2:
+                    out = await client2.generate(prompt(1, 30), max_tokens=6, temperature=0.0)
+                    assert out[0].completion_tokens == 6
+                await wait_idle(dp.address)
+            finally:
+                second.kill()
+        finally:
+            first.kill()
+            await dp.stop()
+
+    asyncio.run(run())
