@@ -1,0 +1,240 @@
+"""gRPC overhead: the offline-throughput workload through `pagedserve serve` vs the offline engine.
+
+Reproduce (run it ALONE on the machine; see benchmarks/README.md):
+
+    .venv/bin/python -m benchmarks.grpc_overhead --json benchmarks/results/grpc_overhead.json
+
+Quick plumbing check (numbers meaningless):
+
+    .venv/bin/python -m benchmarks.grpc_overhead --num-prompts 4 --min-output 4 --max-output 8
+
+Both phases run the same workload (`benchmarks.workloads`: 64 chat prompts of 20-300 tokens,
+output lengths 16-256, greedy, ignore_eos), one after the other in this run:
+
+1. Offline: `LLMEngine` in this process — `add_request` for every prompt, then `step()` until
+   done; each token's time is taken when the step that produced it returns.
+2. Served: `pagedserve serve` as a subprocess (control plane + data-plane child, the same
+   engine flags), then 64 concurrent `Generate` streams from an asyncio client here; each
+   token's time is when its chunk arrives at the client. The client, the control plane and
+   the data plane share the machine's cores, as they would on a one-node deployment.
+
+Reported: output tokens/s of each and the ratio (goal >= 0.9x), greedy agreement of the two
+runs' tokens, and per-token latency: the inter-token gap (p50/p99) of each and the added
+latency per token (served minus offline, at p50 and p99) — the cost the control plane, two
+gRPC hops and the client's decoding add to every token — plus time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import itertools
+
+from benchmarks.common import default_model, load_note, phase, warn_if_busy
+from benchmarks.workloads import chat_prompts, describe, output_lengths
+
+GOAL_RATIO = 0.9
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def gaps(times: dict[str, list[float]]) -> list[float]:
+    return [b - a for ts in times.values() for a, b in itertools.pairwise(ts)]
+
+
+def run_offline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
+    from dataplane import SamplingParams
+    from dataplane.cli import engine_config_from_args
+    from dataplane.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args), args.model_home)
+    warm = engine.add_request(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.release(warm.request_id)
+    engine.kv_cache.reset_prefix_cache()
+    start = time.perf_counter()
+    times: dict[str, list[float]] = {}
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), request_id=str(i))
+        times[str(i)] = []
+    tokens: dict[str, list[int]] = {k: [] for k in times}
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        now = time.perf_counter()
+        for rid, token in result.new_tokens.items():
+            times[rid].append(now)
+            tokens[rid].append(token)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "times": times, "tokens": tokens, "start": start}
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--model", args.model, "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs)]
+    argv += [
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--block-size",
+        str(args.block_size),
+    ]
+    argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.model_home:
+        argv += ["--model-home", args.model_home]
+    return argv
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "dataplane.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, *_engine_argv(args)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC on " in line:
+            return proc, line.split("gRPC on ", 1)[1].split()[0]
+    raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
+
+
+async def _serve_phase(address: str, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
+    from clients.python import AsyncGenerationClient, StreamChunk
+
+    async with AsyncGenerationClient(address) as client:
+        await client.generate(prompts[0][:16], max_tokens=4, temperature=0.0, ignore_eos=True)  # warm-up
+        times: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+        tokens: dict[str, list[int]] = {k: [] for k in times}
+
+        async def one(i: int) -> None:
+            stream = client.generate_stream(
+                prompts[i], max_tokens=lengths[i], temperature=0.0, ignore_eos=True, request_id=f"bench-{i}"
+            )
+            async for item in stream:
+                if isinstance(item, StreamChunk) and item.token_ids:
+                    now = time.perf_counter()
+                    times[str(i)].extend([now] * len(item.token_ids))
+                    tokens[str(i)].extend(item.token_ids)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "times": times, "tokens": tokens, "start": start}
+
+
+def summarize(name: str, run: dict[str, Any], total_tokens: int) -> dict[str, float]:
+    ttft = [ts[0] - run["start"] for ts in run["times"].values() if ts]
+    itl = gaps(run["times"])
+    return {
+        "name": name,  # type: ignore[dict-item]
+        "wall_s": run["wall_s"],
+        "tokens_per_s": total_tokens / run["wall_s"],
+        "itl_p50_ms": 1000 * percentile(itl, 50),
+        "itl_p99_ms": 1000 * percentile(itl, 99),
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p99_ms": 1000 * percentile(ttft, 99),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--model-home", default=None)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
+    ap.add_argument("--json", type=Path, default=None, metavar="PATH")
+    args = ap.parse_args(argv)
+    # Fields engine_config_from_args reads that this benchmark does not expose.
+    defaults = dict(
+        dtype="float32",
+        device="cpu",
+        seed=0,
+        max_model_len=None,
+        gpu_memory_utilization=0.9,
+        num_gpu_blocks_override=None,
+        enable_prefix_caching=True,
+        prefix_hash_seed="pagedserve",
+    )
+    for key, value in defaults.items():
+        setattr(args, key, value)
+    loads = load_note()
+    warn_if_busy(loads)
+
+    from transformers import AutoTokenizer
+
+    from dataplane.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, args.model_home))
+    prompts = chat_prompts(tokenizer, n=args.num_prompts)
+    lengths = output_lengths(args.num_prompts, args.min_output, args.max_output)
+    total = sum(lengths)
+    print(describe(prompts, lengths), file=sys.stderr)
+
+    offline = phase("offline engine", lambda: run_offline(args, prompts, lengths))
+    proc, address = phase("start pagedserve serve", lambda: start_server(args))
+    try:
+        served = phase(
+            "served (64 concurrent gRPC streams)",
+            lambda: asyncio.run(_serve_phase(address, prompts, lengths)),
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+
+    rows = [summarize("offline engine", offline, total), summarize("pagedserve serve (gRPC)", served, total)]
+    same = sum(offline["tokens"][k] == served["tokens"][k] for k in offline["tokens"])
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    added_p50 = rows[1]["itl_p50_ms"] - rows[0]["itl_p50_ms"]
+    added_p99 = rows[1]["itl_p99_ms"] - rows[0]["itl_p99_ms"]
+
+    print(
+        f"\n{'run':26} {'tok/s':>8} {'wall s':>7} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['wall_s']:7.1f} {r['itl_p50_ms']:7.1f}ms "
+            f"{r['itl_p99_ms']:7.1f}ms {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms"
+        )
+    verdict = "meets" if ratio >= GOAL_RATIO else "MISSES"
+    print(f"\nserved / offline throughput: {ratio:.3f}x ({verdict} the >= {GOAL_RATIO}x goal)")
+    print(f"added latency per token: p50 {added_p50:+.1f} ms, p99 {added_p99:+.1f} ms")
+    print(f"greedy agreement: {same}/{len(prompts)} requests token-identical; load before: {loads}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "rows": rows,
+            "ratio": ratio,
+            "added_latency_ms": {"p50": added_p50, "p99": added_p99},
+            "identical_requests": same,
+            "num_requests": len(prompts),
+            "output_tokens": total,
+            "load_before": loads,
+        }
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
