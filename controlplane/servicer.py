@@ -72,7 +72,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)  # type: ignore[union-attr]
             vocab = self._vocab_size()
-            bad = [t for t in ids if t >= vocab]
+            bad = [t for t in ids if vocab is not None and t >= vocab]
             if bad:
                 raise invalid_argument(f"prompt.token_ids must be in [0, {vocab}), got {bad[:5]}")
         else:
@@ -81,9 +81,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise invalid_argument("prompt: tokenizes to no tokens")
         return ids
 
-    def _vocab_size(self) -> int:
-        sizes = [c.info.vocab_size for c in self.dispatcher.healthy if c.info and c.info.vocab_size]
-        return max(sizes) if sizes else self.tokenizer.vocab_size
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary size as the data planes reported it (else the tokenizer's)."""
+        links = self.dispatcher.connections.values()
+        sizes = [c.info.vocab_size for c in links if c.info is not None and c.info.vocab_size]
+        return max(sizes) if sizes else (self.tokenizer.vocab_size or None)
 
     def _generation_request(
         self, request: generation_pb2.GenerateRequest, deadline: float | None
@@ -211,7 +213,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             self._check_model(request.model)
             vocab = self._vocab_size()
-            bad = [t for t in request.token_ids if t >= vocab]
+            bad = [t for t in request.token_ids if vocab is not None and t >= vocab]
             if bad:
                 raise invalid_argument(f"token_ids must be in [0, {vocab}), got {bad[:5]}")
         except ServiceError as exc:

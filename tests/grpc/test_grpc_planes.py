@@ -273,3 +273,58 @@ def test_control_plane_killed_mid_load_leaks_nothing_and_a_new_one_serves(tiny: 
             await dp.stop()
 
     asyncio.run(run())
+
+
+def test_request_that_streamed_nothing_is_rerouted_when_its_data_plane_dies(tiny: Path) -> None:
+    async def run() -> None:
+        dps = [await start_dataplane(engine_config(tiny), name=f"dp{i}") for i in range(2)]
+        cp = await start_controlplane(tiny, [d.address for d in dps])
+        first = min(dps, key=lambda d: d.address)  # idle tie: the router picks the lower address
+        other = dps[1 - dps.index(first)]
+        try:
+            first.loop._post(lambda: time.sleep(1.0))  # stall its engine: nothing streams yet
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                task = asyncio.create_task(client.generate(prompt(3, 12), max_tokens=6, temperature=0.0))
+                await asyncio.sleep(0.3)
+                assert first.address in {h.connection.address for h in _handles(cp)}
+                await first.server.stop(0)  # the data plane goes away before its first token
+                out = await asyncio.wait_for(task, 20)
+                assert out[0].completion_tokens == 6
+            assert other.loop.engine.kv_cache.prefix_cache_stats.requests == 1  # type: ignore[attr-defined]
+            await wait_idle(other.address)
+        finally:
+            await cp.stop()
+            for d in dps:
+                await d.stop()
+
+    asyncio.run(run())
+
+
+def _handles(cp):  # type: ignore[no-untyped-def]
+    return [h for link in cp.dispatcher.connections.values() for h in link.handles.values()]
+
+
+def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
+    from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny))
+        cp = await start_controlplane(tiny, [dp.address])
+        try:
+            async with grpc.aio.insecure_channel(dp.address) as channel:
+                stub = dataplane_pb2_grpc.DataPlaneServiceStub(channel)
+                drained = await stub.Drain(dataplane_pb2.DrainRequest(wait=True), timeout=10)
+                assert drained.num_remaining == 0
+            await asyncio.sleep(0.2)
+            assert cp.dispatcher.healthy == []
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate([5, 6, 7], max_tokens=2)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no data plane" in (err.value.details() or "")
+            assert (await get_state(dp.address)).snapshot.stats.draining
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
