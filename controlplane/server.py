@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controlplane.config import ControlPlaneConfig
 from controlplane.dispatcher import Dispatcher
+from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
 from controlplane.servicer import GenerationServicer
 from controlplane.tokenizer import Tokenizer
@@ -60,7 +61,7 @@ async def _start_grpc(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(dispatcher, tokenizer, model_name), server
+        GenerationServicer(Frontend(dispatcher, tokenizer, model_name)), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,193 @@
+"""What every client-facing API shares: prompt handling, validation and the per-request stream.
+
+The gRPC `GenerationService` and the OpenAI HTTP routes both build a `GenerationRequest`
+here and consume `Frontend.stream()`: text deltas (detokenized incrementally, stop strings
+applied) and one `CompletionDone` per completion index. Transport-specific framing stays in
+the servicer and the HTTP routes. No torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from controlplane.detokenizer import IncrementalDetokenizer
+from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
+from controlplane.errors import ServiceError, invalid_argument
+from controlplane.tokenizer import Tokenizer
+from dataplane.server.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
+from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionDone:
+    index: int
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_string: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    e2e_seconds: float
+
+
+StreamEvent = TextDelta | CompletionDone
+
+
+@dataclass
+class _Completion:
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    done: bool = False
+
+
+class Frontend:
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str) -> None:
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    # -- validation -----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise ServiceError(
+                "NOT_FOUND", f"model: {model!r} is not served here (this server serves {self.model_name!r})"
+            )
+
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size as the data planes reported it (else the tokenizer's)."""
+        links = self.dispatcher.connections.values()
+        sizes = [c.info.vocab_size for c in links if c.info is not None and c.info.vocab_size]
+        return max(sizes) if sizes else (self.tokenizer.vocab_size or None)
+
+    def encode_text(self, text: str, field_name: str = "prompt.text") -> list[int]:
+        if not text:
+            raise invalid_argument(f"{field_name} must not be empty")
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as exc:
+            raise invalid_argument(f"{field_name}: {exc}") from None
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], field_name: str = "prompt.chat.messages"
+    ) -> list[int]:
+        if not messages:
+            raise invalid_argument(f"{field_name} must not be empty")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise invalid_argument(f"{field_name}[{i}].role must be one of {', '.join(CHAT_ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise invalid_argument(f"{field_name}[{i}].content must be a string")
+        try:
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
+        except ValueError as exc:
+            raise invalid_argument(f"{field_name}: {exc}") from None
+
+    def check_token_ids(self, ids: Sequence[int], field_name: str = "prompt.token_ids") -> list[int]:
+        vocab = self.vocab_size()
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise invalid_argument(f"{field_name} must be in [0, {vocab}), got {bad[:5]}")
+        if not ids:
+            raise invalid_argument(f"{field_name} must not be empty")
+        return list(ids)
+
+    def request(
+        self,
+        prompt_token_ids: list[int],
+        params: common_pb2.SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+        params_field: str = "sampling_params",
+    ) -> GenerationRequest:
+        """Validate the sampling parameters and build the dispatcher's request."""
+        try:
+            engine_params = sampling_params_from_proto(params)
+        except ValueError as exc:
+            raise invalid_argument(f"{params_field}.{exc}" if params_field else str(exc)) from None
+        stop = tuple(params.stop)
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise invalid_argument(
+                f"{params_field + '.' if params_field else ''}stop: at most {MAX_STOP_STRINGS} non-empty strings"
+            )
+        if request_id is not None and len(request_id) > 256:
+            raise invalid_argument("request_id: at most 256 characters")
+        if not prompt_token_ids:
+            raise invalid_argument("prompt: tokenizes to no tokens")
+        return GenerationRequest(
+            request_id=request_id or f"req-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            num_samples=engine_params.num_samples,
+            max_tokens=engine_params.max_tokens,
+            cache_salt=cache_salt or None,
+            deadline=deadline,
+        )
+
+    # -- the stream -----------------------------------------------------------------------------
+    async def stream(self, gen: GenerationRequest, start: float | None = None) -> AsyncIterator[StreamEvent]:
+        """Text deltas and one CompletionDone per index; raises ServiceError. Leaving early
+        (or being cancelled) aborts what still runs on the data plane."""
+        start = time.monotonic() if start is None else start
+        stop = tuple(gen.sampling_params.stop)
+        completions = [
+            _Completion(IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, stop))
+            for _ in range(gen.num_samples)
+        ]
+        queue_seconds = 0.0
+        events = self.dispatcher.generate(gen)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Admitted):
+                    queue_seconds = event.queue_seconds
+                    continue
+                c = completions[event.index]
+                if c.done:
+                    continue  # this sample already matched a stop string
+                if isinstance(event, dataplane_pb2.TokenDelta):
+                    c.num_tokens += len(event.token_ids)
+                    c.cached_tokens = event.num_cached_tokens
+                    c.first_token_time = c.first_token_time or time.monotonic()
+                    text = c.detokenizer.add(list(event.token_ids))
+                    yield TextDelta(event.index, tuple(event.token_ids), text, tuple(event.logprobs))
+                    if not c.detokenizer.stopped:
+                        continue
+                    reason, completion_tokens, cached = "stop", c.num_tokens, c.cached_tokens
+                else:
+                    tail = c.detokenizer.flush()
+                    if tail:
+                        yield TextDelta(event.index, (), tail)
+                    reason = FINISH_REASON_NAMES.get(event.finish_reason, "abort")
+                    completion_tokens, cached = event.usage.completion_tokens, event.usage.cached_tokens
+                c.done = True
+                yield CompletionDone(
+                    index=event.index,
+                    finish_reason=reason,
+                    stop_string=c.detokenizer.stop_string,
+                    prompt_tokens=len(gen.prompt_token_ids),
+                    completion_tokens=completion_tokens,
+                    cached_tokens=cached,
+                    queue_seconds=queue_seconds,
+                    time_to_first_token_seconds=(c.first_token_time - start) if c.first_token_time else 0.0,
+                    e2e_seconds=time.monotonic() - start,
+                )
+                if all(x.done for x in completions):
+                    return  # leaving the `aclosing` block aborts what still runs on the data plane
