@@ -1,4 +1,4 @@
-"""The control plane's HTTP port: health now; /metrics and the OpenAI API mount here too.
+"""The control plane's HTTP port: health probes and the OpenAI-compatible API (and /metrics).
 
 uvicorn runs inside the control plane's own event loop (beside the grpc.aio server), on a
 socket bound before start so an ephemeral port (0) is known to the caller.
@@ -15,11 +15,16 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from controlplane.dispatcher import Dispatcher
+from controlplane.frontend import Frontend
+from controlplane.openai.routes import OpenAIRoutes, install_error_handlers
 
 
-def create_app(dispatcher: Dispatcher, model_name: str) -> FastAPI:
+def create_app(frontend: Frontend) -> FastAPI:
+    """Health and liveness probes plus the OpenAI-compatible API."""
+    dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(OpenAIRoutes(frontend).router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -48,21 +48,17 @@ class ControlPlane:
         await self.dispatcher.stop()
 
 
-async def create_server(
-    dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0"
-) -> tuple[grpc.aio.Server, int]:
+async def create_server(frontend: Frontend, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
     """A started gRPC server with GenerationService, health and reflection; returns it and its port."""
-    server, port, _ = await _start_grpc(dispatcher, tokenizer, model_name, address)
+    server, port, _ = await _start_grpc(frontend, address)
     return server, port
 
 
 async def _start_grpc(
-    dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, address: str
+    frontend: Frontend, address: str
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(Frontend(dispatcher, tokenizer, model_name)), server
-    )
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -96,13 +92,12 @@ async def start_control_plane(
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     dispatcher = Dispatcher(config)
     await dispatcher.start()
-    server, port, health_servicer = await _start_grpc(
-        dispatcher, tokenizer, config.model, f"{host}:{grpc_port}"
-    )
+    frontend = Frontend(dispatcher, tokenizer, config.model)
+    server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}")
     health_task = asyncio.create_task(_track_health(dispatcher, health_servicer))
     http = None
     if http_port is not None:
-        http = HttpServer(create_app(dispatcher, config.model), host, http_port)
+        http = HttpServer(create_app(frontend), host, http_port)
         await http.start()
     return ControlPlane(dispatcher, server, port, http, health_task)
 

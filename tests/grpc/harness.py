@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,3 +137,39 @@ def controlplane_process(model: Path, dataplanes: Sequence[str]) -> Process:
     for address in dataplanes:
         argv += ["--dataplane", address]
     return Process(argv, "gRPC on ")
+
+
+class ServerThread:
+    """A data plane and a control plane (gRPC + HTTP) on an event loop in a background thread,
+    so synchronous clients (the official `openai` package) can call them from the test."""
+
+    def __init__(self, config: EngineConfig, model: str | Path, **cp_kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.dataplane: DataPlane = self._run(start_dataplane(config))
+        config_cp = ControlPlaneConfig(model=str(model), dataplanes=(self.dataplane.address,), **cp_kwargs)
+        self.controlplane: ControlPlane = self._run(self._start_cp(config_cp))
+        self.grpc_address = f"127.0.0.1:{self.controlplane.grpc_port}"
+        self.http_url = f"http://127.0.0.1:{self.controlplane.http_port}"
+
+    @staticmethod
+    async def _start_cp(config: ControlPlaneConfig) -> ControlPlane:
+        cp = await start_control_plane(config, "127.0.0.1", 0, http_port=0)
+        assert await cp.dispatcher.wait_ready(10.0)
+        return cp
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=120)
+
+    def state(self) -> dataplane_pb2.GetStateResponse:
+        return self._run(get_state(self.dataplane.address))  # type: ignore[no-any-return]
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dataplane_pb2.GetStateResponse:
+        return self._run(wait_idle(self.dataplane.address, timeout_s))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._run(self.controlplane.stop())
+        self._run(self.dataplane.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
