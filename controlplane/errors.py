@@ -24,6 +24,7 @@ class ServiceError(Exception):
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.counted = False  # set once a failure metric has recorded it
 
     @property
     def http_status(self) -> int:

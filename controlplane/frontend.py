@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from controlplane.detokenizer import IncrementalDetokenizer
 from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
+from controlplane.metrics import ControlPlaneMetrics
 from controlplane.tokenizer import Tokenizer
 from dataplane.server.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
@@ -55,14 +56,22 @@ class _Completion:
     num_tokens: int = 0
     cached_tokens: int = 0
     first_token_time: float | None = None
+    last_token_time: float | None = None
     done: bool = False
 
 
 class Frontend:
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        tokenizer: Tokenizer,
+        model_name: str,
+        metrics: ControlPlaneMetrics | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
 
     # -- validation -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -146,7 +155,21 @@ class Frontend:
     async def stream(self, gen: GenerationRequest, start: float | None = None) -> AsyncIterator[StreamEvent]:
         """Text deltas and one CompletionDone per index; raises ServiceError. Leaving early
         (or being cancelled) aborts what still runs on the data plane."""
-        start = time.monotonic() if start is None else start
+        try:
+            async for event in self._stream(gen, time.monotonic() if start is None else start):
+                yield event
+        except ServiceError as exc:
+            self.record_failure(exc)
+            raise
+
+    def record_failure(self, exc: ServiceError) -> None:
+        """Count a refused or failed request once, whichever layer saw it first."""
+        if not exc.counted:
+            exc.counted = True
+            self.metrics.failure(exc.code)
+
+    async def _stream(self, gen: GenerationRequest, start: float) -> AsyncIterator[StreamEvent]:
+        metrics = self.metrics
         stop = tuple(gen.sampling_params.stop)
         completions = [
             _Completion(IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, stop))
@@ -158,14 +181,20 @@ class Frontend:
             async for event in events:
                 if isinstance(event, Admitted):
                     queue_seconds = event.queue_seconds
+                    metrics.queue_time.observe(queue_seconds)
                     continue
                 c = completions[event.index]
                 if c.done:
                     continue  # this sample already matched a stop string
                 if isinstance(event, dataplane_pb2.TokenDelta):
+                    now = time.monotonic()
                     c.num_tokens += len(event.token_ids)
                     c.cached_tokens = event.num_cached_tokens
-                    c.first_token_time = c.first_token_time or time.monotonic()
+                    c.first_token_time = c.first_token_time or now
+                    if c.last_token_time is not None:
+                        metrics.itl.observe(now - c.last_token_time)
+                    c.last_token_time = now
+                    metrics.generation_tokens.inc(len(event.token_ids))
                     text = c.detokenizer.add(list(event.token_ids))
                     yield TextDelta(event.index, tuple(event.token_ids), text, tuple(event.logprobs))
                     if not c.detokenizer.stopped:
@@ -177,8 +206,9 @@ class Frontend:
                         yield TextDelta(event.index, (), tail)
                     reason = FINISH_REASON_NAMES.get(event.finish_reason, "abort")
                     completion_tokens, cached = event.usage.completion_tokens, event.usage.cached_tokens
+                first_of_request = not any(x.done for x in completions)
                 c.done = True
-                yield CompletionDone(
+                done = CompletionDone(
                     index=event.index,
                     finish_reason=reason,
                     stop_string=c.detokenizer.stop_string,
@@ -189,5 +219,14 @@ class Frontend:
                     time_to_first_token_seconds=(c.first_token_time - start) if c.first_token_time else 0.0,
                     e2e_seconds=time.monotonic() - start,
                 )
+                metrics.completion(
+                    reason,
+                    done.prompt_tokens,
+                    completion_tokens,
+                    done.time_to_first_token_seconds,
+                    done.e2e_seconds,
+                    first_of_request,
+                )
+                yield done
                 if all(x.done for x in completions):
                     return  # leaving the `aclosing` block aborts what still runs on the data plane

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controlplane.frontend import Frontend
 from controlplane.openai.routes import OpenAIRoutes, install_error_handlers
@@ -23,8 +24,12 @@ def create_app(frontend: Frontend) -> FastAPI:
     """Health and liveness probes plus the OpenAI-compatible API."""
     dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
-    install_error_handlers(app)
+    install_error_handlers(app, frontend)
     app.include_router(OpenAIRoutes(frontend).router)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -86,6 +86,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         ),
                     )
         except ServiceError as exc:
+            self.frontend.record_failure(exc)
             await abort_with(context, exc)
 
     async def Tokenize(

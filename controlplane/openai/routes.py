@@ -53,7 +53,7 @@ def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -61,10 +61,13 @@ def install_error_handlers(app: FastAPI) -> None:
         message = (
             f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request"))
         )
-        return error_response(invalid_argument(message), param=loc or None)
+        error = invalid_argument(message)
+        frontend.record_failure(error)
+        return error_response(error, param=loc or None)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        frontend.record_failure(exc)
         return error_response(exc)
 
 

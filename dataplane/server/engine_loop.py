@@ -24,7 +24,13 @@ from typing import Any, Protocol
 
 from dataplane.log import get_logger
 from dataplane.scheduler.request import Request
-from dataplane.server.protocol import FINISH_REASONS, kv_event_to_proto, sampling_params_from_proto
+from dataplane.server.metrics import DataPlaneMetrics
+from dataplane.server.protocol import (
+    FINISH_REASON_NAMES,
+    FINISH_REASONS,
+    kv_event_to_proto,
+    sampling_params_from_proto,
+)
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
@@ -119,6 +125,13 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: BaseException | None = None
+        cache_info = {
+            "block_size": str(identity.block_size),
+            "num_gpu_blocks": str(identity.num_blocks),
+            "kv_cache_dtype": identity.kv_cache_dtype,
+            "enable_prefix_caching": str(identity.enable_prefix_caching).lower(),
+        }
+        self.metrics = DataPlaneMetrics(engine, cache_info, lambda: self._num_aborted)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,7 +206,10 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
+        started = time.perf_counter()
         result = self.engine.step()
+        self.metrics.step.observe(time.perf_counter() - started)
+        self.metrics.generated(len(result.new_tokens))
         self._stats_dirty = True
         for engine_id, token_id in result.new_tokens.items():
             group = self._groups.get(engine_id.split("#", 1)[0])
@@ -234,10 +250,18 @@ class EngineLoop:
     def _finished_msg(self, group: _Group, request: Request) -> dataplane_pb2.RequestFinished:
         end = request.finish_time or time.monotonic()
         first = request.first_token_time
+        reason = FINISH_REASONS.get(request.status, common_pb2.FINISH_REASON_ABORT)
+        self.metrics.finished(
+            FINISH_REASON_NAMES[reason],
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            (first - request.arrival_time) if first else 0.0,
+            end - request.arrival_time,
+        )
         return dataplane_pb2.RequestFinished(
             request_id=group.request_id,
             index=group.index_of[request.request_id],
-            finish_reason=FINISH_REASONS.get(request.status, common_pb2.FINISH_REASON_ABORT),
+            finish_reason=reason,
             usage=common_pb2.Usage(
                 prompt_tokens=request.num_prompt_tokens,
                 completion_tokens=request.num_output_tokens,
@@ -348,11 +372,9 @@ class EngineLoop:
         samples = self.engine.samples_of(group.engine_id)
         self.engine.abort_request(group.engine_id)
         self._num_aborted += 1
+        finished = [self._finished_msg(group, r) for r in samples if r.request_id in group.unfinished]
         if notify:
-            box = self._outbox(stream_id)
-            for request in samples:
-                if request.request_id in group.unfinished:
-                    box.finished.append(self._finished_msg(group, request))
+            self._outbox(stream_id).finished.extend(finished)
         self._forget(group)
         self._stats_dirty = True
 

@@ -18,6 +18,9 @@ def add_dataplane_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--dataplane-id", default=None, help="name reported to control planes (default host-pid)")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: any)"
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_dataplane)
 
@@ -27,5 +30,5 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     from dataplane.server.server import build_engine_loop, serve
 
     engine_loop = build_engine_loop(engine_config_from_args(args), args.model_home, args.dataplane_id)
-    asyncio.run(serve(engine_loop, f"{args.host}:{args.port}"))
+    asyncio.run(serve(engine_loop, f"{args.host}:{args.port}", metrics_port=args.metrics_port))
     return 0

@@ -75,10 +75,17 @@ async def create_server(engine_loop: EngineLoop, address: str = "127.0.0.1:0") -
     return server, port
 
 
-async def serve(engine_loop: EngineLoop, address: str, grace_s: float = 5.0) -> None:
+async def serve(
+    engine_loop: EngineLoop, address: str, metrics_port: int | None = None, grace_s: float = 5.0
+) -> None:
     """Run until SIGINT/SIGTERM, then stop accepting, end the streams and stop the loop."""
     server, port = await create_server(engine_loop, address)
     host = address.rsplit(":", 1)[0]
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        http, _ = start_http_server(metrics_port, addr=host, registry=engine_loop.metrics.registry)
+        print(f"pagedserve dataplane metrics on http://{host}:{http.server_port}/metrics", flush=True)
     log.info("dataplane_serving", address=f"{host}:{port}", dataplane_id=engine_loop.identity.dataplane_id)
     print(f"pagedserve dataplane listening on {host}:{port}", flush=True)
     stop = asyncio.Event()

@@ -1,0 +1,194 @@
+"""The control plane's Prometheus metrics, served on its HTTP port at /metrics. No torch.
+
+Latencies are measured here, as clients see them (queue, time to first token, time per
+output token, inter-token latency, end to end). The data planes' state (KV usage, running
+and waiting requests, prefix-cache counters, preemptions) is read at scrape time from what
+each data plane last reported on its stream, labelled `dataplane="HOST:PORT"`, so one scrape
+of a `pagedserve serve` shows the whole system. Names: see dataplane/server/metrics.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from dataplane.server.metrics import LATENCY_BUCKETS, PREFIX, TOKEN_LATENCY_BUCKETS
+
+
+class _DataPlaneCollector(Collector):
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+
+    def collect(self) -> Iterator[Any]:
+        links = list(self.dispatcher.connections.values())
+
+        def family(kind: Callable[..., Any], name: str, doc: str, value: Callable[[Any], float]) -> Any:
+            metric = kind(PREFIX + name, doc, labels=["dataplane"])
+            for link in links:
+                if link.info is not None:
+                    metric.add_metric([link.address], value(link))
+            return metric
+
+        total = lambda link: link.stats.total_blocks or link.info.num_blocks  # noqa: E731
+        yield family(
+            GaugeMetricFamily,
+            "kv_cache_usage_perc",
+            "Fraction of the data plane's KV blocks in use (1 = full).",
+            lambda c: 1 - c.stats.free_blocks / total(c) if total(c) else 0.0,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "kv_cache_free_blocks",
+            "Free KV blocks the data plane reported.",
+            lambda c: c.stats.free_blocks,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "kv_cache_reserved_blocks",
+            "KV blocks this replica reserved for admitted requests not yet reported.",
+            lambda c: c.budget.reserved_blocks,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "num_requests_running",
+            "Requests in the data plane's running batch.",
+            lambda c: c.stats.num_running,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "num_requests_waiting",
+            "Requests waiting inside the data plane.",
+            lambda c: c.stats.num_waiting,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "prefix_cache_hit_rate",
+            "Prefix-cache hit rate (tokens) the data plane reported.",
+            lambda c: (
+                c.stats.prefix_cache_hits / c.stats.prefix_cache_queries
+                if c.stats.prefix_cache_queries
+                else 0.0
+            ),
+        )
+        yield family(
+            CounterMetricFamily,
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            lambda c: c.stats.prefix_cache_queries,
+        )
+        yield family(
+            CounterMetricFamily,
+            "prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            lambda c: c.stats.prefix_cache_hits,
+        )
+        yield family(
+            CounterMetricFamily,
+            "num_preemptions",
+            "Requests preempted on the data plane.",
+            lambda c: c.stats.num_preemptions,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "dataplane_up",
+            "1 while the data plane's stream is connected and it is not draining.",
+            lambda c: float(c.healthy),
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "num_requests_queued",
+            "Requests in this control plane's admission queue.",
+            value=len(self.dispatcher.admission),
+        )
+        info = InfoMetricFamily(
+            PREFIX + "cache_config", "KV cache configuration of each data plane.", labels=["dataplane"]
+        )
+        for link in links:
+            if link.info is not None:
+                info.add_metric(
+                    [link.address],
+                    {
+                        "block_size": str(link.info.block_size),
+                        "num_gpu_blocks": str(link.info.num_blocks),
+                        "kv_cache_dtype": link.info.kv_cache_dtype,
+                        "enable_prefix_caching": str(link.info.enable_prefix_caching).lower(),
+                    },
+                )
+        yield info
+
+
+class ControlPlaneMetrics:
+    def __init__(self, dispatcher: Any | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        if dispatcher is not None:
+            self.registry.register(_DataPlaneCollector(dispatcher))
+        r = self.registry
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished completions by reason.", ["finished_reason"], registry=r
+        )
+        self.request_failure = Counter(
+            PREFIX + "request_failure",
+            "Requests refused or failed, by gRPC status code.",
+            ["code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens streamed to clients.", registry=r
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time in the admission queue.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Request received to first token sent.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            registry=r,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Gap between consecutive token deltas.",
+            registry=r,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request received to completion.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+
+    def completion(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft: float,
+        e2e: float,
+        first_of_request: bool,
+    ) -> None:
+        self.request_success.labels(finished_reason=reason).inc()
+        if first_of_request:
+            self.prompt_tokens.inc(prompt_tokens)
+        if ttft > 0:
+            self.ttft.observe(ttft)
+            if completion_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (completion_tokens - 1))
+        self.e2e.observe(e2e)
+
+    def failure(self, code: str) -> None:
+        self.request_failure.labels(code=code).inc()

@@ -1,0 +1,161 @@
+"""The data plane's Prometheus metrics (one registry per process). Imports no torch.
+
+Names follow the seed document's vLLM metrics under our prefix, with `_` instead of `:`:
+`promtool check metrics` (and Prometheus' naming rules) reserve colons for recording rules,
+so `vllm:kv_cache_usage_perc` becomes `pagedserve_kv_cache_usage_perc`.
+
+Gauges and cumulative counters are read from the engine when Prometheus scrapes (a custom
+collector: nothing to keep in sync); latency histograms are observed by the engine loop as
+requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedserve_"
+# Seconds; covers sub-10 ms decode steps on a GPU up to minute-long CPU requests.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+    160,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+)
+
+
+class _EngineCollector(Collector):
+    """Scrape-time view of the pool, the scheduler and the prefix cache."""
+
+    def __init__(self, engine: Any, info: dict[str, str], aborted: Any) -> None:
+        self.engine = engine
+        self.info = info
+        self.aborted = aborted
+
+    def collect(self) -> Iterator[Any]:
+        pool, kv, sched = self.engine.pool, self.engine.kv_cache, self.engine.scheduler
+        stats = kv.prefix_cache_stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", pool.usage)
+        yield gauge(
+            "kv_cache_token_usage_perc",
+            "Fraction of the slots of used blocks that hold a token.",
+            kv.token_usage,
+        )
+        yield gauge(
+            "kv_cache_free_blocks",
+            "KV blocks an allocation can take now (evictable cached included).",
+            pool.num_free_blocks,
+        )
+        yield gauge(
+            "kv_cache_cached_blocks", "KV blocks holding a prefix-cache hash.", pool.num_cached_blocks
+        )
+        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield gauge(
+            "num_requests_waiting", "Requests waiting for KV blocks or a batch slot.", sched.num_waiting
+        )
+        yield gauge(
+            "prefix_cache_hit_rate",
+            "Prefix-cache hits / queries, in tokens, over first admissions.",
+            stats.hit_rate,
+        )
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.hits)
+        yield counter(
+            "num_preemptions", "Requests preempted (blocks freed, recomputed later).", sched.num_preemptions
+        )
+        yield counter("num_aborted_requests", "Requests aborted before they finished.", self.aborted())
+        info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
+        info.add_metric([], self.info)
+        yield info
+
+
+class DataPlaneMetrics:
+    def __init__(self, engine: Any, cache_info: dict[str, str], aborted: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine, cache_info, aborted))
+        r = self.registry
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first token.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            registry=r,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.step = Histogram(
+            PREFIX + "engine_step_seconds",
+            "Duration of one engine step.",
+            registry=r,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+
+    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float, e2e: float) -> None:
+        self.request_success.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        if ttft > 0:
+            self.ttft.observe(ttft)
+            if output_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (output_tokens - 1))
+        self.e2e.observe(e2e)
+
+    def generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
