@@ -113,6 +113,7 @@ class DataPlaneConnection:
         prompt_token_ids: list[int],
         sampling_params: common_pb2.SamplingParams,
         cache_salt: str | None,
+        trace_context: dict[str, str] | None = None,
     ) -> RequestHandle:
         if not self.healthy or self._outgoing is None:
             raise RuntimeError(f"data plane {self.address} is not connected")
@@ -128,6 +129,7 @@ class DataPlaneConnection:
                     prompt_token_ids=prompt_token_ids,
                     sampling_params=params,
                     cache_salt=cache_salt or "",
+                    trace_context=trace_context or {},
                 )
             )
         )

@@ -22,9 +22,11 @@ from controlplane.prefix_index import PrefixIndex
 from controlplane.router import Candidate, choose
 from dataplane.kvcache.block_hash import first_block_extra_keys, hash_request_blocks
 from dataplane.log import get_logger
+from dataplane.telemetry import extract, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -40,6 +42,7 @@ class GenerationRequest:
     max_tokens: int
     cache_salt: str | None = None
     deadline: float | None = None  # time.monotonic() value
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C context of the request span
     _hashes: dict[tuple[int, str], list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int, seed: str) -> list[bytes]:
@@ -209,13 +212,30 @@ class Dispatcher:
         sample). Raises ServiceError. Closing the generator early aborts the request."""
         exclude: set[str] = set()
         streamed = False
+        parent = extract(request.trace_context)
         while True:
             remaining = None if request.deadline is None else request.deadline - time.monotonic()
-            placement, waited = await self.admission.admit(lambda: self._place(request, exclude), remaining)
-            link = placement.connection
+            with _tracer.start_as_current_span("pagedserve.admission", context=parent) as span:
+                placement, waited = await self.admission.admit(
+                    lambda: self._place(request, exclude), remaining
+                )
+                link = placement.connection
+                span.set_attributes(
+                    {
+                        "pagedserve.queue_seconds": waited,
+                        "pagedserve.dataplane": link.address,
+                        "pagedserve.cached_blocks": placement.cached_blocks,
+                        "pagedserve.reserved_blocks": placement.need_blocks,
+                        "pagedserve.attempt": len(exclude) + 1,
+                    }
+                )
             try:
                 handle = link.submit(
-                    request.request_id, request.prompt_token_ids, request.sampling_params, request.cache_salt
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.cache_salt,
+                    request.trace_context,
                 )
             except RuntimeError:  # the link broke between placement and submit
                 link.budget.release(request.request_id)

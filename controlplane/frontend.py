@@ -14,13 +14,22 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from controlplane.detokenizer import IncrementalDetokenizer
 from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.tokenizer import Tokenizer
+from dataplane.log import get_logger
 from dataplane.server.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
+from dataplane.telemetry import inject, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+
+log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -152,15 +161,54 @@ class Frontend:
         )
 
     # -- the stream -----------------------------------------------------------------------------
-    async def stream(self, gen: GenerationRequest, start: float | None = None) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, gen: GenerationRequest, start: float | None = None, parent: otel_context.Context | None = None
+    ) -> AsyncIterator[StreamEvent]:
         """Text deltas and one CompletionDone per index; raises ServiceError. Leaving early
-        (or being cancelled) aborts what still runs on the data plane."""
-        try:
-            async for event in self._stream(gen, time.monotonic() if start is None else start):
-                yield event
-        except ServiceError as exc:
-            self.record_failure(exc)
-            raise
+        (or being cancelled) aborts what still runs on the data plane.
+
+        The whole request is one span (`pagedserve.request`, a child of the client's trace
+        context `parent` if it sent one); the admission, the data plane's prefill and decode
+        are its children, the latter across the internal gRPC stream.
+        """
+        start = time.monotonic() if start is None else start
+        attributes: dict[str, str | int] = {
+            "pagedserve.request_id": gen.request_id,
+            "pagedserve.prompt_tokens": len(gen.prompt_token_ids),
+            "pagedserve.max_tokens": gen.max_tokens,
+            "pagedserve.num_samples": gen.num_samples,
+            "gen_ai.request.model": self.model_name,
+        }
+        with _tracer.start_as_current_span(
+            "pagedserve.request", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        ) as span:
+            gen.trace_context = inject()
+            with structlog.contextvars.bound_contextvars(request_id=gen.request_id):
+                try:
+                    async for event in self._stream(gen, start):
+                        if isinstance(event, CompletionDone):
+                            span.set_attribute(
+                                f"pagedserve.completion.{event.index}.finish_reason", event.finish_reason
+                            )
+                            span.set_attribute(
+                                f"pagedserve.completion.{event.index}.tokens", event.completion_tokens
+                            )
+                            log.info(
+                                "request_finished",
+                                index=event.index,
+                                finish_reason=event.finish_reason,
+                                prompt_tokens=event.prompt_tokens,
+                                cached_tokens=event.cached_tokens,
+                                completion_tokens=event.completion_tokens,
+                                ttft_s=round(event.time_to_first_token_seconds, 4),
+                                e2e_s=round(event.e2e_seconds, 4),
+                            )
+                        yield event
+                except ServiceError as exc:
+                    self.record_failure(exc)
+                    span.set_status(Status(StatusCode.ERROR, exc.code))
+                    log.info("request_failed", code=exc.code, reason=exc.message)
+                    raise
 
     def record_failure(self, exc: ServiceError) -> None:
         """Count a refused or failed request once, whichever layer saw it first."""

@@ -79,7 +79,9 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
 async def _run_controlplane(config: Any, args: argparse.Namespace, wait_s: float) -> None:
     from controlplane.server import run_until_signalled, start_control_plane
+    from dataplane.telemetry import configure_tracing
 
+    configure_tracing("pagedserve-controlplane")
     cp = await start_control_plane(config, args.host, args.grpc_port, args.http_port)
     if wait_s:
         await cp.dispatcher.wait_ready(wait_s)

@@ -10,6 +10,7 @@ import grpc
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend
 from dataplane.log import get_logger
+from dataplane.telemetry import extract
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -55,7 +56,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 deadline=None if remaining is None else start + remaining,
             )
             rid = gen.request_id
-            async for event in self.frontend.stream(gen, start):
+            parent = extract(context.invocation_metadata() or ())
+            async for event in self.frontend.stream(gen, start, parent):
                 if isinstance(event, CompletionDone):
                     yield generation_pb2.GenerateResponse(
                         request_id=rid,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -11,6 +12,15 @@ import structlog
 from dataplane import env
 
 _configured = False
+
+
+def _add_trace_ids(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Every line logged inside a traced request carries its trace_id and span_id."""
+    from dataplane.telemetry import trace_ids
+
+    for key, value in trace_ids().items():
+        event.setdefault(key, value)
+    return event
 
 
 def configure_logging() -> None:
@@ -23,6 +33,7 @@ def configure_logging() -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             renderer,

@@ -26,6 +26,7 @@ from controlplane.dispatcher import GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
+from dataplane.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
 
 _DISCONNECT_POLL_S = 0.5
@@ -156,17 +157,20 @@ class OpenAIRoutes:
             for i, prompt in enumerate(prompts)
         ]
 
-    async def _merged(self, gens: list[GenerationRequest], n: int) -> AsyncIterator[StreamEvent]:
+    async def _merged(
+        self, gens: list[GenerationRequest], n: int, http: Request
+    ) -> AsyncIterator[StreamEvent]:
         """Events of several prompts' streams, choice index = prompt index × n + sample."""
+        parent = extract(http.headers.items())
         if len(gens) == 1:
-            async for event in self.frontend.stream(gens[0]):
+            async for event in self.frontend.stream(gens[0], parent=parent):
                 yield event
             return
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, gen: GenerationRequest) -> None:
             try:
-                async for event in self.frontend.stream(gen):
+                async for event in self.frontend.stream(gen, parent=parent):
                     await queue.put((i, event))
                 await queue.put((i, None))
             except BaseException as exc:  # delivered to the consumer, which re-raises it
@@ -308,7 +312,7 @@ class OpenAIRoutes:
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
             return base([], _usage(done, body.n))
 
-        events = self._merged(gens, body.n)
+        events = self._merged(gens, body.n, http)
         return await self._respond(
             http,
             events,
@@ -412,7 +416,7 @@ class OpenAIRoutes:
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
             return base([], "chat.completion.chunk", _usage(done, body.n))
 
-        events = self._merged(gens, body.n)
+        events = self._merged(gens, body.n, http)
         return await self._respond(
             http,
             events,

@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, set_span_in_context
+
 from dataplane.log import get_logger
 from dataplane.scheduler.request import Request
 from dataplane.server.metrics import DataPlaneMetrics
@@ -31,9 +33,11 @@ from dataplane.server.protocol import (
     kv_event_to_proto,
     sampling_params_from_proto,
 )
+from dataplane.telemetry import extract, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 Sink = Callable[[dataplane_pb2.ConnectResponse | None], None]
 """Receives a stream's responses in order; None means the loop is gone (end the stream)."""
@@ -80,6 +84,9 @@ class _Group:
     index_of: dict[str, int]  # sample engine id -> completion index
     unfinished: set[str]
     wants_logprobs: bool
+    span: Span = INVALID_SPAN  # pagedserve.dataplane.request
+    phase: Span = INVALID_SPAN  # pagedserve.prefill, then pagedserve.decode
+    decoding: bool = False
 
 
 @dataclass
@@ -220,6 +227,11 @@ class EngineLoop:
             )
             request = self._sample(group, engine_id)
             delta.num_cached_tokens = request.num_cached_tokens
+            if not group.decoding:  # the prompt is computed: prefill ends, decode begins
+                group.decoding = True
+                group.phase.set_attribute("pagedserve.cached_tokens", request.num_cached_tokens)
+                group.phase.end()
+                group.phase = _tracer.start_span("pagedserve.decode", context=set_span_in_context(group.span))
             if group.wants_logprobs:
                 delta.logprobs.append(self._last_logprob(request))
             self._outbox(group.stream_id).deltas.append(delta)
@@ -272,7 +284,18 @@ class EngineLoop:
             num_preemptions=request.num_preemptions,
         )
 
-    def _forget(self, group: _Group) -> None:
+    def _forget(self, group: _Group, samples: list[Request] | None = None) -> None:
+        samples = self.engine.samples_of(group.engine_id) if samples is None else samples
+        group.phase.end()
+        group.span.set_attributes(
+            {
+                "pagedserve.completion_tokens": sum(r.num_output_tokens for r in samples),
+                "pagedserve.cached_tokens": samples[0].num_cached_tokens if samples else 0,
+                "pagedserve.num_preemptions": sum(r.num_preemptions for r in samples),
+                "pagedserve.finish_reason": samples[0].status.value if samples else "abort",
+            }
+        )
+        group.span.end()
         self._groups.pop(group.engine_id, None)
         stream = self._streams.get(group.stream_id)
         if stream is not None:
@@ -355,6 +378,17 @@ class EngineLoop:
             return reject("INVALID_ARGUMENT", str(exc))
         samples = self.engine.samples_of(primary.request_id)
         stream.requests.add(rid)
+        span = _tracer.start_span(
+            "pagedserve.dataplane.request",
+            context=extract(dict(command.trace_context)),
+            kind=SpanKind.SERVER,
+            attributes={
+                "pagedserve.request_id": rid,
+                "pagedserve.dataplane_id": self.identity.dataplane_id,
+                "pagedserve.prompt_tokens": len(command.prompt_token_ids),
+                "pagedserve.num_samples": len(samples),
+            },
+        )
         self._groups[engine_id] = _Group(
             stream_id=stream_id,
             request_id=rid,
@@ -362,6 +396,8 @@ class EngineLoop:
             index_of={r.request_id: i for i, r in enumerate(samples)},
             unfinished={r.request_id for r in samples},
             wants_logprobs=params.logprobs is not None,
+            span=span,
+            phase=_tracer.start_span("pagedserve.prefill", context=set_span_in_context(span)),
         )
         self._stats_dirty = True
 
@@ -375,7 +411,7 @@ class EngineLoop:
         finished = [self._finished_msg(group, r) for r in samples if r.request_id in group.unfinished]
         if notify:
             self._outbox(stream_id).finished.extend(finished)
-        self._forget(group)
+        self._forget(group, samples)
         self._stats_dirty = True
 
     def _on_drain(self) -> None:

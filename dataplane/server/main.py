@@ -28,7 +28,9 @@ def add_dataplane_parser(sub: Any) -> None:
 def cmd_dataplane(args: argparse.Namespace) -> int:
     from dataplane.cli import engine_config_from_args
     from dataplane.server.server import build_engine_loop, serve
+    from dataplane.telemetry import configure_tracing
 
+    configure_tracing("pagedserve-dataplane")
     engine_loop = build_engine_loop(engine_config_from_args(args), args.model_home, args.dataplane_id)
     asyncio.run(serve(engine_loop, f"{args.host}:{args.port}", metrics_port=args.metrics_port))
     return 0

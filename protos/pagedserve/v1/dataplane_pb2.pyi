@@ -49,10 +49,31 @@ Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
 class SubmitCommand(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique within the stream."""
     cache_salt: _builtins.str
@@ -60,6 +81,10 @@ class SubmitCommand(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling_params(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (`traceparent`, `tracestate`) of the control plane's request span."""
+
     def __init__(
         self,
         *,
@@ -67,10 +92,11 @@ class SubmitCommand(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling_params: _common_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
