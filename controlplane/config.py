@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dataplane.server.tls import ClientTLS, ServerTLS
+
 
 @dataclass(frozen=True)
 class RoutingWeights:
@@ -46,6 +48,9 @@ class ControlPlaneConfig:
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 2.0
     model_home: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    tls: ServerTLS | None = None  # the public gRPC and HTTP ports
+    dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)
 
     def __post_init__(self) -> None:
         if not self.dataplanes and not self.dataplane_dns:

@@ -20,6 +20,7 @@ import grpc
 from controlplane.budget import BlockBudget
 from controlplane.prefix_index import PrefixIndex
 from dataplane.log import get_logger
+from dataplane.server.tls import ClientTLS
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
@@ -63,8 +64,10 @@ class DataPlaneConnection:
         on_change: Callable[[], None],
         backoff_s: float = 0.2,
         backoff_max_s: float = 2.0,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
+        self.tls = tls
         self.index = index
         self.on_change = on_change
         self.backoff_s = backoff_s
@@ -82,7 +85,12 @@ class DataPlaneConnection:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        if self.tls is not None:
+            self._channel = grpc.aio.secure_channel(
+                self.address, self.tls.credentials(), options=CHANNEL_OPTIONS
+            )
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._task = asyncio.create_task(self._run(), name=f"dataplane-link-{self.address}")
 
     async def wait_connected(self, timeout_s: float) -> bool:

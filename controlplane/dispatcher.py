@@ -82,6 +82,7 @@ class Dispatcher:
             config.max_queue_len, config.queue_timeout_s, release=self._release_placement
         )
         self._discovery: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()  # set whenever a data-plane link reports (health, stats)
 
     # -- data-plane set -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,13 +105,18 @@ class Dispatcher:
         link = DataPlaneConnection(
             address,
             self.index,
-            on_change=self.admission.poke,
+            on_change=self._on_link_change,
             backoff_s=self.config.reconnect_backoff_s,
             backoff_max_s=self.config.reconnect_backoff_max_s,
+            tls=self.config.dataplane_tls,
         )
         self.connections[address] = link
         link.start()
         log.info("dataplane_added", address=address)
+
+    def _on_link_change(self) -> None:
+        self.admission.poke()
+        self.changed.set()
 
     async def remove_dataplane(self, address: str) -> None:
         link = self.connections.pop(address, None)

@@ -10,21 +10,41 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controlplane.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
-from controlplane.openai.routes import OpenAIRoutes, install_error_handlers
+from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers
+from dataplane.server.tls import ServerTLS
 
 
-def create_app(frontend: Frontend) -> FastAPI:
-    """Health and liveness probes plus the OpenAI-compatible API."""
+def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
+    """Health and liveness probes, /metrics, and the OpenAI-compatible API (behind the API
+    keys when there are any)."""
     dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, frontend)
+
+    if api_keys is not None:
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next: Any) -> Any:
+            if request.url.path.startswith("/v1/") and not api_keys.check_header(
+                request.headers.get("authorization")
+            ):
+                error = ServiceError("UNAUTHENTICATED", UNAUTHENTICATED_MESSAGE)
+                frontend.record_failure(error)
+                response = error_response(error)
+                response.headers["www-authenticate"] = "Bearer"
+                return response
+            return await call_next(request)
+
     app.include_router(OpenAIRoutes(frontend).router)
 
     @app.get("/metrics")
@@ -57,12 +77,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None = None) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        ssl: dict[str, Any] = (
+            {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+        )
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **ssl)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
 

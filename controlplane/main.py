@@ -30,10 +30,32 @@ def _add_controlplane_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-prefix-weight", type=float, default=1.0)
     g.add_argument("--routing-usage-weight", type=float, default=0.5)
     g.add_argument("--routing-load-weight", type=float, default=0.5)
+    s = p.add_argument_group("security")
+    s.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    s.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    s.add_argument(
+        "--tls-cert-file", default=None, help="serve gRPC and HTTP over TLS with this certificate (PEM)"
+    )
+    s.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM)")
+    s.add_argument(
+        "--dataplane-tls-ca-file", default=None, help="connect to data planes over TLS, verified by this CA"
+    )
+    s.add_argument(
+        "--dataplane-tls-cert-file", default=None, help="client certificate for mTLS to data planes"
+    )
+    s.add_argument("--dataplane-tls-key-file", default=None, help="its private key")
 
 
 def _config(args: argparse.Namespace, dataplanes: tuple[str, ...], dns: str | None = None) -> Any:
+    from controlplane.auth import load_api_keys
     from controlplane.config import ControlPlaneConfig, RoutingWeights
+    from dataplane.server.tls import ClientTLS, server_tls
+
+    dataplane_tls = None
+    if args.dataplane_tls_ca_file or args.dataplane_tls_cert_file:
+        dataplane_tls = ClientTLS(
+            args.dataplane_tls_ca_file, args.dataplane_tls_cert_file, args.dataplane_tls_key_file
+        )
 
     return ControlPlaneConfig(
         model=args.model,
@@ -46,6 +68,9 @@ def _config(args: argparse.Namespace, dataplanes: tuple[str, ...], dns: str | No
             args.routing_prefix_weight, args.routing_usage_weight, args.routing_load_weight
         ),
         model_home=args.model_home,
+        api_keys=load_api_keys(args.api_key, args.api_key_file),
+        tls=server_tls(args.tls_cert_file, args.tls_key_file),
+        dataplane_tls=dataplane_tls,
     )
 
 

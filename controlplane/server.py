@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controlplane.auth import ApiKeys, GrpcAuthInterceptor
 from controlplane.config import ControlPlaneConfig
 from controlplane.dispatcher import Dispatcher
 from controlplane.frontend import Frontend
@@ -18,6 +20,7 @@ from controlplane.servicer import GenerationServicer
 from controlplane.tokenizer import Tokenizer
 from dataplane.log import get_logger
 from dataplane.models.store import resolve_model_path
+from dataplane.server.tls import ServerTLS
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -55,14 +58,18 @@ async def create_server(frontend: Frontend, address: str = "127.0.0.1:0") -> tup
 
 
 async def _start_grpc(
-    frontend: Frontend, address: str
+    frontend: Frontend, address: str, api_keys: tuple[str, ...] = (), tls: ServerTLS | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    server = grpc.aio.server()
+    interceptors = []
+    if api_keys:
+        reject = lambda: frontend.metrics.failure("UNAUTHENTICATED")  # noqa: E731
+        interceptors.append(GrpcAuthInterceptor(ApiKeys(api_keys), on_reject=reject))
+    server = grpc.aio.server(interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the control plane to {address}")
     await server.start()
@@ -73,16 +80,16 @@ async def _track_health(dispatcher: Dispatcher, health_servicer: health.aio.Heal
     """SERVING while some data plane is connected: load balancers route around us otherwise."""
     last = None
     while True:
+        dispatcher.changed.clear()
         status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if dispatcher.healthy
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING if dispatcher.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         if status != last:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
             last = status
-        await asyncio.sleep(_HEALTH_POLL_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(dispatcher.changed.wait(), _HEALTH_POLL_S)
 
 
 async def start_control_plane(
@@ -93,11 +100,18 @@ async def start_control_plane(
     dispatcher = Dispatcher(config)
     await dispatcher.start()
     frontend = Frontend(dispatcher, tokenizer, config.model)
-    server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}")
+    server, port, health_servicer = await _start_grpc(
+        frontend, f"{host}:{grpc_port}", config.api_keys, config.tls
+    )
     health_task = asyncio.create_task(_track_health(dispatcher, health_servicer))
     http = None
     if http_port is not None:
-        http = HttpServer(create_app(frontend), host, http_port)
+        http = HttpServer(
+            create_app(frontend, ApiKeys(config.api_keys) if config.api_keys else None),
+            host,
+            http_port,
+            config.tls,
+        )
         await http.start()
     return ControlPlane(dispatcher, server, port, http, health_task)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -21,6 +22,11 @@ def add_client_parser(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument(
+        "--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"), help="(default $PAGEDSERVE_API_KEY)"
+    )
+    gen.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
+    gen.add_argument("--tls-ca-file", default=None, help="connect over TLS, verifying with this CA")
     gen.set_defaults(func=cmd_client_generate)
 
 
@@ -38,7 +44,13 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     try:
-        with GenerationClient(args.address, timeout=args.timeout) as client:
+        with GenerationClient(
+            args.address,
+            timeout=args.timeout,
+            api_key=args.api_key,
+            tls=args.tls,
+            tls_ca_file=args.tls_ca_file,
+        ) as client:
             if args.stream:
                 for item in client.generate_stream(prompt, **kwargs):
                     if isinstance(item, Completion):

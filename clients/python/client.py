@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -134,13 +135,34 @@ class _Collector:
         return [self.done[i] for i in sorted(self.done)]
 
 
-class GenerationClient:
-    """Blocking client. `timeout` (seconds) becomes each call's gRPC deadline."""
+def _credentials(tls_ca_file: str | None, tls: bool) -> grpc.ChannelCredentials | None:
+    if not tls and tls_ca_file is None:
+        return None
+    root = None if tls_ca_file is None else Path(tls_ca_file).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=root)
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        self._channel = grpc.insecure_channel(address)
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return () if not api_key else (("authorization", f"Bearer {api_key}"),)
+
+
+class GenerationClient:
+    """Blocking client. `timeout` (seconds) becomes each call's gRPC deadline; `api_key` is sent
+    as `authorization: Bearer`; `tls=True` (or a CA file) connects over TLS."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+    ) -> None:
+        creds = _credentials(tls_ca_file, tls)
+        self._channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout
+        self.metadata = _metadata(api_key)
 
     def __enter__(self) -> GenerationClient:
         return self
@@ -155,7 +177,9 @@ class GenerationClient:
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> Iterator[StreamChunk | Completion]:
         """Stream chunks and, per index, a final Completion. Breaking out of the loop cancels the request."""
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+        call = self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
+        )
         try:
             for response in call:
                 yield _item(response)
@@ -170,25 +194,40 @@ class GenerationClient:
 
     def tokenize(self, text: str) -> list[int]:
         return list(
-            self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=self.timeout).token_ids
+            self._stub.Tokenize(
+                generation_pb2.TokenizeRequest(text=text), timeout=self.timeout, metadata=self.metadata
+            ).token_ids
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
-        return str(self._stub.Detokenize(request, timeout=self.timeout).text)
+        return str(self._stub.Detokenize(request, timeout=self.timeout, metadata=self.metadata).text)
 
     def list_models(self) -> list[str]:
-        response = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout)
+        response = self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
+        )
         return [m.id for m in response.models]
 
 
 class AsyncGenerationClient:
-    """asyncio client (grpc.aio). Use inside a running event loop."""
+    """asyncio client (grpc.aio). Use inside a running event loop. Options as GenerationClient."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+    ) -> None:
+        creds = _credentials(tls_ca_file, tls)
+        self._channel = (
+            grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout
+        self.metadata = _metadata(api_key)
 
     async def __aenter__(self) -> AsyncGenerationClient:
         return self
@@ -202,7 +241,9 @@ class AsyncGenerationClient:
     async def generate_stream(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[StreamChunk | Completion]:
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+        call = self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
+        )
         try:
             async for response in call:
                 yield _item(response)
@@ -218,7 +259,9 @@ class AsyncGenerationClient:
         return collector.result()
 
     async def tokenize(self, text: str) -> list[int]:
-        response = await self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=self.timeout)
+        response = await self._stub.Tokenize(
+            generation_pb2.TokenizeRequest(text=text), timeout=self.timeout, metadata=self.metadata
+        )
         return list(response.token_ids)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -228,5 +271,7 @@ class AsyncGenerationClient:
         return str(response.text)
 
     async def list_models(self) -> list[str]:
-        response = await self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout)
+        response = await self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
+        )
         return [m.id for m in response.models]

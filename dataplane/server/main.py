@@ -31,6 +31,9 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     from dataplane.telemetry import configure_tracing
 
     configure_tracing("pagedserve-dataplane")
+    from dataplane.server.tls import server_tls
+
+    tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
     engine_loop = build_engine_loop(engine_config_from_args(args), args.model_home, args.dataplane_id)
-    asyncio.run(serve(engine_loop, f"{args.host}:{args.port}", metrics_port=args.metrics_port))
+    asyncio.run(serve(engine_loop, f"{args.host}:{args.port}", metrics_port=args.metrics_port, tls=tls))
     return 0

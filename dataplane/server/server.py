@@ -15,6 +15,7 @@ from dataplane.config import EngineConfig
 from dataplane.log import get_logger
 from dataplane.server.engine_loop import DataPlaneIdentity, EngineLoop
 from dataplane.server.servicer import DataPlaneServicer
+from dataplane.server.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
@@ -57,14 +58,17 @@ def build_engine_loop(
     return EngineLoop(engine, identity)
 
 
-async def create_server(engine_loop: EngineLoop, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port."""
+async def create_server(
+    engine_loop: EngineLoop, address: str = "127.0.0.1:0", tls: ServerTLS | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port.
+    With `tls` (and its client CA) control planes must connect over mutual TLS."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(DataPlaneServicer(engine_loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the data plane to {address}")
     if not engine_loop.alive:
@@ -76,10 +80,14 @@ async def create_server(engine_loop: EngineLoop, address: str = "127.0.0.1:0") -
 
 
 async def serve(
-    engine_loop: EngineLoop, address: str, metrics_port: int | None = None, grace_s: float = 5.0
+    engine_loop: EngineLoop,
+    address: str,
+    metrics_port: int | None = None,
+    tls: ServerTLS | None = None,
+    grace_s: float = 5.0,
 ) -> None:
     """Run until SIGINT/SIGTERM, then stop accepting, end the streams and stop the loop."""
-    server, port = await create_server(engine_loop, address)
+    server, port = await create_server(engine_loop, address, tls)
     host = address.rsplit(":", 1)[0]
     if metrics_port is not None:
         from prometheus_client import start_http_server

@@ -25,6 +25,7 @@ from controlplane.server import ControlPlane, start_control_plane
 from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from dataplane.server.engine_loop import EngineLoop
 from dataplane.server.server import build_engine_loop, create_server
+from dataplane.server.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,9 +56,9 @@ class DataPlane:
         self.loop.stop()
 
 
-async def start_dataplane(config: EngineConfig, name: str = "dp") -> DataPlane:
+async def start_dataplane(config: EngineConfig, name: str = "dp", tls: ServerTLS | None = None) -> DataPlane:
     loop = build_engine_loop(config, dataplane_id=name)
-    server, port = await create_server(loop, "127.0.0.1:0")
+    server, port = await create_server(loop, "127.0.0.1:0", tls)
     return DataPlane(loop, server, port)
 
 
@@ -143,11 +144,17 @@ class ServerThread:
     """A data plane and a control plane (gRPC + HTTP) on an event loop in a background thread,
     so synchronous clients (the official `openai` package) can call them from the test."""
 
-    def __init__(self, config: EngineConfig, model: str | Path, **cp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: str | Path,
+        dp_server_tls: ServerTLS | None = None,
+        **cp_kwargs: Any,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.dataplane: DataPlane = self._run(start_dataplane(config))
+        self.dataplane: DataPlane = self._run(start_dataplane(config, tls=dp_server_tls))
         config_cp = ControlPlaneConfig(model=str(model), dataplanes=(self.dataplane.address,), **cp_kwargs)
         self.controlplane: ControlPlane = self._run(self._start_cp(config_cp))
         self.grpc_address = f"127.0.0.1:{self.controlplane.grpc_port}"
