@@ -82,7 +82,9 @@ async def _track_health(dispatcher: Dispatcher, health_servicer: health.aio.Heal
     while True:
         dispatcher.changed.clear()
         status = (
-            health_pb2.HealthCheckResponse.SERVING if dispatcher.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if dispatcher.healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         if status != last:
             for name in ("", SERVICE_NAME):
