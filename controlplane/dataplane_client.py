@@ -77,6 +77,7 @@ class DataPlaneConnection:
         self.budget = BlockBudget()
         self.healthy = False
         self.handles: dict[str, RequestHandle] = {}
+        self.num_finished = 0  # completions this replica saw finish here (for metrics and doctor)
         self._outgoing: asyncio.Queue[dataplane_pb2.ConnectRequest | None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
@@ -220,6 +221,7 @@ class DataPlaneConnection:
             if handle is not None:
                 self.budget.release(delta.request_id)  # the data plane's report now covers it
                 handle.events.put_nowait(delta)
+        self.num_finished += len(response.finished)
         for finished in response.finished:
             handle = self.handles.get(finished.request_id)
             if handle is not None:

@@ -186,12 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     from clients.python.cli import add_client_parser
+    from controlplane.doctor import add_doctor_parser
     from controlplane.main import add_controlplane_parsers
     from dataplane.server.main import add_dataplane_parser
 
     add_dataplane_parser(sub)
     add_controlplane_parsers(sub)
     add_client_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
