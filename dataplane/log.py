@@ -14,6 +14,16 @@ from dataplane import env
 _configured = False
 
 
+class _StderrLogger:
+    """Writes each line to whatever `sys.stderr` is at that moment (redirects and test capture work)."""
+
+    def msg(self, message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
+
+
 def _add_trace_ids(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Every line logged inside a traced request carries its trace_id and span_id."""
     from dataplane.telemetry import trace_ids
@@ -39,7 +49,7 @@ def configure_logging() -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(env.log_level())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: _StderrLogger(),
         cache_logger_on_first_use=True,
     )
     _configured = True

@@ -21,6 +21,13 @@ def add_dataplane_parser(sub: Any) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: any)"
     )
+    p.add_argument("--tls-cert-file", default=None, help="serve gRPC over TLS with this certificate (PEM)")
+    p.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--tls-client-ca-file",
+        default=None,
+        help="require control planes to present a cert from this CA (mTLS)",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_dataplane)
 

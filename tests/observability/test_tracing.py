@@ -8,6 +8,7 @@ standard OTEL_* variables, export to an OTLP receiver on an ephemeral port.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -80,7 +81,9 @@ EXPECTED = {
 }
 
 
-def test_grpc_request_is_one_trace_across_both_planes(server: ServerThread, provider: TracerProvider) -> None:
+def test_grpc_request_is_one_trace_across_both_planes(
+    server: ServerThread, provider: TracerProvider, capfd: pytest.CaptureFixture[str]
+) -> None:
     client_tracer = provider.get_tracer("test-client")
     with client_tracer.start_as_current_span("client.call") as client_span:
         metadata = tuple(inject().items())
@@ -112,6 +115,17 @@ def test_grpc_request_is_one_trace_across_both_planes(server: ServerThread, prov
     assert admission.attributes["pagedserve.dataplane"] == server.dataplane.address  # type: ignore[attr-defined]
     assert dp.attributes["pagedserve.completion_tokens"] == 5  # type: ignore[attr-defined]
     assert prefill.end_time <= decode.start_time  # type: ignore[attr-defined]
+
+    # The JSON log line of the finished request carries its request id and trace id.
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    (finished,) = [
+        line
+        for line in lines
+        if line.get("event") == "request_finished" and line.get("request_id") == "traced-1"
+    ]
+    assert finished["trace_id"] == f"{trace_id:032x}"
+    assert finished["level"] == "info" and finished["completion_tokens"] == 5
+    assert not any("prompt" in key and isinstance(value, str) for key, value in finished.items())
 
 
 def test_http_request_joins_the_callers_trace(server: ServerThread, provider: TracerProvider) -> None:
