@@ -328,3 +328,32 @@ def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
             await dp.stop()
 
     asyncio.run(run())
+
+
+def test_dataplanes_discovered_by_dns(tiny: Path) -> None:
+    from controlplane.discovery import resolve_dataplanes
+
+    async def run() -> None:
+        assert "127.0.0.1:5" in await resolve_dataplanes("localhost:5")
+        dp = await start_dataplane(engine_config(tiny))
+        cp = await start_control_plane_dns(tiny, f"localhost:{dp.port}")
+        try:
+            assert dp.address in cp.dispatcher.connections
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                out = await client.generate([5, 6, 7], max_tokens=3, temperature=0.0)
+                assert out[0].completion_tokens == 3
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
+async def start_control_plane_dns(tiny: Path, name: str):  # type: ignore[no-untyped-def]
+    from controlplane.config import ControlPlaneConfig
+    from controlplane.server import start_control_plane
+
+    config = ControlPlaneConfig(model=str(tiny), dataplane_dns=name, dns_refresh_s=0.2)
+    cp = await start_control_plane(config, "127.0.0.1", 0, http_port=None)
+    assert await cp.dispatcher.wait_ready(10.0)
+    return cp
