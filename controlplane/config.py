@@ -48,6 +48,7 @@ class ControlPlaneConfig:
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 2.0
     model_home: str | None = None
+    served_model_names: tuple[str, ...] = ()  # names clients may use (default: `model`)
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     tls: ServerTLS | None = None  # the public gRPC and HTTP ports
     dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)

@@ -76,17 +76,22 @@ class Frontend:
         tokenizer: Tokenizer,
         model_name: str,
         metrics: ControlPlaneMetrics | None = None,
+        served_model_names: tuple[str, ...] = (),
     ) -> None:
+        """`served_model_names` (vLLM's --served-model-name): the names clients may use; the
+        first is the one responses report. Default: the model's own name."""
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.served_model_names = served_model_names or (model_name,)
+        self.model_name = self.served_model_names[0]
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
 
     # -- validation -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
+        if model and model not in self.served_model_names:
+            served = ", ".join(repr(n) for n in self.served_model_names)
             raise ServiceError(
-                "NOT_FOUND", f"model: {model!r} is not served here (this server serves {self.model_name!r})"
+                "NOT_FOUND", f"model: {model!r} is not served here (this server serves {served})"
             )
 
     def vocab_size(self) -> int | None:

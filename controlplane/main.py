@@ -20,6 +20,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address the gRPC and HTTP ports listen on")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0 picks a free one)")
     g.add_argument("--http-port", type=int, default=8000, help="HTTP port: health, metrics, OpenAI API")
+    g.add_argument(
+        "--served-model-name", nargs="+", default=None, help="model names clients may use (first: reported)"
+    )
     g.add_argument("--max-queue-len", type=int, default=1024, help="requests that may wait for KV budget")
     g.add_argument(
         "--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV budget"
@@ -68,6 +71,7 @@ def _config(args: argparse.Namespace, dataplanes: tuple[str, ...], dns: str | No
             args.routing_prefix_weight, args.routing_usage_weight, args.routing_load_weight
         ),
         model_home=args.model_home,
+        served_model_names=tuple(args.served_model_name or ()),
         api_keys=load_api_keys(args.api_key, args.api_key_file),
         tls=server_tls(args.tls_cert_file, args.tls_key_file),
         dataplane_tls=dataplane_tls,

@@ -101,7 +101,7 @@ async def start_control_plane(
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     dispatcher = Dispatcher(config)
     await dispatcher.start()
-    frontend = Frontend(dispatcher, tokenizer, config.model)
+    frontend = Frontend(dispatcher, tokenizer, config.model, served_model_names=config.served_model_names)
     server, port, health_servicer = await _start_grpc(
         frontend, f"{host}:{grpc_port}", config.api_keys, config.tls
     )

@@ -130,12 +130,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         ],
     ) -> generation_pb2.ListModelsResponse:
         infos = [c.info for c in self.frontend.dispatcher.healthy if c.info is not None]
-        card = generation_pb2.ModelCard(id=self.frontend.model_name)
-        if infos:
-            card.max_model_len = max(i.max_model_len for i in infos)
-            card.block_size = infos[0].block_size
-            card.kv_cache_dtype = infos[0].kv_cache_dtype
-        return generation_pb2.ListModelsResponse(models=[card])
+        response = generation_pb2.ListModelsResponse()
+        for name in self.frontend.served_model_names:
+            card = response.models.add(id=name)
+            if infos:
+                card.max_model_len = max(i.max_model_len for i in infos)
+                card.block_size = infos[0].block_size
+                card.kv_cache_dtype = infos[0].kv_cache_dtype
+        return response
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:

@@ -93,15 +93,13 @@ class OpenAIRoutes:
     # -- /v1/models -----------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
         infos = [c.info for c in self.frontend.dispatcher.healthy if c.info is not None]
-        card: dict[str, Any] = {
-            "id": self.frontend.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pagedserve",
-        }
-        if infos:
-            card["max_model_len"] = max(i.max_model_len for i in infos)
-        return {"object": "list", "data": [card]}
+        cards: list[dict[str, Any]] = []
+        for name in self.frontend.served_model_names:
+            card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve"}
+            if infos:
+                card["max_model_len"] = max(i.max_model_len for i in infos)
+            cards.append(card)
+        return {"object": "list", "data": cards}
 
     # -- shared -----------------------------------------------------------------------------------
     def _max_model_len(self) -> int:

@@ -114,6 +114,7 @@ class Process:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if marker in line:
+                self.line = line
                 self.address = line.split(marker, 1)[1].split()[0].strip()
                 break
         else:

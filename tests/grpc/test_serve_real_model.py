@@ -29,6 +29,24 @@ pytestmark = pytest.mark.real_model
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 24
+SEED_MODEL_NAME = "/models/llama-7b-hf"  # the model name in the seed document's client example
+
+# The seed document's streaming client, verbatim but for the port.
+SEED_CLIENT = """
+import openai
+client = openai.Client(base_url="http://localhost:8000/v1", api_key="dummy")
+
+response = client.chat.completions.create(
+    model="/models/llama-7b-hf",
+    messages=[{"role": "user", "content": "解释KV Cache的工作原理"}],
+    temperature=0.7,
+    max_tokens=512,
+    stream=True,  # 流式输出降低首token延迟
+)
+for chunk in response:
+    if chunk.choices[0].delta.content:
+        print(chunk.choices[0].delta.content, end="")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +69,20 @@ def offline(model_path: Path) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def server(offline: dict[str, list[int]]) -> Iterator[Process]:
     proc = Process(
-        ["serve", "--grpc-port", "0", "--http-port", "0", "--dataplane-port", "0", "--threads", "1"],
+        [
+            "serve",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--dataplane-port",
+            "0",
+            "--threads",
+            "1",
+            "--served-model-name",
+            DEFAULT_MODEL,
+            SEED_MODEL_NAME,
+        ],
         "gRPC on ",
     )
     yield proc
@@ -112,7 +143,7 @@ def test_stop_strings_n_and_seeds(server: Process, offline: dict[str, list[int]]
         ids = client.tokenize(PROMPTS[0])
         assert ids == tokenizer.encode(PROMPTS[0])
         assert client.detokenize(ids) == PROMPTS[0]
-        assert client.list_models() == [DEFAULT_MODEL]
+        assert client.list_models() == [DEFAULT_MODEL, SEED_MODEL_NAME]
 
 
 def test_health_and_reflection(server: Process) -> None:
@@ -150,6 +181,15 @@ def test_cli_client_prints_the_text(server: Process, offline: dict[str, list[int
         [*argv, "--temperature", "-1", "x"], capture_output=True, text=True, env=env, timeout=120
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+
+
+def test_the_seed_documents_openai_client_works_unchanged(server: Process) -> None:
+    http_port = server.line.split("HTTP on http://", 1)[1].split(":")[1].strip()
+    code = SEED_CLIENT.replace("localhost:8000", f"localhost:{http_port}")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip()) > 20, done.stdout
 
 
 def test_ctrl_c_stops_both_processes(server: Process) -> None:
