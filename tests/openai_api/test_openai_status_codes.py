@@ -1,5 +1,6 @@
 """HTTP status codes of the OpenAI API under load and failure (tiny model, token-id prompts):
-429 with Retry-After when the admission queue is full, 503 when no data plane is available."""
+429 with Retry-After when the admission queue is full, a non-streaming client that hangs up
+aborts its request, and 503 when no data plane is available (last: it drains the data plane)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,29 @@ def test_queue_full_is_429_with_retry_after(server: ServerThread) -> None:
     waiting.join(30)
     assert not waiting.is_alive()
     server.wait_idle()
+
+
+def test_non_streaming_client_disconnect_aborts_the_request(server: ServerThread) -> None:
+    import http.client
+    import json
+    import time
+
+    aborted_before = server.wait_idle().snapshot.stats.num_aborted_requests
+    model = server.controlplane.dispatcher.config.model
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    host, port = server.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    deadline = time.monotonic() + 10
+    while not server.state().requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert conn.sock is not None
+    conn.sock.close()  # the client gives up before the (non-streamed) answer
+    idle = server.wait_idle(timeout_s=10)
+    assert idle.snapshot.stats.num_aborted_requests == aborted_before + 1
 
 
 def test_no_data_plane_is_503(server: ServerThread) -> None:
