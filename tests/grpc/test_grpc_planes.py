@@ -357,3 +357,21 @@ async def start_control_plane_dns(tiny: Path, name: str):  # type: ignore[no-unt
     cp = await start_control_plane(config, "127.0.0.1", 0, http_port=None)
     assert await cp.dispatcher.wait_ready(10.0)
     return cp
+
+
+def test_deadline_ends_the_call_and_frees_its_blocks(tiny: Path) -> None:
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny))
+        cp = await start_controlplane(tiny, [dp.address])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate(prompt(4, 10), timeout=0.5, **LONG)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            idle = await wait_idle(dp.address, timeout_s=5)
+            assert idle.snapshot.stats.num_aborted_requests == 1
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
