@@ -1,4 +1,4 @@
-"""The `pagedserve` command line: models, generate, chat."""
+"""The `pagedserve` command line: models, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from benchmarks.cli import add_bench_parser  # torch-free: each benchmark imports torch when it runs
+
+    add_bench_parser(sub)
     return parser
 
 
