@@ -130,6 +130,7 @@ def run_transformers_continuous(
     model_path: Path,
     prompts: list[list[int]],
     lengths: list[int],
+    max_batch_tokens: int = 2048,
     progress: Callable[[Sequence[int], str], Any] | None = None,
 ) -> PeerRun:
     import torch
@@ -138,35 +139,46 @@ def run_transformers_continuous(
     cfg = _greedy_config(model, pad_id, max(lengths))
     cfg.min_new_tokens = None  # per request below
 
-    def run(batch: list[list[int]], want: list[int], show: bool) -> tuple[list[list[int]], float]:
-        results: dict[str, list[int]] = {}
-        with (
-            torch.inference_mode(),
-            model.continuous_batching_context_manager(generation_config=cfg) as manager,
-        ):
-            t = time.perf_counter()
-            for i, (p, n) in enumerate(zip(batch, want, strict=True)):
-                manager.add_request(list(p), request_id=f"r{i}", max_new_tokens=n)
-            done = (
-                iter(progress(range(len(batch)), "transformers-cb requests")) if progress and show else None
-            )
-            while len(results) < len(batch):
-                out = manager.get_result(timeout=1)
-                if out is None:
-                    if not manager.is_running():
-                        raise RuntimeError("transformers continuous batching stopped before finishing")
-                    continue
-                if out.is_finished():
-                    if out.error:
-                        raise RuntimeError(f"transformers continuous batching: {out.error}")
-                    results[out.request_id] = list(out.generated_tokens)
-                    if done is not None:
-                        next(done, None)
-            seconds = time.perf_counter() - t
-        return [results[f"r{i}"] for i in range(len(batch))], seconds
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    run(prompts[:2], [4, 4], show=False)  # warm-up
-    outputs, total_s = run(prompts, lengths, show=True)
+    # Left to itself the manager sizes its cache from free *GPU* memory (on a CPU: most of the
+    # RAM) and pre-captures CUDA graphs; give it a cache that holds the whole workload (no
+    # preemption, like ours at 2 GiB) and our token budget, and warm up with two requests.
+    page = 256
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, lengths, strict=True))
+    cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+    hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
+
+    def run(manager: Any, batch: list[list[int]], want: list[int], tag: str, bar: Any) -> list[list[int]]:
+        results: dict[str, list[int]] = {}
+        for i, (p, n) in enumerate(zip(batch, want, strict=True)):
+            manager.add_request(list(p), request_id=f"{tag}{i}", max_new_tokens=n)
+        while len(results) < len(batch):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped before finishing")
+                continue
+            if out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"transformers continuous batching: {out.error}")
+                results[out.request_id] = list(out.generated_tokens)
+                if bar is not None:
+                    next(bar, None)
+        return [results[f"{tag}{i}"] for i in range(len(batch))]
+
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=cfg, continuous_batching_config=cb_config, warmup=False, workload_hints=hints
+        ) as manager,
+    ):
+        run(manager, prompts[:2], [4] * len(prompts[:2]), "warmup", None)
+        bar = iter(progress(range(len(prompts)), "transformers-cb requests")) if progress else None
+        t = time.perf_counter()
+        outputs = run(manager, prompts, lengths, "r", bar)
+        total_s = time.perf_counter() - t
     check_lengths("transformers continuous batching", outputs, lengths)
     return PeerRun("transformers generate_batch (continuous)", load_s, total_s, outputs)
 

@@ -549,7 +549,9 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             done.append(
                 phase(
                     name,
-                    lambda: peer_runs.run_transformers_continuous(model_path, prompts, lengths, progress),
+                    lambda: peer_runs.run_transformers_continuous(
+                        model_path, prompts, lengths, args.max_num_batched_tokens, progress
+                    ),
                 )
             )
         else:

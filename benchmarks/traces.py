@@ -12,7 +12,7 @@ Shipped traces (`benchmarks/data/traces/*.json`, SmolLM2-135M-Instruct, its chat
 
 - `chat`: the 64 prompts of `workloads.chat_prompts` (20-300 tokens), up to 1024 new tokens.
 - `customer-service`: every turn of the 32 `customer_service_dialogues` (127 requests), turn k's
-  prompt holding the system prompt and the model's own replies to turns 1..k-1; up to 512 new
+  prompt holding the system prompt and the model's own replies to turns 1..k-1; up to 256 new
   tokens per reply. Requests are listed conversation by conversation, turn by turn.
 - `long-context`: the 16 prompts of `workloads.long_context_prompts` (2,048-3,840 tokens), up to
   256 new tokens.
@@ -51,7 +51,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             "customer-service",
             "32 customer-service conversations, 127 turns, one shared 620-token system prompt "
             "(workloads.customer_service_dialogues)",
-            512,
+            256,
         ),
         WorkloadSpec(
             "long-context",
@@ -149,10 +149,13 @@ def save_trace(trace: LengthTrace, path: Path) -> None:
 
 
 # -- recording (needs the model: imports the engine lazily) --------------------------------------------
-def record_trace(workload: str, llm: Any, command: str = "", limit: int | None = None) -> LengthTrace:
+def record_trace(
+    workload: str, llm: Any, command: str = "", limit: int | None = None, max_tokens: int | None = None
+) -> LengthTrace:
     """Run `workload` through `llm` (a `dataplane.LLM`), greedy, stopping at EOS or max_tokens.
 
-    `limit` keeps only the first requests (conversations for customer-service): for tests.
+    `limit` keeps only the first requests (conversations for customer-service) and
+    `max_tokens` overrides the workload's cap: both for quick checks.
     """
     from benchmarks.workloads import chat_prompts, customer_service_dialogues, long_context_prompts
     from dataplane import SamplingParams
@@ -161,7 +164,8 @@ def record_trace(workload: str, llm: Any, command: str = "", limit: int | None =
     tok = llm.tokenizer
     if tok is None:
         raise ValueError("recording a trace needs a model with a tokenizer")
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
+    cap = max_tokens or spec.max_tokens
+    params = SamplingParams(max_tokens=cap, temperature=0.0)
     rows: list[tuple[int, int, str]] = []
     if workload == "customer-service":
         dialogues = customer_service_dialogues(limit or 32)
@@ -187,7 +191,7 @@ def record_trace(workload: str, llm: Any, command: str = "", limit: int | None =
         workload=workload,
         description=spec.description,
         model=Path(str(llm.engine.model_path)).name,
-        max_tokens=spec.max_tokens,
+        max_tokens=cap,
         prompt_tokens=tuple(r[0] for r in rows),
         output_tokens=tuple(r[1] for r in rows),
         finish_reasons=tuple(r[2] for r in rows),
@@ -204,6 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--limit", type=int, default=None, help="first N requests (conversations) only: for tests")
+    p.add_argument("--max-tokens", type=int, default=None, help="override each workload's cap on new tokens")
 
 
 def run(args: argparse.Namespace, report: Any) -> dict[str, Any]:
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace, report: Any) -> dict[str, Any]:
     )
     rows, out = [], {}
     for name in report.progress(names, desc="workloads"):
-        trace = record_trace(name, llm, report.command, args.limit)
+        trace = record_trace(name, llm, report.command, args.limit, args.max_tokens)
         path = args.trace_dir / f"{name}.json"
         save_trace(trace, path)
         rows.append([name, str(trace.num_requests), trace.summary(), str(path)])

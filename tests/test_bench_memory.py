@@ -64,7 +64,9 @@ def test_paged_pool_preempts_when_it_runs_dry_and_frees_everything() -> None:
 
 def test_refused_and_truncated_requests_and_the_pools_remainder() -> None:
     # max_model_len 16: a prompt of 16 is refused; 12 + 8 is cut at 16 tokens.
-    r = replay(trace((16, 4), (12, 8), (4, 4)), Allocation("contiguous", 0), 16, shape=TWO_BYTES, kv_memory=2 * 40)
+    r = replay(
+        trace((16, 4), (12, 8), (4, 4)), Allocation("contiguous", 0), 16, shape=TWO_BYTES, kv_memory=2 * 40
+    )
     assert (r.refused, r.truncated, r.num_units) == (1, 1, 2)
     assert r.external == pytest.approx(8 / 40)  # 40 slots hold two units of 16
     assert r.output_tokens == 4 + 4

@@ -1,0 +1,146 @@
+"""Smoke tests: every `pagedserve bench` subcommand runs end to end on tiny inputs (figures not asserted).
+
+The model-driven subcommands run on a tiny random Llama that borrows the default model's
+tokenizer and chat template (the workloads are chat prompts), so they need the default model
+in the local store; `memory` and `plan` need nothing and must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataplane.cli import main
+from dataplane.config import DEFAULT_MODEL
+from dataplane.models import ModelNotFoundError, resolve_model_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def outputs(out: Path, name: str) -> dict[str, object]:
+    assert (out / f"{name}.png").stat().st_size > 0
+    doc: dict[str, object] = json.loads((out / f"{name}.json").read_text())
+    assert doc["benchmark"] == name and doc["tables"]
+    return doc
+
+
+def test_memory_and_plan_run_without_torch(tmp_path: Path) -> None:
+    script = f"""
+import sys
+from dataplane.cli import main
+assert main(["bench", "memory", "--workload", "long-context", "chat", "--limit", "6", "--repeat", "2",
+             "--block-sizes", "16", "--max-model-len", "4096", "--out", {str(tmp_path)!r}, "--no-progress"]) == 0
+assert main(["bench", "plan", "--model", "LLaMA-13B", "Llama-3-70B", "--contiguous", "--out", {str(tmp_path)!r}]) == 0
+assert "torch" not in sys.modules, "memory/plan imported torch"
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "KV memory: contiguous pre-allocation vs our paged pool" in proc.stdout
+    assert "| LLaMA-13B" in proc.stdout
+    memory = outputs(tmp_path, "memory")
+    results = memory["results"]
+    assert isinstance(results, list) and len(results) == 2 * 2  # 2 workloads x (contiguous, paged 16)
+    plan = outputs(tmp_path, "plan")
+    assert isinstance(plan["rows"], list) and len(plan["rows"]) == 2 * 2  # 2 models x 2 KV dtypes
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the default model's tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    try:
+        store = resolve_model_path(DEFAULT_MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-chat")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (store / name).exists():
+            shutil.copy(store / name, path / name)
+    return path
+
+
+@pytest.mark.real_model
+def test_throughput_against_both_transformers_peers(tiny_chat_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_chat_model), "--num-prompts", "3", "--min-output", "2", "--max-output", "5"]
+    args += [
+        "--peer-batch-size",
+        "2",
+        "--roofline-reps",
+        "1",
+        "--skip-prefill-roofline",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(["bench", "throughput", *args]) == 0
+    doc = outputs(tmp_path, "throughput")
+    assert [p["name"] for p in doc["peers"]] == [  # type: ignore[union-attr]
+        "transformers generate, static batch 2",
+        "transformers generate_batch (continuous)",
+    ]
+
+
+@pytest.mark.real_model
+def test_trace_then_prefix_caching(tiny_chat_model: Path, tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    common = ["--model", str(tiny_chat_model), "--out", str(tmp_path), "--no-progress"]
+    assert (
+        main(
+            [
+                "bench",
+                "trace",
+                "--workload",
+                "chat",
+                "--limit",
+                "2",
+                "--max-tokens",
+                "3",
+                "--trace-dir",
+                str(traces),
+                *common,
+            ]
+        )
+        == 0
+    )
+    trace = json.loads((traces / "chat.json").read_text())
+    assert len(trace["rows"]) == 2 and all(0 < out <= 3 for _, out, _ in trace["rows"])
+    assert (
+        main(
+            [
+                "bench",
+                "memory",
+                "--workload",
+                str(traces / "chat.json"),
+                "--repeat",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    args = ["--conversations", "2", "--concurrency", "2", "--max-tokens", "2", "--runs", "on,off", *common]
+    assert main(["bench", "prefix-caching", *args]) == 0
+    outputs(tmp_path, "prefix-caching")
