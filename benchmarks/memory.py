@@ -32,7 +32,8 @@ whole run when nothing ever waits), we report:
   allocations; the seed's baseline reserves `max_model_len` for every request.)
 - free while waiting = mean free slots / KV memory over the window: memory idle although
   requests wait (a prompt bigger than the free blocks, or the per-step token budget).
-- concurrency: peak and mean running requests over the window; steps and tokens per step.
+- concurrency: peak and mean running requests over the window; preemptions and the tokens
+  they make the model compute again (as a share of the tokens computed once); steps.
 
 Defaults: KV memory 2 GiB of the default model's fp32 KV (46,080 B/token: 46,603 token
 slots, what `pagedserve` gets on a CPU by default); every trace is submitted `--repeat 4`
@@ -88,6 +89,8 @@ class ReplayResult:
     saturated: bool  # some request waited for admission at some step
     preemptions: int
     output_tokens: int
+    computed_tokens: int  # every token the scheduler had computed, recomputation included
+    recomputed_tokens: int  # KV computed more than once (after preemption): compute, not memory
     utilization: float
     internal_never: float
     internal_pending: float
@@ -173,12 +176,13 @@ def replay(
         final[request.request_id] = min(prompt + output, max_model_len) - 1
 
     window, run = _Totals(), _Totals()
-    peak = output_tokens = 0
+    peak = output_tokens = computed = 0
     saturated = False
     while scheduler.has_unfinished():
         out = scheduler.schedule()
         if out.is_empty:
             raise RuntimeError(f"{allocation.label}: the scheduler made no progress")
+        computed += out.num_batched_tokens
         sampled = {s.request.request_id: 0 for s in out.scheduled if s.samples}
         scheduler.update_from_output(out, sampled)
         output_tokens += len(sampled)
@@ -213,6 +217,8 @@ def replay(
         saturated=saturated,
         preemptions=scheduler.num_preemptions,
         output_tokens=output_tokens,
+        computed_tokens=computed,
+        recomputed_tokens=computed - sum(final.values()),
         utilization=w["utilization"],
         internal_never=w["internal_never"],
         internal_pending=w["internal_pending"],
@@ -222,6 +228,11 @@ def replay(
         mean_running=w["mean_running"],
         run=run.ratios(kv_slots),
     )
+
+
+def sum_final(r: ReplayResult) -> int:
+    """KV tokens the admitted requests write at least once: computed minus recomputed."""
+    return r.computed_tokens - r.recomputed_tokens
 
 
 def allocations(block_sizes: Sequence[int]) -> list[Allocation]:
@@ -288,7 +299,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "external frag",
         "free while waiting",
         "peak / mean running",
-        "preempt",
+        "preempt (recomputed)",
         "steps",
     )
     rows = [
@@ -302,7 +313,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             fmt_pct(r.external, 2),
             fmt_pct(r.free_while_waiting),
             f"{r.peak_running} / {r.mean_running:.1f}",
-            str(r.preemptions),
+            f"{r.preemptions} ({fmt_pct(r.recomputed_tokens / max(1, sum_final(r)))})",
             str(r.steps),
         )
         for wl, r in results
