@@ -21,7 +21,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -231,10 +230,6 @@ def run_vllm(
 def vllm_available(python: str) -> bool:
     probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False)
     return probe.returncode == 0
-
-
-def default_vllm_python() -> str:
-    return sys.executable
 
 
 def agreement(ours: Sequence[Sequence[int]], peer: Sequence[Sequence[int]]) -> dict[str, Any]:

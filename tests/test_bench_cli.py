@@ -144,3 +144,9 @@ def test_trace_then_prefix_caching(tiny_chat_model: Path, tmp_path: Path) -> Non
     args = ["--conversations", "2", "--concurrency", "2", "--max-tokens", "2", "--runs", "on,off", *common]
     assert main(["bench", "prefix-caching", *args]) == 0
     outputs(tmp_path, "prefix-caching")
+
+
+def test_vllm_peer_without_vllm_is_refused_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    # This venv has no vLLM (a peer only, never a dependency): refused up front, exit status 1.
+    assert main(["bench", "throughput", "--peer", "vllm", "--vllm-python", sys.executable]) == 1
+    assert "cannot import vllm" in capsys.readouterr().err
