@@ -98,15 +98,11 @@ class ReplayResult:
     free_while_waiting: float
     peak_running: int
     mean_running: float
-    run: dict[str, float] = field(default_factory=dict)  # the same ratios over every step
+    whole_run: dict[str, float] = field(default_factory=dict)  # the same ratios over every step
 
     @property
     def internal(self) -> float:
         return self.internal_never + self.internal_pending
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.output_tokens / self.steps if self.steps else 0.0
 
 
 class _Totals:
@@ -175,7 +171,7 @@ def replay(
         truncated += prompt + output > max_model_len
         final[request.request_id] = min(prompt + output, max_model_len) - 1
 
-    window, run = _Totals(), _Totals()
+    window, every_step = _Totals(), _Totals()
     peak = output_tokens = computed = 0
     saturated = False
     while scheduler.has_unfinished():
@@ -194,7 +190,7 @@ def replay(
         reserved = pool.num_used_blocks * unit
         free = pool.num_free_blocks * unit
         snapshot = (stored, reserved, never, free, scheduler.num_running)
-        run.add(*snapshot)
+        every_step.add(*snapshot)
         peak = max(peak, scheduler.num_running)
         if scheduler.num_waiting:
             saturated = True
@@ -202,7 +198,7 @@ def replay(
     kv_cache.check_integrity()
     assert pool.num_used_blocks == 0, "blocks leaked after every request finished"
 
-    w = window.ratios(kv_slots) if saturated else run.ratios(kv_slots)
+    w = window.ratios(kv_slots) if saturated else every_step.ratios(kv_slots)
     return ReplayResult(
         allocation=allocation.label,
         unit=unit,
@@ -212,8 +208,8 @@ def replay(
         requests=n_total,
         refused=refused,
         truncated=truncated,
-        steps=run.steps,
-        window_steps=window.steps if saturated else run.steps,
+        steps=every_step.steps,
+        window_steps=window.steps if saturated else every_step.steps,
         saturated=saturated,
         preemptions=scheduler.num_preemptions,
         output_tokens=output_tokens,
@@ -226,7 +222,7 @@ def replay(
         free_while_waiting=w["free"] if saturated else 0.0,
         peak_running=peak,
         mean_running=w["mean_running"],
-        run=run.ratios(kv_slots),
+        whole_run=every_step.ratios(kv_slots),
     )
 
 
