@@ -105,14 +105,14 @@ BUILTIN_MODELS: dict[str, ModelShape] = {
     )
 }
 
-# Usable device memory as the driver reports it (GiB).
+# Device memory as nvidia-smi reports it (MiB / 1024 = GiB): what torch.cuda.mem_get_info calls total.
 GPUS: dict[str, float] = {
-    "A100-40GB": 40,
-    "A100-80GB": 80,
-    "H100-80GB": 80,
-    "H200": 141,
-    "L4": 22.5,
-    "RTX-4090": 24,
+    "A100-40GB": 40.0,  # 40,960 MiB
+    "A100-80GB": 80.0,  # 81,920 MiB
+    "H100-80GB": 79.6,  # 81,559 MiB (SXM)
+    "H200": 140.4,  # 143,771 MiB
+    "L4": 22.5,  # 23,034 MiB
+    "RTX-4090": 24.0,  # 24,564 MiB
 }
 
 
