@@ -3,11 +3,11 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
 
-    .venv/bin/python -m benchmarks.prefix_caching --json benchmarks/results/prefix_caching.json
+    pagedserve bench prefix-caching                   # = python -m benchmarks.prefix_caching
 
 Quick plumbing check (a minute or less, numbers meaningless):
 
-    .venv/bin/python -m benchmarks.prefix_caching --conversations 4 --concurrency 2 --max-tokens 8
+    pagedserve bench prefix-caching --conversations 4 --concurrency 2 --max-tokens 8
 
 What it does, in one process and strictly one phase after another:
 
@@ -41,7 +41,8 @@ What it does, in one process and strictly one phase after another:
    is to beat both), and greedy agreement: every turn's prompt and output tokens compared ON vs
    OFF (fp32 greedy: they should be identical, which also keeps both runs on one workload).
 
-`--json PATH` writes everything, per-turn records included.
+`benchmarks/results/prefix-caching.json` holds everything, per-turn records included; the PNG
+shows the TTFT distribution of both runs.
 """
 
 from __future__ import annotations
