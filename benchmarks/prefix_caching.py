@@ -63,7 +63,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, load_note, phase, warn_if_busy
+from benchmarks.common import default_model, engine_from_args, load_note, phase, warn_if_busy
 from benchmarks.report import Report
 from benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
 
@@ -156,19 +156,10 @@ def _reply_end(output: Sequence[int], stop_ids: set[int]) -> int:
 def run_dialogues(
     args: argparse.Namespace, model: str, dialogues: list[Dialogue], caching: bool
 ) -> DialogueRun:
-    from dataplane import LLM, SamplingParams
+    from dataplane import SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(
-        model,
-        dtype="float32",
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=int(args.kv_cache_gib * 2**30),
-        enable_prefix_caching=caching,
-        num_threads=args.threads,
-    )
+    llm = engine_from_args(args, model, enable_prefix_caching=caching)
     load_s = time.perf_counter() - t
     engine = llm.engine
     tok: Any = engine.tokenizer

@@ -57,7 +57,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, phase, warn_if_busy
+from benchmarks.common import default_model, engine_from_args, phase, warn_if_busy
 from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
 from benchmarks.report import Report
 from benchmarks.roofline import LinearShapes, Roofline, linear_shapes, measure_roofline
@@ -126,22 +126,13 @@ def run_engine(
     args: argparse.Namespace, model: str, prompts: list[list[int]], lengths: list[int], bar: Any = None
 ) -> EngineRun:
     """Our engine on the workload; `bar` (a tqdm-like object) is advanced per finished request."""
-    from dataplane import LLM, SamplingParams
+    from dataplane import SamplingParams
 
     def params(n: int) -> Any:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     t = time.perf_counter()
-    llm = LLM(
-        model,
-        dtype="float32",
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=int(args.kv_cache_gib * 2**30),
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.threads,
-    )
+    llm = engine_from_args(args, model, enable_prefix_caching=not args.no_prefix_caching)
     load_s = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -539,42 +530,21 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     def progress(items: Sequence[int], desc: str) -> Any:
         return report.progress(items, desc)
 
+    runners = {
+        "transformers": lambda: peer_runs.run_transformers_static(
+            model_path, prompts, lengths, args.peer_batch_size, progress
+        ),
+        "transformers-cb": lambda: peer_runs.run_transformers_continuous(
+            model_path, prompts, lengths, args.max_num_batched_tokens, progress
+        ),
+        "vllm": lambda: peer_runs.run_vllm(
+            args.vllm_python, model_path, prompts, lengths, args.threads, args.max_num_seqs, args.kv_cache_gib
+        ),
+    }
     done: list[PeerRun] = []
     for name in dict.fromkeys([*args.peers, *args.peer]):
-        if name == "transformers":
-            done.append(
-                phase(
-                    name,
-                    lambda: peer_runs.run_transformers_static(
-                        model_path, prompts, lengths, args.peer_batch_size, progress
-                    ),
-                )
-            )
-        elif name == "transformers-cb":
-            done.append(
-                phase(
-                    name,
-                    lambda: peer_runs.run_transformers_continuous(
-                        model_path, prompts, lengths, args.max_num_batched_tokens, progress
-                    ),
-                )
-            )
-        else:
-            done.append(
-                phase(
-                    name,
-                    lambda: peer_runs.run_vllm(
-                        args.vllm_python,
-                        model_path,
-                        prompts,
-                        lengths,
-                        args.threads,
-                        args.max_num_seqs,
-                        args.kv_cache_gib,
-                    ),
-                )
-            )
-        gc.collect()
+        done.append(phase(name, runners[name]))
+        gc.collect()  # drop the peer's model before the next one loads
 
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
     notes = [

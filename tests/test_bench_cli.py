@@ -18,6 +18,7 @@ import pytest
 from dataplane.cli import main
 from dataplane.config import DEFAULT_MODEL
 from dataplane.models import ModelNotFoundError, resolve_model_path
+from tests.tiny_models import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,24 +56,15 @@ assert "torch" not in sys.modules, "memory/plan imported torch"
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the default model's tokenizer and chat template."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     try:
         store = resolve_model_path(DEFAULT_MODEL)
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
+    config = tiny_config("llama")
+    config.vocab_size = 49152  # the borrowed tokenizer's
+    config.max_position_embeddings = 4096
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-chat")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
