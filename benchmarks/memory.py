@@ -370,7 +370,8 @@ def _plot(report: Report, results: list[tuple[str, ReplayResult]]) -> None:
         ax.set_xticks([i + width * (len(workloads) - 1) / 2 for i in range(len(labels))])
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
+        ax.legend(fontsize=7, loc="upper center", ncol=len(workloads))
     ax_util.axhline(100 * SEED_CONTIGUOUS_UTILIZATION, color="grey", ls="--", lw=0.8)
     ax_util.axhline(100 * SEED_PAGED_UTILIZATION, color="grey", ls=":", lw=0.8)
     report.save_figure(fig)
