@@ -369,7 +369,11 @@ def _plot(report: Report, rows: list[PlanRow], contiguous: bool) -> None:
         )
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(models))])
     ax.set_xticklabels(models, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(f"max concurrent requests ({rows[0].avg_tokens} tokens each)")
-    ax.set_title(f"{rows[0].gpu_gib:g} GiB GPU")
+    ax.set_yscale("log")
+    ax.set_ylabel(f"max concurrent requests of {rows[0].avg_tokens} tokens (log)")
+    gpus = ", ".join(
+        dict.fromkeys(f"{r.model}: {r.tensor_parallel_size}" for r in rows if r.tensor_parallel_size > 1)
+    )
+    ax.set_title(f"{rows[0].gpu_gib:g} GiB GPUs" + (f" (GPUs per model: {gpus})" if gpus else ""), fontsize=8)
     ax.legend(fontsize=7)
     report.save_figure(fig)
