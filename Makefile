@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[convert,dev]"
+	$(BIN)/pip install --quiet -e ".[convert,dev,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,7 +45,7 @@ unit: pull
 test: lint typecheck unit
 
 bench: pull
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/pagedserve bench throughput
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""`pagedserve bench`: benchmarks, their shipped workloads and length traces (see benchmarks/README.md)."""

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: phase timing and the contention warning."""
+"""Helpers shared by the benchmarks: building the engine, phase timing and the contention warning."""
 
 from __future__ import annotations
 
@@ -13,6 +13,23 @@ from dataplane.config import DEFAULT_MODEL
 
 def default_model() -> str:
     return DEFAULT_MODEL
+
+
+def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
+    """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
+    KV cache GiB, threads)."""
+    from dataplane import LLM
+
+    return LLM(
+        model,
+        dtype="float32",
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=int(args.kv_cache_gib * 2**30),
+        enable_prefix_caching=enable_prefix_caching,
+        num_threads=args.threads,
+    )
 
 
 def load_note() -> tuple[float, ...]:

@@ -1,12 +1,12 @@
-"""gRPC overhead: the offline-throughput workload through `pagedserve serve` vs the offline engine.
+"""`pagedserve bench grpc-overhead`: the offline-throughput workload through `pagedserve serve` vs the offline engine.
 
 Reproduce (run it ALONE on the machine; see benchmarks/README.md):
 
-    .venv/bin/python -m benchmarks.grpc_overhead --json benchmarks/results/grpc_overhead.json
+    pagedserve bench grpc-overhead          # = python -m benchmarks.grpc_overhead
 
 Quick plumbing check (numbers meaningless):
 
-    .venv/bin/python -m benchmarks.grpc_overhead --num-prompts 4 --min-output 4 --max-output 8
+    pagedserve bench grpc-overhead --num-prompts 4 --min-output 4 --max-output 8
 
 Both phases run the same workload (`benchmarks.workloads`: 64 chat prompts of 20-300 tokens,
 output lengths 16-256, greedy, ignore_eos), one after the other in this run:
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -44,6 +43,7 @@ if __package__ in (None, ""):
 import itertools
 
 from benchmarks.common import default_model, load_note, phase, warn_if_busy
+from benchmarks.report import Report
 from benchmarks.workloads import chat_prompts, describe, output_lengths
 
 GOAL_RATIO = 0.9
@@ -138,11 +138,11 @@ async def _serve_phase(address: str, prompts: list[list[int]], lengths: list[int
     return {"wall_s": wall, "times": times, "tokens": tokens, "start": start}
 
 
-def summarize(name: str, run: dict[str, Any], total_tokens: int) -> dict[str, float]:
+def summarize(name: str, run: dict[str, Any], total_tokens: int) -> dict[str, Any]:
     ttft = [ts[0] - run["start"] for ts in run["times"].values() if ts]
     itl = gaps(run["times"])
     return {
-        "name": name,  # type: ignore[dict-item]
+        "name": name,
         "wall_s": run["wall_s"],
         "tokens_per_s": total_tokens / run["wall_s"],
         "itl_p50_ms": 1000 * percentile(itl, 50),
@@ -152,8 +152,7 @@ def summarize(name: str, run: dict[str, Any], total_tokens: int) -> dict[str, fl
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--model-home", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -164,8 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     # Fields engine_config_from_args reads that this benchmark does not expose.
     defaults = dict(
         dtype="float32",
@@ -178,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix_hash_seed="pagedserve",
     )
     for key, value in defaults.items():
-        setattr(args, key, value)
+        if not hasattr(args, key):
+            setattr(args, key, value)
     loads = load_note()
     warn_if_busy(loads)
 
@@ -196,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     proc, address = phase("start pagedserve serve", lambda: start_server(args))
     try:
         served = phase(
-            "served (64 concurrent gRPC streams)",
+            f"served ({len(prompts)} concurrent gRPC streams)",
             lambda: asyncio.run(_serve_phase(address, prompts, lengths)),
         )
     finally:
@@ -208,33 +209,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     added_p50 = rows[1]["itl_p50_ms"] - rows[0]["itl_p50_ms"]
     added_p99 = rows[1]["itl_p99_ms"] - rows[0]["itl_p99_ms"]
-
-    print(
-        f"\n{'run':26} {'tok/s':>8} {'wall s':>7} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9}"
-    )
-    for r in rows:
-        print(
-            f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['wall_s']:7.1f} {r['itl_p50_ms']:7.1f}ms "
-            f"{r['itl_p99_ms']:7.1f}ms {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms"
-        )
     verdict = "meets" if ratio >= GOAL_RATIO else "MISSES"
-    print(f"\nserved / offline throughput: {ratio:.3f}x ({verdict} the >= {GOAL_RATIO}x goal)")
-    print(f"added latency per token: p50 {added_p50:+.1f} ms, p99 {added_p99:+.1f} ms")
-    print(f"greedy agreement: {same}/{len(prompts)} requests token-identical; load before: {loads}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "rows": rows,
-            "ratio": ratio,
-            "added_latency_ms": {"p50": added_p50, "p99": added_p99},
-            "identical_requests": same,
-            "num_requests": len(prompts),
-            "output_tokens": total,
-            "load_before": loads,
-        }
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    report.table(
+        "offline engine vs the same workload through pagedserve serve",
+        ["run", "output tok/s", "wall s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms", "TTFT p99 ms"],
+        [
+            [
+                r["name"],
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['wall_s']:.1f}",
+                f"{r['itl_p50_ms']:.1f}",
+                f"{r['itl_p99_ms']:.1f}",
+                f"{r['ttft_p50_ms']:.0f}",
+                f"{r['ttft_p99_ms']:.0f}",
+            ]
+            for r in rows
+        ],
+        notes=[
+            f"served / offline throughput: {ratio:.3f}x ({verdict} the >= {GOAL_RATIO}x goal)",
+            f"added latency per token: p50 {added_p50:+.1f} ms, p99 {added_p99:+.1f} ms",
+            f"greedy agreement: {same}/{len(prompts)} requests token-identical; load before: {loads}",
+        ],
+    )
+    return {
+        "rows": rows,
+        "ratio": ratio,
+        "added_latency_ms": {"p50": added_p50, "p99": added_p99},
+        "identical_requests": same,
+        "num_requests": len(prompts),
+        "output_tokens": total,
+    }
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.cli import main
+
+    sys.exit(main(["grpc-overhead", *sys.argv[1:]]))

@@ -3,11 +3,11 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
 
-    .venv/bin/python -m benchmarks.prefix_caching --json benchmarks/results/prefix_caching.json
+    pagedserve bench prefix-caching                   # = python -m benchmarks.prefix_caching
 
 Quick plumbing check (a minute or less, numbers meaningless):
 
-    .venv/bin/python -m benchmarks.prefix_caching --conversations 4 --concurrency 2 --max-tokens 8
+    pagedserve bench prefix-caching --conversations 4 --concurrency 2 --max-tokens 8
 
 What it does, in one process and strictly one phase after another:
 
@@ -41,7 +41,8 @@ What it does, in one process and strictly one phase after another:
    is to beat both), and greedy agreement: every turn's prompt and output tokens compared ON vs
    OFF (fp32 greedy: they should be identical, which also keeps both runs on one workload).
 
-`--json PATH` writes everything, per-turn records included.
+`benchmarks/results/prefix-caching.json` holds everything, per-turn records included; the PNG
+shows the TTFT distribution of both runs.
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ import bisect
 import dataclasses
 import functools
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -65,7 +63,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, load_note, phase, warn_if_busy
+from benchmarks.common import default_model, engine_from_args, load_note, phase, warn_if_busy
+from benchmarks.report import Report
 from benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
 
 SEED_TTFT_REDUCTION = 0.60  # the seed's claim: TTFT -60% with caching on
@@ -157,19 +156,10 @@ def _reply_end(output: Sequence[int], stop_ids: set[int]) -> int:
 def run_dialogues(
     args: argparse.Namespace, model: str, dialogues: list[Dialogue], caching: bool
 ) -> DialogueRun:
-    from dataplane import LLM, SamplingParams
+    from dataplane import SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(
-        model,
-        dtype="float32",
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=int(args.kv_cache_gib * 2**30),
-        enable_prefix_caching=caching,
-        num_threads=args.threads,
-    )
+    llm = engine_from_args(args, model, enable_prefix_caching=caching)
     load_s = time.perf_counter() - t
     engine = llm.engine
     tok: Any = engine.tokenizer
@@ -415,12 +405,10 @@ def build_report(
     import torch
 
     rep: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.prefix_caching", *sys.argv[1:]]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": loads},
+        "loadavg": loads,
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
         "model": str(model_path),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
         "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True},
         "workload": {
             "name": "customer_service_dialogues",
@@ -478,7 +466,7 @@ def print_report(rep: dict[str, Any]) -> None:
         f"prompt of {w['system_prompt_tokens']} tokens; concurrency {rep['args']['concurrency']} (closed loop); "
         f"{rep['sampling']['max_tokens']} output tokens per turn (greedy, ignore_eos)"
     )
-    print(f"load average at start/end: {rep['host']['loadavg']}")
+    print(f"load average at start/end: {rep['loadavg']}")
     print()
     cols = [k for k in ("on", "off") if k in runs]
     head = {"on": "caching ON", "off": "caching OFF"}
@@ -547,12 +535,8 @@ def print_report(rep: dict[str, Any]) -> None:
     print()
 
 
-# -- main --------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.prefix_caching",
-        description="Prefix caching ON vs OFF on multi-turn customer-service chats (closed loop).",
-    )
+# -- the subcommand ------------------------------------------------------------------------------
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model", default=default_model(), help="store name or local HF folder (default: %(default)s)"
     )
@@ -566,19 +550,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="engine KV cache size, GiB")
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results here")
-    args = ap.parse_args(argv)
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+
+
+def validate(args: argparse.Namespace) -> None:
+    runs = (
+        args.runs if isinstance(args.runs, list) else [r.strip() for r in args.runs.split(",") if r.strip()]
+    )
     if not runs or any(r not in ("on", "off") for r in runs) or len(set(runs)) != len(runs):
-        ap.error("--runs must list 'on' and/or 'off' once each, e.g. on,off")
+        raise ValueError("--runs must list 'on' and/or 'off' once each, e.g. on,off")
     args.runs = runs
     if min(args.conversations, args.concurrency, args.max_tokens, args.threads) < 1:
-        ap.error("--conversations, --concurrency, --max-tokens and --threads must be >= 1")
-    return args
+        raise ValueError("--conversations, --concurrency, --max-tokens and --threads must be >= 1")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    validate(args)
     import torch
     from transformers import AutoTokenizer
 
@@ -586,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
-    loads = {"start": load_note()}
+    loads = {"start": report.loads["start"]}
     warn_if_busy(loads["start"])
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     dialogues = customer_service_dialogues(args.conversations, args.seed)
@@ -598,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     runs: dict[str, DialogueRun] = {}
-    for label in args.runs:
+    for label in report.progress(args.runs, desc="runs"):
         caching = label == "on"
         runs[label] = phase(
             f"caching {label.upper()}",
@@ -609,12 +595,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads["end"] = load_note()
 
     rep = build_report(args, model_path, dialogues, system_tokens, runs, loads)
+    cols = [c for c in ("on", "off") if c in rep["runs"]]
+    metrics = [
+        ("TTFT p50 (ms)", "ttft_p50_s", 1e3, ".0f"),
+        ("TTFT p90 (ms)", "ttft_p90_s", 1e3, ".0f"),
+        ("TTFT p50, turns 2+ (ms)", "ttft_p50_turn2plus_s", 1e3, ".0f"),
+        ("output tok/s", "output_tok_s", 1, ".1f"),
+        ("prefix hit rate (%)", "hit_rate", 100, ".1f"),
+        ("prompt tokens computed", "prompt_tokens_computed", 1, ",.0f"),
+    ]
+    report.table(
+        "Prefix caching on vs off (customer-service dialogues)",
+        ["", *(f"caching {c.upper()}" for c in cols)],
+        [[label, *(format(rep["runs"][c][key] * k, f) for c in cols)] for label, key, k, f in metrics],
+        [
+            f"{len(dialogues)} conversations, concurrency {args.concurrency}, {args.max_tokens} tokens per reply"
+        ],
+    )
     print_report(rep)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rep, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    _plot(report, rep)
+    return rep
+
+
+def _plot(report: Report, rep: dict[str, Any]) -> None:
+    fig = report.figure(width=7, height=4.5)
+    if fig is None:
+        return
+    ax = fig.axes[0]
+    for label, records in rep["turn_records"].items():
+        ttft = sorted(1e3 * r["ttft_s"] for r in records)
+        ax.step(
+            ttft,
+            [(i + 1) / len(ttft) for i in range(len(ttft))],
+            where="post",
+            label=f"caching {label.upper()}",
+        )
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of turns")
+    ax.set_title("TTFT distribution", fontsize=9)
+    ax.legend(fontsize=8)
+    report.save_figure(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m benchmarks.prefix_caching ...` = `pagedserve bench prefix-caching ...`."""
+    from benchmarks.cli import main as bench_main
+
+    return bench_main(["prefix-caching", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

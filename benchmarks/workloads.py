@@ -26,6 +26,13 @@ Workloads
     defaults the total is 64 × 136 = 8,704 tokens. Meant for `SamplingParams(max_tokens=L,
     temperature=0.0, ignore_eos=True)`: every request then produces exactly L tokens.
 
+`long_context_prompts(tokenizer, n=16, min_tokens=2048, max_tokens=3840, seed=0)`
+    Like `chat_prompts`, for long-context serving: 16 prompts of 2,048-3,840 tokens, the
+    background reading followed by one of 8 questions about the whole text (summaries,
+    quizzes, comparisons). The passages file holds ~4,000 tokens, so the longest prompts
+    repeat a few paragraphs; 3,840 leaves room for 256 output tokens within a
+    `max_model_len` of 4096.
+
 `describe(prompts, outputs)`
     A one-line summary (counts, totals, min/mean/max) for logs.
 
@@ -225,7 +232,12 @@ def _build_one(tokenizer: Any, target: int, question: str, start_para: int) -> l
 
 
 def chat_prompts(
-    tokenizer: Any, n: int = 64, min_tokens: int = 20, max_tokens: int = 300, seed: int = 0
+    tokenizer: Any,
+    n: int = 64,
+    min_tokens: int = 20,
+    max_tokens: int = 300,
+    seed: int = 0,
+    questions: Sequence[str] = QUESTIONS,
 ) -> list[list[int]]:
     """`n` chat prompts (token ids) with lengths spread over [min_tokens, max_tokens]; see module doc."""
     targets = _spread(n, min_tokens, max_tokens)
@@ -234,10 +246,35 @@ def chat_prompts(
     paras = _paragraphs()
     prompts: list[list[int]] = []
     for i, target in enumerate(targets):
-        question = QUESTIONS[(i + seed) % len(QUESTIONS)]
+        question = questions[(i + seed) % len(questions)]
         start = rng.randrange(len(paras))
         prompts.append(_build_one(tokenizer, target, question, start))
     return prompts
+
+
+# Questions about the background reading itself: a long-context request reads all of it.
+LONG_CONTEXT_QUESTIONS: tuple[str, ...] = (
+    "Summarize the background reading above in five bullet points.",
+    "Which three facts in the text above surprised you most, and why?",
+    "List every invention or technique mentioned in the text above.",
+    "Write a short quiz of four questions, with answers, about the text above.",
+    "What do the passages above have in common? Answer in one paragraph.",
+    "Explain the main idea of the text above to a twelve year old.",
+    "Which passage above is the most useful for daily life? Justify your choice.",
+    "Write a title and a two-sentence abstract for the text above.",
+)
+
+
+def long_context_prompts(
+    tokenizer: Any, n: int = 16, min_tokens: int = 2048, max_tokens: int = 3840, seed: int = 0
+) -> list[list[int]]:
+    """`n` long chat prompts (2k-4k tokens by default): background reading plus a question about it.
+
+    Built like `chat_prompts` (the filler wraps around `passages.txt`, ~4,000 SmolLM2 tokens, so
+    the longest prompts repeat a few paragraphs) with `LONG_CONTEXT_QUESTIONS`, which ask about
+    the whole text.
+    """
+    return chat_prompts(tokenizer, n, min_tokens, max_tokens, seed, LONG_CONTEXT_QUESTIONS)
 
 
 def output_lengths(n: int = 64, lo: int = 16, hi: int = 256, seed: int = 0) -> list[int]:

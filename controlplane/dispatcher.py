@@ -221,7 +221,8 @@ class Dispatcher:
         parent = extract(request.trace_context)
         while True:
             remaining = None if request.deadline is None else request.deadline - time.monotonic()
-            with _tracer.start_as_current_span("pagedserve.admission", context=parent) as span:
+            span = _tracer.start_span("pagedserve.admission", context=parent)
+            try:
                 placement, waited = await self.admission.admit(
                     lambda: self._place(request, exclude), remaining
                 )
@@ -235,6 +236,8 @@ class Dispatcher:
                         "pagedserve.attempt": len(exclude) + 1,
                     }
                 )
+            finally:
+                span.end()
             try:
                 handle = link.submit(
                     request.request_id,

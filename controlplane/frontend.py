@@ -14,9 +14,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import structlog
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
 from controlplane.detokenizer import IncrementalDetokenizer
 from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
@@ -25,7 +24,7 @@ from controlplane.metrics import ControlPlaneMetrics
 from controlplane.tokenizer import Tokenizer
 from dataplane.log import get_logger
 from dataplane.server.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
-from dataplane.telemetry import inject, tracer
+from dataplane.telemetry import inject, span_ids, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
@@ -184,36 +183,41 @@ class Frontend:
             "pagedserve.num_samples": gen.num_samples,
             "gen_ai.request.model": self.model_name,
         }
-        with _tracer.start_as_current_span(
+        # No context attach here: an async generator may be finalized in another context, so
+        # the span is passed explicitly (to the data plane via gen.trace_context, to logs by id).
+        span = _tracer.start_span(
             "pagedserve.request", context=parent, kind=SpanKind.SERVER, attributes=attributes
-        ) as span:
-            gen.trace_context = inject()
-            with structlog.contextvars.bound_contextvars(request_id=gen.request_id):
-                try:
-                    async for event in self._stream(gen, start):
-                        if isinstance(event, CompletionDone):
-                            span.set_attribute(
-                                f"pagedserve.completion.{event.index}.finish_reason", event.finish_reason
-                            )
-                            span.set_attribute(
-                                f"pagedserve.completion.{event.index}.tokens", event.completion_tokens
-                            )
-                            log.info(
-                                "request_finished",
-                                index=event.index,
-                                finish_reason=event.finish_reason,
-                                prompt_tokens=event.prompt_tokens,
-                                cached_tokens=event.cached_tokens,
-                                completion_tokens=event.completion_tokens,
-                                ttft_s=round(event.time_to_first_token_seconds, 4),
-                                e2e_s=round(event.e2e_seconds, 4),
-                            )
-                        yield event
-                except ServiceError as exc:
-                    self.record_failure(exc)
-                    span.set_status(Status(StatusCode.ERROR, exc.code))
-                    log.info("request_failed", code=exc.code, reason=exc.message)
-                    raise
+        )
+        ctx = set_span_in_context(span)
+        gen.trace_context = inject(ctx)
+        ids = span_ids(span)
+        try:
+            async for event in self._stream(gen, start):
+                if isinstance(event, CompletionDone):
+                    span.set_attribute(
+                        f"pagedserve.completion.{event.index}.finish_reason", event.finish_reason
+                    )
+                    span.set_attribute(f"pagedserve.completion.{event.index}.tokens", event.completion_tokens)
+                    log.info(
+                        "request_finished",
+                        request_id=gen.request_id,
+                        index=event.index,
+                        finish_reason=event.finish_reason,
+                        prompt_tokens=event.prompt_tokens,
+                        cached_tokens=event.cached_tokens,
+                        completion_tokens=event.completion_tokens,
+                        ttft_s=round(event.time_to_first_token_seconds, 4),
+                        e2e_s=round(event.e2e_seconds, 4),
+                        **ids,
+                    )
+                yield event
+        except ServiceError as exc:
+            self.record_failure(exc)
+            span.set_status(Status(StatusCode.ERROR, exc.code))
+            log.info("request_failed", request_id=gen.request_id, code=exc.code, reason=exc.message, **ids)
+            raise
+        finally:
+            span.end()
 
     def record_failure(self, exc: ServiceError) -> None:
         """Count a refused or failed request once, whichever layer saw it first."""

@@ -1,7 +1,8 @@
-"""The `pagedserve` command line: models, generate, chat, dataplane, controlplane, serve, client.
+"""The `pagedserve` command line: models, generate, chat, dataplane, controlplane, serve, client,
+doctor, bench.
 
-Subcommands import their heavy modules lazily: `pagedserve controlplane` and `pagedserve client`
-never import torch.
+Subcommands import their heavy modules lazily: `pagedserve controlplane`, `client`, `doctor`
+and `bench --help` never import torch.
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from benchmarks.cli import add_bench_parser  # torch-free: each benchmark imports torch when it runs
     from clients.python.cli import add_client_parser
     from controlplane.doctor import add_doctor_parser
     from controlplane.main import add_controlplane_parsers
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_controlplane_parsers(sub)
     add_client_parser(sub)
     add_doctor_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -78,9 +78,14 @@ def extract(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> o
     return _propagator.extract(normalized)
 
 
-def trace_ids() -> dict[str, Any]:
-    """trace_id / span_id of the current span, for log lines (empty when there is none)."""
-    ctx = trace.get_current_span().get_span_context()
+def span_ids(span: trace.Span) -> dict[str, Any]:
+    """trace_id / span_id of `span`, for log lines (empty for a non-recording span)."""
+    ctx = span.get_span_context()
     if not ctx.is_valid:
         return {}
     return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+
+
+def trace_ids() -> dict[str, Any]:
+    """trace_id / span_id of the current span (empty when there is none)."""
+    return span_ids(trace.get_current_span())

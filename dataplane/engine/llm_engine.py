@@ -11,7 +11,13 @@ import torch
 
 from dataplane.config import EngineConfig
 from dataplane.kvcache import BlockPool, KVCacheManager
-from dataplane.kvcache.budget import KVCacheBudget, KVCacheShape, kv_memory_on_gpu, plan_kv_cache
+from dataplane.kvcache.budget import (
+    KVCacheBudget,
+    KVCacheShape,
+    kv_memory_on_gpu,
+    peak_activation_bytes,
+    plan_kv_cache,
+)
 from dataplane.log import get_logger
 from dataplane.models import resolve_model_path
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
@@ -121,13 +127,15 @@ class LLMEngine:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            # Peak activations of the largest step: hidden states and MLP intermediates of every
-            # batched token, plus logits for up to max_num_seqs rows.
             hf = model.config
-            tokens = self.config.scheduler.max_num_batched_tokens
-            elem = shape.bytes_per_element
-            activations = tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size) * elem
-            activations += self.config.scheduler.max_num_seqs * hf.vocab_size * 4
+            activations = peak_activation_bytes(
+                self.config.scheduler.max_num_batched_tokens,
+                hf.hidden_size,
+                hf.intermediate_size,
+                shape.bytes_per_element,
+                self.config.scheduler.max_num_seqs,
+                hf.vocab_size,
+            )
             memory = kv_memory_on_gpu(total, cache.gpu_memory_utilization, weights, activations)
             memory = min(memory, free)
         else:

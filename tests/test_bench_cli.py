@@ -1,0 +1,173 @@
+"""Smoke tests: every `pagedserve bench` subcommand runs end to end on tiny inputs (figures not asserted).
+
+The model-driven subcommands run on a tiny random Llama that borrows the default model's
+tokenizer and chat template (the workloads are chat prompts), so they need the default model
+in the local store; `memory` and `plan` need nothing and must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataplane.cli import main
+from dataplane.config import DEFAULT_MODEL
+from dataplane.models import ModelNotFoundError, resolve_model_path
+from tests.tiny_models import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def outputs(out: Path, name: str) -> dict[str, object]:
+    assert (out / f"{name}.png").stat().st_size > 0
+    doc: dict[str, object] = json.loads((out / f"{name}.json").read_text())
+    assert doc["benchmark"] == name and doc["tables"]
+    return doc
+
+
+def test_memory_and_plan_run_without_torch(tmp_path: Path) -> None:
+    script = f"""
+import sys
+from dataplane.cli import main
+assert main(["bench", "memory", "--workload", "long-context", "chat", "--limit", "6", "--repeat", "2",
+             "--block-sizes", "16", "--max-model-len", "4096", "--out", {str(tmp_path)!r}, "--no-progress"]) == 0
+assert main(["bench", "plan", "--model", "LLaMA-13B", "Llama-3-70B", "--contiguous", "--out", {str(tmp_path)!r}]) == 0
+assert "torch" not in sys.modules, "memory/plan imported torch"
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "KV memory: contiguous pre-allocation vs our paged pool" in proc.stdout
+    assert "| LLaMA-13B" in proc.stdout
+    memory = outputs(tmp_path, "memory")
+    results = memory["results"]
+    assert isinstance(results, list) and len(results) == 2 * 2  # 2 workloads x (contiguous, paged 16)
+    plan = outputs(tmp_path, "plan")
+    assert isinstance(plan["rows"], list) and len(plan["rows"]) == 2 * 2  # 2 models x 2 KV dtypes
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the default model's tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        store = resolve_model_path(DEFAULT_MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    config = tiny_config("llama")
+    config.vocab_size = 49152  # the borrowed tokenizer's
+    config.max_position_embeddings = 4096
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-chat")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (store / name).exists():
+            shutil.copy(store / name, path / name)
+    return path
+
+
+@pytest.mark.real_model
+def test_throughput_against_both_transformers_peers(tiny_chat_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_chat_model), "--num-prompts", "3", "--min-output", "2", "--max-output", "5"]
+    args += [
+        "--peer-batch-size",
+        "2",
+        "--roofline-reps",
+        "1",
+        "--skip-prefill-roofline",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(["bench", "throughput", *args]) == 0
+    doc = outputs(tmp_path, "throughput")
+    assert [p["name"] for p in doc["peers"]] == [  # type: ignore[union-attr]
+        "transformers generate, static batch 2",
+        "transformers generate_batch (continuous)",
+    ]
+
+
+@pytest.mark.real_model
+def test_trace_then_prefix_caching(tiny_chat_model: Path, tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    common = ["--model", str(tiny_chat_model), "--out", str(tmp_path), "--no-progress"]
+    assert (
+        main(
+            [
+                "bench",
+                "trace",
+                "--workload",
+                "chat",
+                "--limit",
+                "2",
+                "--max-tokens",
+                "3",
+                "--trace-dir",
+                str(traces),
+                *common,
+            ]
+        )
+        == 0
+    )
+    trace = json.loads((traces / "chat.json").read_text())
+    assert len(trace["rows"]) == 2 and all(0 < out <= 3 for _, out, _ in trace["rows"])
+    assert (
+        main(
+            [
+                "bench",
+                "memory",
+                "--workload",
+                str(traces / "chat.json"),
+                "--repeat",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    args = ["--conversations", "2", "--concurrency", "2", "--max-tokens", "2", "--runs", "on", *common]
+    assert main(["bench", "prefix-caching", *args]) == 0
+    outputs(tmp_path, "prefix-caching")
+
+
+def test_vllm_peer_without_vllm_is_refused_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    # This venv has no vLLM (a peer only, never a dependency): refused up front, exit status 1.
+    assert main(["bench", "throughput", "--peer", "vllm", "--vllm-python", sys.executable]) == 1
+    assert "cannot import vllm" in capsys.readouterr().err
+
+
+def test_serve_loads_a_running_server_over_grpc_and_openai(tmp_path: Path) -> None:
+    from tests.grpc.harness import ServerThread, engine_config
+    from tests.tiny_models import make_tiny_model
+
+    tiny = make_tiny_model("llama", tmp_path / "llama")
+    srv = ServerThread(engine_config(tiny, num_blocks=64), tiny)
+    try:
+        for api, address in (("grpc", srv.grpc_address), ("openai", srv.http_url)):
+            out = tmp_path / api
+            args = ["--api", api, "--address", address, "--workload", "random", "--input-len", "8"]
+            args += ["--num-prompts", "4", "--min-output", "2", "--max-output", "4", "--request-rate", "50"]
+            assert main(["bench", "serve", *args, "--out", str(out), "--no-progress"]) == 0
+            doc = outputs(out, "serve")
+            assert (doc["completed"], doc["failed"]) == (4, 0)
+            assert doc["latency_ms"]["TTFT"]["p50"] > 0  # type: ignore[index]
+        srv.wait_idle()
+    finally:
+        srv.close()
+
+
+@pytest.mark.real_model
+def test_grpc_overhead_runs_offline_and_served(tiny_chat_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_chat_model), "--num-prompts", "3", "--min-output", "2", "--max-output", "4"]
+    args += ["--threads", "1", "--kv-cache-memory", str(64 * 2**20), "--out", str(tmp_path), "--no-progress"]
+    assert main(["bench", "grpc-overhead", *args]) == 0
+    doc = json.loads((tmp_path / "grpc-overhead.json").read_text())
+    assert doc["identical_requests"] == 3 and doc["output_tokens"] == 2 + 3 + 4
