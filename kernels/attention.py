@@ -58,7 +58,7 @@ def check_attention_inputs(
     if block_size != meta.block_size:
         raise ValueError(f"cache block_size {block_size} != metadata block_size {meta.block_size}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"query must be float32, float16 or bfloat16, got {query.dtype}")
+        raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
     if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
         raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
     if query.device != key_cache.device:
