@@ -41,7 +41,10 @@ def _cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 def _dot_operand(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """x as a dot operand of DTYPE; under the interpreter, DTYPE-rounded values held in fp32."""
     if INTERPRET:
-        return _cast(x, DTYPE, INTERPRET).to(tl.float32)
+        if DTYPE == tl.float32:
+            return x.to(tl.float32)
+        else:
+            return _cast(x, DTYPE, INTERPRET).to(tl.float32)
     else:
         return x.to(DTYPE)
 

@@ -35,11 +35,15 @@ from test_paged_attention import (
 from kernels import build_attention_metadata, copy_blocks, paged_attention, swap_blocks, write_kv_cache
 from kernels.fp8 import dequantize_fp8, quantize_fp8
 from kernels.reference import dense_causal_attention_reference
+from kernels.triton_ops.attention import TileConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: FP32_ATOL, torch.float16: FP16_ATOL, torch.bfloat16: BF16_ATOL}
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
+SMALL_TILES = TileConfig(block_m=16, tile_n=16)
+gpu_only = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)"
+)
 
 
 def fp8_batch(batch: Batch, fp8: torch.dtype, k_scale: float, v_scale: float) -> Batch:
@@ -92,7 +96,8 @@ def test_attention_fp32_block_sizes_and_gqa(block_size: int, num_kv_heads: int, 
         head_dim=64,
         device=DEVICE,
     )
-    check_attention(batch, FP32_ATOL)
+    # 16-key tiles: within a block (32), one block (16) or 16 blocks (1) per tile.
+    check_attention(batch, FP32_ATOL, tiles=SMALL_TILES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -136,7 +141,7 @@ def test_split_kv_decode(num_splits: int) -> None:
     batch = make_batch(
         [1, 1, 1, 6], [300, 97, 17, 60], block_size=16, num_kv_heads=2, group=4, head_dim=64, device=DEVICE
     )
-    check_attention(batch, FP32_ATOL, num_splits=num_splits)
+    check_attention(batch, FP32_ATOL, num_splits=num_splits, tiles=SMALL_TILES)
 
 
 def test_split_kv_decode_fp8_bf16() -> None:
@@ -155,8 +160,6 @@ def test_split_kv_decode_fp8_bf16() -> None:
 
 def test_tiles_wider_than_blocks_and_odd_head_dim() -> None:
     # 32-key tiles over 16-token blocks; head_dim 24 pads to 32 inside the kernel.
-    from kernels.triton_ops.attention import TileConfig
-
     batch = make_batch(
         [1, 9, 1], [70, 40, 5], block_size=16, num_kv_heads=2, group=2, head_dim=24, device=DEVICE
     )
@@ -376,3 +379,47 @@ def test_interpreter_bug_workarounds_are_needed() -> None:
     cast_kernel[(1,)](x, e4m3, 4)
     expected = quantize_fp8(x, 1.0, torch.float8_e4m3fn)
     assert not torch.equal(e4m3.view(torch.uint8), expected.view(torch.uint8))  # no saturation / carry
+
+
+# ---- GPU only: compiled kernels at serving shapes ---------------------------------------
+
+
+@gpu_only
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_long_context_decode_and_auto_backend(kv_dtype: torch.dtype) -> None:
+    # Llama-8B-like heads, 4k contexts (split-KV chosen automatically) next to a prefill chunk.
+    batch = make_batch(
+        [1, 1, 1, 1, 64],
+        [4096, 4000, 1500, 77, 600],
+        block_size=16,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    scales = (1.0, 1.0)
+    if kv_dtype != torch.bfloat16:
+        scales = (0.02, 0.02)
+        batch = fp8_batch(batch, kv_dtype, *scales)
+    auto = paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.meta,
+        batch.scale,
+        k_scale=scales[0],
+        v_scale=scales[1],
+    )
+    triton_out = paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.meta,
+        batch.scale,
+        k_scale=scales[0],
+        v_scale=scales[1],
+        impl="triton",
+    )
+    assert torch.equal(auto, triton_out)  # "auto" is Triton on CUDA
+    check_attention(batch, BF16_ATOL, *scales)
