@@ -56,20 +56,22 @@ def test_triton_backend_chunked_prefill_and_preemption(tiny: dict[str, Any]) -> 
     # 4-token blocks, 7-token steps (chunks with cached prefixes), a pool too small for all.
     llm, tokens = generate(
         path,
-        n=6,
+        n=4,
         block_size=4,
-        max_num_seqs=6,
+        max_num_seqs=4,
         max_num_batched_tokens=7,
         num_gpu_blocks_override=24,
         attention_backend="triton",
     )
-    check_all(tokens, refs[:6], "llama triton chunked")
+    assert llm.engine.scheduler.num_preemptions > 0
+    check_all(tokens, refs[:4], "llama triton chunked")
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_backends_agree(tiny: dict[str, Any], kv_cache_dtype: str) -> None:
-    # Both backends quantize to the same bits and attend within fp32 rounding of each other.
+def test_fp8_backends_agree(tiny: dict[str, Any]) -> None:
+    # Both backends quantize to the same bits and attend within fp32 rounding of each other
+    # (e5m2 differs only in the quantizer's constants, tested bit-exact in test_triton_kernels).
+    kv_cache_dtype = "fp8_e4m3"
     path, _ = tiny["qwen3"]
     outs = []
     for backend in ("torch", "triton"):
