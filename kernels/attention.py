@@ -112,7 +112,7 @@ def paged_attention(
     if impl not in ("auto", "cpp", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'cpp', 'torch' or 'triton', got {impl!r}")
     check_attention_inputs(query, key_cache, value_cache, meta, k_scale, v_scale)
-    if impl in ("auto", "triton") and use_triton(impl, query.device):
+    if impl in ("auto", "triton") and use_triton(impl, query.device, key_cache.dtype):
         from kernels.triton_ops import paged_attention_triton
 
         return paged_attention_triton(query, key_cache, value_cache, meta, scale, k_scale, v_scale)

@@ -49,14 +49,26 @@ def why_not_triton(device: torch.device) -> str:
     return f"Triton kernels do not support {device.type} tensors"
 
 
-def use_triton(impl: str, device: torch.device) -> bool:
-    """Resolve impl for tensors on `device`; ValueError for "triton" where it cannot run."""
+def triton_supports_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """Compiled Triton has e4m3 (float8e4nv) only on sm_89+ (Ada, Hopper and later); e5m2,
+    16/32-bit types and the interpreter work everywhere."""
+    if dtype == torch.float8_e4m3fn and device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return True
+
+
+def use_triton(impl: str, device: torch.device, cache_dtype: torch.dtype | None = None) -> bool:
+    """Resolve impl for a cache of `cache_dtype` on `device`; ValueError for "triton" where
+    it cannot run. "auto" falls back to torch for an e4m3 cache on a pre-sm_89 GPU."""
     if impl == "torch":
         return False
+    dtype_ok = cache_dtype is None or triton_supports_dtype(cache_dtype, device)
     if impl == "auto":
-        return device.type == "cuda" and triton_installed()
+        return device.type == "cuda" and triton_installed() and dtype_ok
     if impl == "triton":
         if not triton_supports(device):
             raise ValueError(f"impl='triton' cannot run here: {why_not_triton(device)}")
+        if not dtype_ok:
+            raise ValueError(f"impl='triton': compiled Triton supports {cache_dtype} only on sm_89+ GPUs")
         return True
     raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")

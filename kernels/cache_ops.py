@@ -117,7 +117,7 @@ def write_kv_cache(
     cache stores fp8(x / scale), saturating, round-to-nearest-even (kernels.fp8).
     """
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    if use_triton(impl, key_cache.device):
+    if use_triton(impl, key_cache.device, key_cache.dtype):
         from kernels.triton_ops import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -33,8 +33,11 @@ class TileConfig:
     tile_n: int
 
 
-# GPU: 64-row prefill tiles, 64-key iterations (a bf16 K tile of head_dim 128 is 16 KiB).
+# GPU: 64-row prefill tiles, 64-key iterations (a bf16 K tile of head_dim 128 is 16 KiB;
+# ~48 KiB of shared memory in all). fp32 queries take half of each: 64 x 64 needs ~113 KiB,
+# more than sm_86/sm_89 GPUs have.
 GPU_TILES = TileConfig(block_m=64, tile_n=64)
+GPU_TILES_FP32 = TileConfig(block_m=32, tile_n=32)
 # Interpreter: its cost is per program and per loop iteration, so tiles that cover a small
 # test's context in one or two iterations (tests pick smaller ones to cross tile edges).
 INTERPRETER_TILES = TileConfig(block_m=32, tile_n=32)
@@ -81,7 +84,14 @@ def paged_attention_triton(
     interpreting = check_device(query, key_cache, value_cache, meta.block_tables)
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-    tiles = tiles or (INTERPRETER_TILES if interpreting else GPU_TILES)
+    if tiles is None:
+        tiles = (
+            INTERPRETER_TILES
+            if interpreting
+            else GPU_TILES_FP32
+            if query.dtype == torch.float32
+            else GPU_TILES
+        )
     if tiles.tile_n < MIN_DOT or tiles.tile_n & (tiles.tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= {MIN_DOT}, got {tiles.tile_n}")
     if query.stride(2) != 1:

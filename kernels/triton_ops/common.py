@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import triton_interpreting, why_not_triton
+from kernels.backend import triton_interpreting, triton_supports_dtype, why_not_triton
 
 TL_DTYPES = {
     torch.float32: tl.float32,
@@ -24,6 +24,9 @@ FP8_FORMATS = {
 def check_device(*tensors: torch.Tensor) -> bool:
     """Raise ValueError unless Triton can run on these tensors; returns whether it interprets."""
     device = tensors[0].device
+    for t in tensors:
+        if not triton_supports_dtype(t.dtype, t.device):
+            raise ValueError(f"compiled Triton supports {t.dtype} only on sm_89+ GPUs")
     for t in tensors:
         if t.device != device:
             raise ValueError(f"Triton kernel inputs must share one device, got {t.device} and {device}")

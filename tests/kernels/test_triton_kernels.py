@@ -18,7 +18,11 @@ workarounds stay justified.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,6 +231,20 @@ def test_num_splits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tri.choose_num_splits(1, 1, 100_000, cuda) == tri.MAX_SPLITS
 
 
+def test_e4m3_needs_sm89_in_compiled_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import backend
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (8, 0))
+    assert not backend.use_triton("auto", cuda, torch.float8_e4m3fn)  # A100: torch path
+    assert backend.use_triton("auto", cuda, torch.float8_e5m2)
+    assert backend.use_triton("auto", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_89"):
+        backend.use_triton("triton", cuda, torch.float8_e4m3fn)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (9, 0))
+    assert backend.use_triton("auto", cuda, torch.float8_e4m3fn)
+
+
 def test_triton_launcher_validation() -> None:
     from kernels.triton_ops import paged_attention_triton
 
@@ -356,6 +374,21 @@ def test_swap_blocks_validation() -> None:
         swap_blocks([torch.zeros(4, 4, 2, 8)], [torch.zeros(4, 4, 2, 4)], [(0, 0)])
     with pytest.raises(ValueError, match="destination block ids"):
         swap_blocks([torch.zeros(4, 4, 2, 8)], [torch.zeros(2, 4, 2, 8)], [(0, 2)])
+
+
+# ---- compiled for real GPUs, without one -----------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above run the compiled kernels")
+def test_kernels_compile_for_gpu_targets() -> None:
+    # What the interpreter cannot check: Triton's compiler accepts every launch
+    # configuration, for Hopper and for Ampere (e5m2; e4m3 needs sm_89+ and is refused).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = Path(__file__).with_name("compile_kernels.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.count("compiled:") == 8
 
 
 # ---- the interpreter's bugs are real (so the workarounds are needed) -------------------
