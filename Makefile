@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[convert,dev,bench]"
+	$(BIN)/pip install --quiet -e ".[convert,dev,bench,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -176,6 +176,10 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         num_gpu_blocks_override=None,
         enable_prefix_caching=True,
         prefix_hash_seed="pagedserve",
+        attention_backend=None,
+        kv_cache_dtype="auto",
+        calculate_kv_scales=True,
+        kv_scales_path=None,
     )
     for key, value in defaults.items():
         if not hasattr(args, key):

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dataplane.config import DEFAULT_MODEL
+from dataplane.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
@@ -54,6 +54,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-hash-seed", default="pagedserve", help="seed of the chained block hashes")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type: auto (the model dtype) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
+    )
+    g.add_argument(
+        "--calculate-kv-scales",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FP8 cache: calibrate per-layer K/V scales at start-up (else 1.0, with a warning)",
+    )
+    g.add_argument(
+        "--kv-scales-path",
+        default=None,
+        help="FP8 cache: JSON file of per-layer K/V scales (overrides calibration)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=list(ATTENTION_BACKENDS),
+        help="attention kernels (default: triton on CUDA, torch on CPU; triton on CPU needs TRITON_INTERPRET=1)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +110,10 @@ def make_llm(args: argparse.Namespace) -> Any:
         prefix_hash_seed=args.prefix_hash_seed,
         num_threads=args.threads,
         model_home=args.model_home,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
+        kv_scales_path=args.kv_scales_path,
+        attention_backend=args.attention_backend,
     )
 
 
@@ -95,7 +122,12 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
 
     return EngineConfig(
         model=ModelConfig(
-            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.threads
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            num_threads=args.threads,
+            attention_backend=args.attention_backend,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -104,6 +136,9 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
             num_blocks_override=args.num_gpu_blocks_override,
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_hash_seed=args.prefix_hash_seed,
+            kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
+            kv_scales_path=args.kv_scales_path,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -1,5 +1,10 @@
 """Paged attention over a flattened varlen batch.
 
+Implementations (`impl`): "triton" (kernels.triton_ops: one kernel family for prefill
+chunks and decodes, split-KV for long decodes; the default for CUDA tensors), and the CPU
+paths below, "cpp" and "torch", which are also the reference the Triton kernels are tested
+against. An FP8 cache is read as fp8 values times the layer's k_scale / v_scale.
+
 Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
 (kernels/cpu/paged_attention.cpp, built on first use by kernels.cpu_ext), which reads K/V
 straight from the paged cache. Otherwise they take the torch path: length-sorted groups,
@@ -17,19 +22,29 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels.cache_ops import check_kv_caches
+from kernels.backend import use_triton
+from kernels.cache_ops import check_kv_caches, check_scales
 from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.fp8 import is_fp8
 from kernels.metadata import AttentionMetadata
 
-# "auto": the C++ decode kernel where it applies (CPU, fp32) and builds, else torch;
-# "cpp": the C++ kernel or an error; "torch": the torch path only.
-AttentionImpl = Literal["auto", "cpp", "torch"]
+# "auto": Triton for CUDA tensors (when installed); on the CPU the C++ decode kernel where it
+# applies (fp32, non-FP8 cache) and builds, else torch. "cpp": the C++ kernel or an error;
+# "torch": the torch path only; "triton": the Triton kernels or an error.
+AttentionImpl = Literal["auto", "cpp", "torch", "triton"]
 
 
-def _check_inputs(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+def check_attention_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """Raise ValueError unless paged_attention's arguments fit together."""
     check_kv_caches(key_cache, value_cache)
+    check_scales(key_cache.dtype, k_scale, v_scale)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -42,7 +57,9 @@ def _check_inputs(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_size != meta.block_size:
         raise ValueError(f"cache block_size {block_size} != metadata block_size {meta.block_size}")
-    if query.dtype != key_cache.dtype:
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
+    if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
         raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
     if query.device != key_cache.device:
         raise ValueError(f"query is on {query.device} but the cache is on {key_cache.device}")
@@ -50,14 +67,17 @@ def _check_inputs(
         raise ValueError(f"metadata is on {meta.slot_mapping.device} but the cache is on {key_cache.device}")
 
 
-def _decode_kernels(query: torch.Tensor, meta: AttentionMetadata, impl: AttentionImpl) -> CpuKernels | None:
+def _decode_kernels(
+    query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, impl: AttentionImpl
+) -> CpuKernels | None:
     """The C++ kernels if this call's decode tokens should use them, else None (torch path)."""
-    if impl not in ("auto", "cpp", "torch"):
-        raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
-    supported = query.device.type == "cpu" and query.dtype == torch.float32
+    supported = (
+        query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
+    )
     if impl == "cpp" and not supported:
         raise ValueError(
-            f"impl='cpp' needs a float32 CPU query, got {query.dtype} on {query.device}; use 'auto'"
+            f"impl='cpp' needs a float32 CPU query and cache, got {query.dtype} / {key_cache.dtype} "
+            f"on {query.device}; use 'auto'"
         )
     if impl == "torch" or not supported or meta.num_decode_tokens == 0:
         return None
@@ -71,21 +91,63 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     impl: AttentionImpl = "auto",
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context.
 
     query: [T, H, D] (any strides); key_cache, value_cache: [num_blocks, block_size, KVH, D]
     already holding this step's new tokens (write_kv_cache first). H = KVH * group, query head
-    h reads kv head h // group. Returns a new contiguous [T, H, D] in the query dtype.
+    h reads kv head h // group. Returns a new contiguous [T, H, D] in the query dtype. An FP8
+    cache holds K / k_scale and V / v_scale (scales must be 1.0 for other caches).
 
     impl chooses the decode path: "auto" (default) uses the C++ CPU kernel for fp32 CPU
     queries, building it on the first such call (seconds, once per machine; see
     kernels.cpu_ext) and falling back to torch if it cannot be built; "cpp" insists on it
     (ValueError for other dtypes/devices, RuntimeError if it cannot be built); "torch" never
-    uses it. Prefill tokens always take the torch (SDPA) path.
+    uses it. Prefill tokens always take the torch (SDPA) path. "triton" runs the Triton
+    kernels (CUDA, or the CPU under TRITON_INTERPRET=1), which "auto" picks on CUDA.
     """
-    _check_inputs(query, key_cache, value_cache, meta)
+    if impl not in ("auto", "cpp", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'cpp', 'torch' or 'triton', got {impl!r}")
+    check_attention_inputs(query, key_cache, value_cache, meta, k_scale, v_scale)
+    if impl in ("auto", "triton") and use_triton(impl, query.device, key_cache.dtype):
+        from kernels.triton_ops import paged_attention_triton
+
+        return paged_attention_triton(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
+    return paged_attention_torch(
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        k_scale,
+        v_scale,
+        decode_kernels=_decode_kernels(query, key_cache, meta, impl),
+    )
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    decode_kernels: CpuKernels | None = None,
+) -> torch.Tensor:
+    """The torch reference (inputs already checked); decode_kernels: use the C++ decode kernel.
+
+    FP8 K/V are gathered as stored, widened to the query dtype (exact: every FP8 value is a
+    bf16/fp16/fp32 value) and their scales folded into the softmax scale and the output.
+    """
+    kernels = decode_kernels
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8:
+        scale *= k_scale
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -94,7 +156,6 @@ def paged_attention(
     # out_grouped: [T, KVH, group, D], a view of out in the per-kv-head layout
     out_grouped = out.view(num_tokens, num_kv_heads, group, head_dim)
 
-    kernels = _decode_kernels(query, meta, impl)
     if kernels is not None:
         # The kernel reads any [T, H, D] strides but needs head_dim contiguous.
         q = query if query.stride(2) == 1 else query.contiguous()
@@ -126,6 +187,8 @@ def paged_attention(
         nblocks = g.block_ids.shape[0]
         k = torch.index_select(key_cache, 0, g.block_ids, out=k_buf[:nblocks])
         v = torch.index_select(value_cache, 0, g.block_ids, out=v_buf[:nblocks])
+        if fp8:
+            k, v = k.to(query.dtype), v.to(query.dtype)
         if g.pad_rows is not None:
             # Stale slots past each sequence's end may hold inf/NaN (see DecodeGroup.pad_rows).
             k.view(n * max_len, num_kv_heads, head_dim).index_fill_(0, g.pad_rows, 0.0)
@@ -134,6 +197,8 @@ def paged_attention(
         v = v.view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
         # o: [n, KVH, group, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.key_mask, scale=scale)
+        if fp8:
+            o = o * v_scale
         out_grouped.index_copy_(0, g.token_indices, o)
 
     for p in meta.prefills:
@@ -141,6 +206,8 @@ def paged_attention(
         # k, v: [seq_len, KVH, D] after slicing, the sequence's contiguous context
         k = torch.index_select(key_cache, 0, p.block_ids, out=k_buf[:nblocks])
         v = torch.index_select(value_cache, 0, p.block_ids, out=v_buf[:nblocks])
+        if fp8:
+            k, v = k.to(query.dtype), v.to(query.dtype)
         k = k.view(nblocks * block_size, num_kv_heads, head_dim)
         v = v.view(nblocks * block_size, num_kv_heads, head_dim)
         # k, v: [1, KVH, seq_len, D]; q: [1, H, query_len, D]. The leading batch dim matters:
@@ -159,5 +226,5 @@ def paged_attention(
             scale=scale,
             enable_gqa=group > 1,
         )
-        out[p.token_start : p.token_end] = o[0].transpose(0, 1)
+        out[p.token_start : p.token_end] = o[0].transpose(0, 1) * v_scale if fp8 else o[0].transpose(0, 1)
     return out

@@ -84,6 +84,33 @@ class _DecodeGroupSpec:
 
 
 @dataclass(frozen=True)
+class WorkItems:
+    """Work items of the Triton attention kernel: up to block_q query tokens of one sequence.
+
+    Item i covers flat batch rows rows[i] .. rows[i] + num_queries[i] - 1, at sequence
+    positions first_pos[i] .., and reads the block table row table_rows[i] of whichever
+    table it was built for. All tensors are [num_items] int32 on the metadata's device.
+    """
+
+    rows: torch.Tensor
+    num_queries: torch.Tensor
+    first_pos: torch.Tensor
+    table_rows: torch.Tensor
+    num_items: int
+    max_kv_len: int  # most keys any item reads
+
+
+@dataclass(frozen=True)
+class _HostBatch:
+    """Host copies of the batch shape, kept for lazily built views (Triton work items)."""
+
+    query_lens: npt.NDArray[np.int64]
+    seq_lens: npt.NDArray[np.int64]
+    query_start: npt.NDArray[np.int64]
+    decode_order: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What the paged KV ops need for one step of a flattened varlen batch.
 
@@ -121,12 +148,73 @@ class AttentionMetadata:
     # Most blocks any single prefill sequence gathers.
     max_prefill_blocks: int
     _decode_group_spec: _DecodeGroupSpec = field(repr=False, compare=False)
+    _host: _HostBatch = field(repr=False, compare=False)
     # Lazily built decode groups and scratch buffers reused by every layer of the step (see
     # gather_workspace); not part of the metadata's value.
     _groups: dict[str, tuple[DecodeGroup, ...]] = field(default_factory=dict, repr=False, compare=False)
     _workspace: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    _work_items: dict[tuple[str, int], WorkItems] = field(default_factory=dict, repr=False, compare=False)
+
+    def prefill_work_items(self, block_q: int) -> WorkItems:
+        """The prefill sequences cut into items of <= block_q queries (tables: block_tables),
+        most keys first so the longest items start early. Built once per block_q."""
+        key = ("prefill", block_q)
+        items = self._work_items.get(key)
+        if items is None:
+            h = self._host
+            seqs = np.flatnonzero(h.query_lens > 1)
+            q_lens, s_lens = h.query_lens[seqs], h.seq_lens[seqs]
+            per_seq = (q_lens + block_q - 1) // block_q
+            seq_of = np.repeat(np.arange(seqs.size), per_seq)
+            tile_of = np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+            offset = tile_of * block_q
+            num_queries = np.minimum(block_q, q_lens[seq_of] - offset)
+            first_pos = s_lens[seq_of] - q_lens[seq_of] + offset
+            order = np.argsort(-(first_pos + num_queries), kind="stable")
+            items = self._make_work_items(
+                h.query_start[seqs][seq_of] + offset, num_queries, first_pos, seqs[seq_of], order
+            )
+            self._work_items[key] = items
+        return items
+
+    def decode_work_items(self) -> WorkItems:
+        """One item per decode sequence, longest first (tables: decode_block_tables)."""
+        key = ("decode", 1)
+        items = self._work_items.get(key)
+        if items is None:
+            h = self._host
+            n = h.decode_order.size
+            lens = h.seq_lens[h.decode_order]
+            items = self._make_work_items(
+                h.query_start[h.decode_order], np.ones(n, np.int64), lens - 1, np.arange(n), np.arange(n)
+            )
+            self._work_items[key] = items
+        return items
+
+    def _make_work_items(
+        self,
+        rows: npt.NDArray[np.int64],
+        num_queries: npt.NDArray[np.int64],
+        first_pos: npt.NDArray[np.int64],
+        table_rows: npt.NDArray[np.int64],
+        order: npt.NDArray[np.int64],
+    ) -> WorkItems:
+        device = self.slot_mapping.device
+
+        def as_tensor(a: npt.NDArray[np.int64]) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a[order], dtype=np.int32)).to(device)
+
+        kv_lens = first_pos + num_queries
+        return WorkItems(
+            rows=as_tensor(rows),
+            num_queries=as_tensor(num_queries),
+            first_pos=as_tensor(first_pos),
+            table_rows=as_tensor(table_rows),
+            num_items=int(order.size),
+            max_kv_len=int(kv_lens.max()) if kv_lens.size else 0,
+        )
 
     @property
     def decode_groups(self) -> tuple[DecodeGroup, ...]:
@@ -352,4 +440,5 @@ def build_attention_metadata(
         decode_token_rows=torch.from_numpy(query_start[decode_order]).to(device),
         max_prefill_blocks=max((p.block_ids.shape[0] for p in prefills), default=0),
         _decode_group_spec=group_spec,
+        _host=_HostBatch(q_lens, s_lens, query_start, decode_order),
     )

@@ -35,3 +35,13 @@ def test_gpu_formula_and_refusals() -> None:
         kv_memory_on_gpu(16 * 10**9, 0.5, 13 * 10**9, 10**9)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         plan_kv_cache(SMOLLM2_FP32, block_size=16, kv_memory_bytes=1000)
+
+
+def test_fp8_elements_give_2x_the_blocks_of_16_bit_and_4x_of_fp32() -> None:
+    # Power-of-two shapes: 2 GiB is a multiple of every block size, so the ratios are exact.
+    fp8 = plan_kv_cache(KVCacheShape(32, 4, 64, 1), 16, 2 * 2**30)
+    assert fp8.num_blocks == 2 * fp8.blocks_at(2) == 4 * fp8.blocks_at(4)
+    assert fp8.blocks_at(2) == plan_kv_cache(KVCacheShape(32, 4, 64, 2), 16, 2 * 2**30).num_blocks
+    # SmolLM2 (30 layers, 3 kv heads): each count is floored, so FP8 may hold a few more than 4x.
+    smol = plan_kv_cache(KVCacheShape(30, 3, 64, 1), 16, 2 * 2**30)
+    assert 0 <= smol.num_blocks - 4 * smol.blocks_at(4) < 4

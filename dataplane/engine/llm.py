@@ -84,9 +84,20 @@ class LLM:
         prefix_hash_seed: str = "pagedserve",
         num_threads: int | None = None,
         model_home: str | None = None,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = True,
+        kv_scales_path: str | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads),
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                num_threads=num_threads,
+                attention_backend=attention_backend,
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
@@ -94,6 +105,9 @@ class LLM:
                 num_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
                 prefix_hash_seed=prefix_hash_seed,
+                kv_cache_dtype=kv_cache_dtype,
+                calculate_kv_scales=calculate_kv_scales,
+                kv_scales_path=kv_scales_path,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

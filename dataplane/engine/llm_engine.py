@@ -20,10 +20,12 @@ from dataplane.kvcache.budget import (
 )
 from dataplane.log import get_logger
 from dataplane.models import resolve_model_path
+from dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
 from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, RequestStatus, Scheduler
+from kernels import kv_cache_torch_dtype
 
 log = get_logger(__name__)
 
@@ -52,22 +54,31 @@ class LLMEngine:
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_token_ids = self._eos_ids(hf, gen_cfg)
 
-        kv_dtype = DTYPES[config.model.dtype]
+        kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, DTYPES[config.model.dtype])
         shape = KVCacheShape(
             num_layers=hf.num_hidden_layers,
             num_kv_heads=hf.num_key_value_heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            bytes_per_element=torch.empty((), dtype=kv_dtype).element_size(),
+            bytes_per_element=kv_dtype.itemsize,
         )
         self.budget = self._plan_budget(shape, model)
+        # The same budget in 16-bit and fp32 elements: an FP8 pool holds 2x and 4x their blocks.
+        blocks_16, blocks_32 = self.budget.blocks_at(2), self.budget.blocks_at(4)
         log.info(
             "kv_cache_planned",
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            element_type=str(kv_dtype).removeprefix("torch."),
             blocks=self.budget.num_blocks,
             tokens=self.budget.num_tokens,
             bytes_per_token=shape.bytes_per_token,
+            blocks_vs_16bit=round(self.budget.num_blocks / blocks_16, 3) if blocks_16 else None,
+            blocks_vs_fp32=round(self.budget.num_blocks / blocks_32, 3) if blocks_32 else None,
             max_model_len=self.max_model_len,
             max_concurrency=round(self.budget.max_concurrency(self.max_model_len), 2),
             summary=self.budget.describe(self.max_model_len),
+        )
+        self.kv_scales = (
+            self._kv_scales(model, hf.num_hidden_layers, kv_dtype) if config.cache.is_fp8 else None
         )
         block_size = config.cache.block_size
         self.pool = BlockPool(self.budget.num_blocks, enable_kv_events=config.cache.enable_kv_events)
@@ -84,7 +95,14 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.runner = ModelRunner(
-            model, self.budget.num_blocks, block_size, kv_dtype, config.model.device, seed=config.model.seed
+            model,
+            self.budget.num_blocks,
+            block_size,
+            kv_dtype,
+            config.model.device,
+            seed=config.model.seed,
+            attention_backend=config.model.attention_backend,
+            kv_scales=self.kv_scales,
         )
         self._ids = itertools.count()
         # Parallel sampling: siblings of a primary request wait here until the primary has
@@ -118,6 +136,33 @@ class LLMEngine:
             ids.extend(value if isinstance(value, list) else [value])
         return tuple(dict.fromkeys(int(i) for i in ids))
 
+    def _kv_scales(self, model: Any, num_layers: int, fp8: torch.dtype) -> KVScales:
+        """An FP8 cache's per-layer scales: the scales file, else calibration, else 1.0 (warned)."""
+        cache = self.config.cache
+        if cache.kv_scales_path is not None:
+            scales = KVScales.load(cache.kv_scales_path, num_layers, cache.kv_cache_dtype)
+        elif cache.calculate_kv_scales:
+            ids = calibration_token_ids(self.tokenizer, model.config.vocab_size)
+            scales = calibrate_kv_scales(model, ids, fp8, cache.block_size)
+        else:
+            scales = KVScales.ones(num_layers)
+            log.warning(
+                "kv_scales_default_1_0",
+                message=(
+                    f"!!! kv_cache_dtype={cache.kv_cache_dtype} with K/V scales 1.0 for every layer: no "
+                    "--kv-scales-path and --no-calculate-kv-scales. Values beyond the FP8 range "
+                    "saturate and small ones lose precision; expect degraded outputs. !!!"
+                ),
+            )
+        log.info(
+            "kv_scales",
+            kv_cache_dtype=cache.kv_cache_dtype,
+            source=scales.source,
+            k_scale_range=(round(min(scales.k_scale), 6), round(max(scales.k_scale), 6)),
+            v_scale_range=(round(min(scales.v_scale), 6), round(max(scales.v_scale), 6)),
+        )
+        return scales
+
     def _plan_budget(self, shape: KVCacheShape, model: Any) -> KVCacheBudget:
         cache = self.config.cache
         if cache.num_blocks_override is not None:
@@ -132,7 +177,7 @@ class LLMEngine:
                 self.config.scheduler.max_num_batched_tokens,
                 hf.hidden_size,
                 hf.intermediate_size,
-                shape.bytes_per_element,
+                DTYPES[self.config.model.dtype].itemsize,  # activations are in the model dtype
                 self.config.scheduler.max_num_seqs,
                 hf.vocab_size,
             )

@@ -46,6 +46,14 @@ class KVCacheBudget:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def blocks_at(self, bytes_per_element: int) -> int:
+        """Blocks the same memory would hold at another element size (an FP8 pool vs a
+        16-bit one: 2x; vs fp32: 4x, exactly when the memory is a multiple of the blocks)."""
+        shape = KVCacheShape(
+            self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, bytes_per_element
+        )
+        return self.kv_memory_bytes // shape.bytes_per_block(self.block_size)
+
     def max_concurrency(self, tokens_per_request: int) -> float:
         """Requests of `tokens_per_request` tokens each that fit at once (the seed's last formula)."""
         return self.num_tokens / tokens_per_request

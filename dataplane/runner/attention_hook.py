@@ -10,12 +10,15 @@ transformers skip building a dense causal mask, which the paged kernels do not n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from kernels.attention import AttentionImpl
+from kernels.backend import KernelImpl
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -27,6 +30,13 @@ class PagedStep:
     metadata: AttentionMetadata
     # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # kv_scales[layer] = (k_scale, v_scale) of an FP8 cache; None: the cache is in the model dtype.
+    kv_scales: list[tuple[float, float]] | None = None
+    attention_impl: AttentionImpl = "auto"
+    cache_impl: KernelImpl = "auto"
+    # Called with (layer, key, value) of the step's new tokens before they are cached
+    # (KV-scale calibration); key/value: [T, num_kv_heads, head_dim].
+    observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = field(default=None, compare=False)
 
 
 def paged_attention_forward(
@@ -55,9 +65,24 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, KVH, D]
     v = value[0].transpose(0, 1)
-    write_kv_cache(k, v, key_cache, value_cache, step.metadata.slot_mapping)
+    if step.observer is not None:
+        step.observer(layer_idx, k, v)
+    k_scale, v_scale = step.kv_scales[layer_idx] if step.kv_scales is not None else (1.0, 1.0)
+    write_kv_cache(
+        k, v, key_cache, value_cache, step.metadata.slot_mapping, k_scale, v_scale, impl=step.cache_impl
+    )
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, key_cache, value_cache, step.metadata, scale)  # [T, H, D]
+    # out: [T, H, D]
+    out = paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        step.metadata,
+        scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        impl=step.attention_impl,
+    )
     return out.unsqueeze(0), None
 
 

@@ -9,20 +9,53 @@ import torch
 
 from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
+from dataplane.runner.kv_scales import KVScales
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata
+from kernels.attention import AttentionImpl
+from kernels.backend import KernelImpl, triton_supports, why_not_triton
 from kernels.cpu_ext import load_cpu_kernels
+from kernels.fp8 import is_fp8
+
+
+def kernel_impls(attention_backend: str | None, device: torch.device) -> tuple[AttentionImpl, KernelImpl]:
+    """(attention impl, cache-op impl) for a backend choice: None = by device (Triton on CUDA,
+    the torch/C++ path on the CPU); "torch" = the torch path (plus the C++ decode kernel on
+    the CPU); "triton" = the Triton kernels, or ValueError where they cannot run."""
+    if attention_backend is None:
+        return "auto", "auto"
+    if attention_backend == "torch":
+        return ("auto" if device.type == "cpu" else "torch"), "torch"
+    if attention_backend == "triton":
+        if not triton_supports(device):
+            raise ValueError(f"--attention-backend triton: {why_not_triton(device)}")
+        return "triton", "triton"
+    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
 
 
 class ModelRunner:
-    """Owns the model and the physical KV tensors (one K and one V tensor per layer)."""
+    """Owns the model and the physical KV tensors (one K and one V tensor per layer).
+
+    kv_dtype is the pool's element type: the model's dtype, or an FP8 dtype, which needs
+    kv_scales (one K and one V scale per layer).
+    """
 
     def __init__(
-        self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str, seed: int = 0
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: str,
+        seed: int = 0,
+        *,
+        attention_backend: str | None = None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
+        self.attention_impl, self.cache_impl = kernel_impls(attention_backend, self.device)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         if onednn_linear_available(model.dtype, self.device):
@@ -35,6 +68,9 @@ class ModelRunner:
         self.num_layers: int = cfg.num_hidden_layers
         self.num_kv_heads: int = cfg.num_key_value_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if is_fp8(kv_dtype) and (kv_scales is None or kv_scales.num_layers != self.num_layers):
+            raise ValueError(f"an FP8 KV cache needs k/v scales for each of the {self.num_layers} layers")
+        self.kv_scales = kv_scales.per_layer() if is_fp8(kv_dtype) and kv_scales is not None else None
         # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, num_kv_heads, head_dim]
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
@@ -82,8 +118,15 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        step = PagedStep(
+            meta,
+            self.kv_caches,
+            kv_scales=self.kv_scales,
+            attention_impl=self.attention_impl,
+            cache_impl=self.cache_impl,
+        )
         hidden = self.decoder(
-            input_ids=ids, position_ids=pos, use_cache=False, paged_step=PagedStep(meta, self.kv_caches)
+            input_ids=ids, position_ids=pos, use_cache=False, paged_step=step
         ).last_hidden_state[0]  # [T, hidden]
         if not sample_rows:
             return {}

@@ -192,7 +192,7 @@ def test_impl_validation(ext: CpuKernels) -> None:
             batch.value_cache,
             batch.meta,
             batch.scale,
-            impl="triton",  # type: ignore[arg-type]
+            impl="bogus",  # type: ignore[arg-type]
         )
     # auto on bf16 quietly takes the torch path
     out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)

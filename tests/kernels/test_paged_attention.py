@@ -67,6 +67,7 @@ def make_batch(
     decode_group_max_seqs: int = DECODE_GROUP_MAX_SEQS,
     decode_group_min_seqs: int | None = None,
     nonfinite_garbage: bool = False,
+    device: str = "cpu",
 ) -> Batch:
     """Random paged batch whose new K/V are already written to the cache.
 
@@ -102,12 +103,14 @@ def make_batch(
     query = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype)
     key = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
+    key_cache, value_cache = key_cache.to(device), value_cache.to(device)
+    query, key, value = query.to(device), key.to(device), value.to(device)
     meta = build_attention_metadata(
         query_lens,
         seq_lens,
         block_tables,
         block_size,
-        "cpu",
+        device,
         decode_group_max_tokens=decode_group_max_tokens,
         decode_group_max_seqs=decode_group_max_seqs,
         decode_group_min_seqs=decode_group_min_seqs,

@@ -1,0 +1,23 @@
+"""Triton kernels behind the kernels/ API: cache write, paged attention, block copy/swap.
+
+Importing this package imports Triton and defines the @triton.jit kernels, so it is only
+imported on the first Triton call (kernels.backend): TRITON_INTERPRET must be set before.
+Each launcher checks what its kernel assumes (shapes, dtypes, strides, devices) and has a
+torch reference with the same signature in kernels.cache_ops / kernels.attention.
+"""
+
+from kernels.triton_ops.attention import paged_attention_triton
+from kernels.triton_ops.cache import (
+    copy_blocks_triton,
+    gather_blocks_triton,
+    scatter_blocks_triton,
+    write_kv_cache_triton,
+)
+
+__all__ = [
+    "copy_blocks_triton",
+    "gather_blocks_triton",
+    "paged_attention_triton",
+    "scatter_blocks_triton",
+    "write_kv_cache_triton",
+]
