@@ -406,7 +406,8 @@ def print_details(rep: dict[str, Any]) -> None:
     print(flush=True)
 
 
-def plot(report: Report, rep: dict[str, Any], ours: EngineRun | None) -> None:
+def plot(report: Report, rep: dict[str, Any]) -> None:
+    """Tok/s per run, and our decode steps' time against the plain-matmul roofline (from `rep` alone)."""
     fig = report.figure(ncols=2, width=12, height=4.5)
     if fig is None:
         return
@@ -416,13 +417,11 @@ def plot(report: Report, rep: dict[str, Any], ours: EngineRun | None) -> None:
     ax_bar.set_xlabel("useful output tokens/s")
     ax_bar.set_title(rep["workload"]["summary"].split(";")[0], fontsize=8)
     ax_bar.tick_params(axis="y", labelsize=7)
-    decode = [s for s in (ours.steps if ours else []) if s.kind == "decode"]
+    steps = (rep.get("engine") or {}).get("steps") or []
+    decode = [(seqs, seconds) for kind, seconds, _, _, seqs in steps if kind == "decode"]
     if decode:
-        ax_step.scatter(
-            [s.num_seqs for s in decode], [1e3 * s.seconds for s in decode], s=6, label="decode step"
-        )
-        roof = rep.get("roofline") or {}
-        curve = roof.get("decode_curve") or []
+        ax_step.scatter([n for n, _ in decode], [1e3 * sec for _, sec in decode], s=6, label="decode step")
+        curve = sorted((rep.get("roofline") or {}).get("decode_curve") or [], key=lambda p: p["rows"])
         if curve:
             ax_step.plot(
                 [p["rows"] for p in curve],
@@ -559,7 +558,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         notes,
     )
     print_details(rep)
-    plot(report, rep, ours)
+    plot(report, rep)
     return rep
 
 
