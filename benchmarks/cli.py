@@ -44,10 +44,30 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Kernel benchmarks with their own argument parsers: `pagedserve bench NAME ARGS...` runs
+# `module.main(ARGS)` (they print their tables and write JSON with --json).
+SCRIPTS: dict[str, tuple[str, str]] = {
+    "fp8-quality": (
+        "benchmarks.fp8_quality",
+        "FP8 KV cache quality: KV bytes, blocks, perplexity and greedy agreement per kv_cache_dtype",
+    ),
+    "attention-kernels": (
+        "benchmarks.attention_kernels",
+        "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",
+    ),
+}
+
+
 def add_bench_parser(subparsers: Any) -> None:
     """Register `bench` and its subcommands on the top-level CLI's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, plan, ...")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in SCRIPTS.items():
+        p = sub.add_parser(
+            name, help=help_text, description=f"{help_text} (arguments: {name} --help)", add_help=False
+        )
+        p.add_argument("script_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+        p.set_defaults(func=run_script, bench_module=module)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument(
@@ -65,6 +85,17 @@ def _lazy_arguments(parser: argparse.ArgumentParser, module: str) -> None:
     # Arguments are needed to parse, so the module is imported here; each keeps torch out of
     # module scope, so this stays cheap.
     importlib.import_module(module).add_arguments(parser)
+
+
+def run_script(args: argparse.Namespace) -> int:
+    return run_script_module(args.bench_module, list(args.script_args))
+
+
+def run_script_module(module_name: str, argv: list[str]) -> int:
+    """Run a kernel benchmark's own `main(argv)` (the top-level CLI routes here directly,
+    because argparse cannot hand options like `--help` through to a sub-parser)."""
+    code: int | None = importlib.import_module(module_name).main(argv)
+    return code or 0
 
 
 def run_bench(args: argparse.Namespace) -> int:

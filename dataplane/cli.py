@@ -236,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "bench":
+        from benchmarks.cli import SCRIPTS, run_script_module
+
+        if argv[1] in SCRIPTS:  # kernel benchmarks parse their own arguments
+            return run_script_module(SCRIPTS[argv[1]][0], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

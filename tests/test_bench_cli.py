@@ -171,3 +171,9 @@ def test_grpc_overhead_runs_offline_and_served(tiny_chat_model: Path, tmp_path: 
     assert main(["bench", "grpc-overhead", *args]) == 0
     doc = json.loads((tmp_path / "grpc-overhead.json").read_text())
     assert doc["identical_requests"] == 3 and doc["output_tokens"] == 2 + 3 + 4
+
+
+def test_kernel_benchmarks_take_their_own_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "attention-kernels", "--seqs", "2", "--context", "32", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "torch gather+SDPA fp32" in out and "no GPU" in out
