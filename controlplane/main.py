@@ -102,7 +102,9 @@ def add_controlplane_parsers(sub: Any) -> None:
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     config = _config(args, tuple(args.dataplane), args.dataplane_dns)
-    asyncio.run(_run_controlplane(config, args, wait_s=0.0))
+    # Serve once a data plane has connected (or after 10 s): requests sent right after the
+    # address is printed should not meet an empty routing set.
+    asyncio.run(_run_controlplane(config, args, wait_s=10.0))
     return 0
 
 

@@ -251,7 +251,9 @@ def test_control_plane_killed_mid_load_leaks_nothing_and_a_new_one_serves(tiny: 
             streams = [
                 asyncio.create_task(_drain(client.generate_stream(prompt(i, 30), **LONG))) for i in range(4)
             ]
+            deadline = time.monotonic() + 30
             while (await get_state(dp.address)).snapshot.stats.num_running < 4:
+                assert time.monotonic() < deadline, [t for t in streams if t.done()]
                 await asyncio.sleep(0.05)
             first.kill()
             for task in streams:

@@ -5,6 +5,7 @@ aborts its request, and 503 when no data plane is available (last: it drains the
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import openai
@@ -41,8 +42,10 @@ def test_queue_full_is_429_with_retry_after(server: ServerThread) -> None:
         target=lambda: client.completions.create(model=model, prompt=[8, 9], max_tokens=2)
     )
     waiting.start()
+    deadline = time.monotonic() + 30
     while len(server.controlplane.dispatcher.admission) < 1:
-        pass
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.01)
     with pytest.raises(openai.RateLimitError) as err:
         client.completions.create(model=model, prompt=[10, 11], max_tokens=2)
     assert err.value.status_code == 429
