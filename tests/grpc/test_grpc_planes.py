@@ -146,8 +146,11 @@ def test_full_admission_queue_is_resource_exhausted(tiny: Path) -> None:
                     if got == 120:  # 8 blocks allocated: 56 free < 61 needed
                         break  # (the stream stays open until aclose below)
                 queued = asyncio.create_task(client.generate(prompt(2, 8), max_tokens=4))
-                await asyncio.sleep(0.3)
-                assert len(cp.dispatcher.admission) == 1 and not queued.done()  # the second one waits ...
+                deadline = time.monotonic() + 10  # (the first still has ~780 tokens to go)
+                while len(cp.dispatcher.admission) < 1:
+                    assert time.monotonic() < deadline and not queued.done()
+                    await asyncio.sleep(0.01)
+                assert not queued.done()  # the second one waits ...
                 with pytest.raises(grpc.aio.AioRpcError) as err:  # ... so a third finds the queue full
                     await client.generate(prompt(3, 8), max_tokens=4)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
