@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from dataplane.server.metrics import LATENCY_BUCKETS, PREFIX, TOKEN_LATENCY_BUCKETS
+from dataplane.server.metrics import LATENCY_BUCKETS, PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 
 
 class _DataPlaneCollector(Collector):
@@ -126,20 +126,13 @@ class ControlPlaneMetrics:
         if dispatcher is not None:
             self.registry.register(_DataPlaneCollector(dispatcher))
         r = self.registry
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished completions by reason.", ["finished_reason"], registry=r
-        )
+        self.requests = RequestMetrics(r, "Request received")
+        self.generation_tokens = self.requests.generation_tokens
         self.request_failure = Counter(
             PREFIX + "request_failure",
             "Requests refused or failed, by gRPC status code.",
             ["code"],
             registry=r,
-        )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens streamed to clients.", registry=r
         )
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
@@ -147,29 +140,11 @@ class ControlPlaneMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Request received to first token sent.",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Mean time per output token after the first.",
-            registry=r,
-            buckets=TOKEN_LATENCY_BUCKETS,
-        )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Gap between consecutive token deltas.",
             registry=r,
             buckets=TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Request received to completion.",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
         )
 
     def completion(
@@ -181,14 +156,9 @@ class ControlPlaneMetrics:
         e2e: float,
         first_of_request: bool,
     ) -> None:
-        self.request_success.labels(finished_reason=reason).inc()
-        if first_of_request:
-            self.prompt_tokens.inc(prompt_tokens)
-        if ttft > 0:
-            self.ttft.observe(ttft)
-            if completion_tokens > 1:
-                self.tpot.observe((e2e - ttft) / (completion_tokens - 1))
-        self.e2e.observe(e2e)
+        self.requests.finished(
+            reason, prompt_tokens, completion_tokens, ttft, e2e, count_prompt=first_of_request
+        )
 
     def failure(self, code: str) -> None:
         self.request_failure.labels(code=code).inc()

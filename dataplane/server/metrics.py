@@ -114,21 +114,22 @@ class _EngineCollector(Collector):
         yield info
 
 
-class DataPlaneMetrics:
-    def __init__(self, engine: Any, cache_info: dict[str, str], aborted: Any) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine, cache_info, aborted))
-        r = self.registry
+class RequestMetrics:
+    """Counters and latency histograms of finished requests; both planes keep one, the data
+    plane timing from a request's arrival there, the control plane from its client's call."""
+
+    def __init__(self, registry: CollectorRegistry, clock: str) -> None:
+        r = registry
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests by reason.", ["finished_reason"], registry=r
+            PREFIX + "request_success", "Finished completions by reason.", ["finished_reason"], registry=r
         )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Arrival to first token.",
+            f"{clock} to first token.",
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
@@ -139,23 +140,43 @@ class DataPlaneMetrics:
             buckets=TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.step = Histogram(
-            PREFIX + "engine_step_seconds",
-            "Duration of one engine step.",
-            registry=r,
-            buckets=TOKEN_LATENCY_BUCKETS,
+            PREFIX + "e2e_request_latency_seconds", f"{clock} to finish.", registry=r, buckets=LATENCY_BUCKETS
         )
 
-    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float, e2e: float) -> None:
+    def finished(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        ttft: float,
+        e2e: float,
+        count_prompt: bool = True,
+    ) -> None:
+        """One finished completion; `count_prompt` False for the 2nd..nth sample of a request."""
         self.request_success.labels(finished_reason=reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
+        if count_prompt:
+            self.prompt_tokens.inc(prompt_tokens)
         if ttft > 0:
             self.ttft.observe(ttft)
             if output_tokens > 1:
                 self.tpot.observe((e2e - ttft) / (output_tokens - 1))
         self.e2e.observe(e2e)
 
+
+class DataPlaneMetrics:
+    def __init__(self, engine: Any, cache_info: dict[str, str], aborted: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine, cache_info, aborted))
+        self.requests = RequestMetrics(self.registry, "Arrival at the data plane")
+        self.step = Histogram(
+            PREFIX + "engine_step_seconds",
+            "Duration of one engine step.",
+            registry=self.registry,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+
+    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float, e2e: float) -> None:
+        self.requests.finished(reason, prompt_tokens, output_tokens, ttft, e2e)
+
     def generated(self, num_tokens: int) -> None:
-        self.generation_tokens.inc(num_tokens)
+        self.requests.generation_tokens.inc(num_tokens)
