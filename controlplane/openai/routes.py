@@ -195,14 +195,16 @@ class OpenAIRoutes:
     async def _respond(
         self,
         http: Request,
-        events: AsyncIterator[StreamEvent],
-        stream: bool,
-        include_usage: bool,
+        body: CompletionRequest | ChatCompletionRequest,
+        gens: list[GenerationRequest],
         render_chunk: Any,
         render_final: Any,
         render_usage_chunk: Any,
     ) -> Response:
-        if stream:
+        """Run the requests; stream SSE chunks or answer one JSON body, as the client asked."""
+        events = self._merged(gens, body.n, http)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await _first(events)  # admission errors still get a proper status code
             return StreamingResponse(
                 _sse(first, events, render_chunk, render_usage_chunk if include_usage else None),
@@ -310,16 +312,7 @@ class OpenAIRoutes:
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
             return base([], _usage(done, body.n))
 
-        events = self._merged(gens, body.n, http)
-        return await self._respond(
-            http,
-            events,
-            body.stream,
-            bool(body.stream_options and body.stream_options.include_usage),
-            chunk,
-            final,
-            usage_chunk,
-        )
+        return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -414,16 +407,7 @@ class OpenAIRoutes:
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
             return base([], "chat.completion.chunk", _usage(done, body.n))
 
-        events = self._merged(gens, body.n, http)
-        return await self._respond(
-            http,
-            events,
-            body.stream,
-            bool(body.stream_options and body.stream_options.include_usage),
-            chunk,
-            final,
-            usage_chunk,
-        )
+        return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
