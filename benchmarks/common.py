@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dataplane.config import DEFAULT_MODEL
+from pagedserve.common.models import DEFAULT_MODEL
 
 
 def default_model() -> str:
@@ -17,7 +17,7 @@ def default_model() -> str:
 
 def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
-    KV cache GiB, threads)."""
+    KV pool bytes, threads)."""
     from dataplane import LLM
 
     return LLM(
@@ -26,7 +26,7 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=int(args.kv_cache_gib * 2**30),
+        kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=enable_prefix_caching,
         num_threads=args.threads,
     )

@@ -35,11 +35,11 @@ import torch
 from benchmarks.common import default_model, phase
 from benchmarks.workloads import PASSAGES_FILE, chat_prompts
 from dataplane import LLM, SamplingParams
-from dataplane.cli import parse_bytes
-from dataplane.models import resolve_model_path
 from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.model_loader import load_tokenizer
 from kernels import build_attention_metadata
+from pagedserve.common.models import resolve_model_path
+from pagedserve.common.settings import parse_bytes
 
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 

@@ -45,6 +45,7 @@ import itertools
 from benchmarks.common import default_model, load_note, phase, warn_if_busy
 from benchmarks.report import Report
 from benchmarks.workloads import chat_prompts, describe, output_lengths
+from pagedserve.common.settings import parse_bytes
 
 GOAL_RATIO = 0.9
 
@@ -63,10 +64,20 @@ def gaps(times: dict[str, list[float]]) -> list[float]:
 
 def run_offline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
     from dataplane import SamplingParams
-    from dataplane.cli import engine_config_from_args
+    from dataplane.config import engine_config
     from dataplane.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args), args.model_home)
+    engine = LLMEngine(
+        engine_config(
+            model=args.model,
+            model_home=args.model_home,
+            num_threads=args.threads,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+        )
+    )
     warm = engine.add_request(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -103,7 +114,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "dataplane.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0"]
     proc = subprocess.Popen(
         [*cmd, *_engine_argv(args)], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -162,34 +173,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
+    ap.add_argument("--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size")
 
 
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
-    # Fields engine_config_from_args reads that this benchmark does not expose.
-    defaults = dict(
-        dtype="float32",
-        device="cpu",
-        seed=0,
-        max_model_len=None,
-        gpu_memory_utilization=0.9,
-        num_gpu_blocks_override=None,
-        enable_prefix_caching=True,
-        prefix_hash_seed="pagedserve",
-        attention_backend=None,
-        kv_cache_dtype="auto",
-        calculate_kv_scales=True,
-        kv_scales_path=None,
-    )
-    for key, value in defaults.items():
-        if not hasattr(args, key):
-            setattr(args, key, value)
     loads = load_note()
     warn_if_busy(loads)
 
     from transformers import AutoTokenizer
 
-    from dataplane.models import resolve_model_path
+    from pagedserve.common.models import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, args.model_home))
     prompts = chat_prompts(tokenizer, n=args.num_prompts)

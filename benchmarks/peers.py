@@ -189,7 +189,7 @@ def run_vllm(
     lengths: list[int],
     threads: int,
     max_num_seqs: int,
-    kv_cache_gib: float,
+    kv_cache_memory: int,
 ) -> PeerRun:
     """vLLM's CPU build in a subprocess (its own interpreter and venv); fails clearly without it."""
     script = Path(__file__).with_name("vllm_peer.py")
@@ -206,7 +206,7 @@ def run_vllm(
             )
         )
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_memory / 2**30))))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         env.setdefault("OMP_NUM_THREADS", str(threads))
         proc = subprocess.run([vllm_python, str(script), str(job), str(result)], env=env, check=False)

@@ -66,6 +66,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
 from benchmarks.common import default_model, engine_from_args, load_note, phase, warn_if_busy
 from benchmarks.report import Report
 from benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
+from pagedserve.common.settings import parse_bytes
 
 SEED_TTFT_REDUCTION = 0.60  # the seed's claim: TTFT -60% with caching on
 SEED_THROUGHPUT_RATIO = 3.0  # the seed's claim: >= 3x throughput with caching on
@@ -549,7 +550,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="engine KV cache size, GiB")
+    ap.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size (as `serve`)"
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -568,7 +571,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from dataplane.models import resolve_model_path
+    from pagedserve.common.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)

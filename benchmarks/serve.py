@@ -103,8 +103,7 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from benchmarks.workloads import chat_prompts
-    from dataplane.config import DEFAULT_MODEL
-    from dataplane.models import resolve_model_path
+    from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer or DEFAULT_MODEL))
     return chat_prompts(tokenizer, n=args.num_prompts, seed=args.seed)

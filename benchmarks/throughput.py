@@ -62,6 +62,7 @@ from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_avai
 from benchmarks.report import Report
 from benchmarks.roofline import LinearShapes, Roofline, linear_shapes, measure_roofline
 from benchmarks.workloads import chat_prompts, describe, output_lengths
+from pagedserve.common.settings import parse_bytes
 
 GOAL_RATIO = 2.0
 GOAL_ROOFLINE = 0.60
@@ -451,7 +452,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="engine KV cache size, GiB")
+    ap.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size (as `serve`)"
+    )
     ap.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -503,7 +506,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks import peers as peer_runs
-    from dataplane.models import resolve_model_path
+    from pagedserve.common.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
@@ -537,7 +540,13 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             model_path, prompts, lengths, args.max_num_batched_tokens, progress
         ),
         "vllm": lambda: peer_runs.run_vllm(
-            args.vllm_python, model_path, prompts, lengths, args.threads, args.max_num_seqs, args.kv_cache_gib
+            args.vllm_python,
+            model_path,
+            prompts,
+            lengths,
+            args.threads,
+            args.max_num_seqs,
+            args.kv_cache_memory,
         ),
     }
     done: list[PeerRun] = []

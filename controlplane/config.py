@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dataplane.server.tls import ClientTLS, ServerTLS
+from pagedserve.common.models import DEFAULT_MODEL
+from pagedserve.common.settings import setting
+from pagedserve.common.tls import ClientTLS, ServerTLS
 
 
 @dataclass(frozen=True)
@@ -16,9 +18,11 @@ class RoutingWeights:
              − load_weight · max(running + waiting, in_flight)(d) / max_num_seqs(d)
     """
 
-    prefix_weight: float = 1.0
-    usage_weight: float = 0.5
-    load_weight: float = 0.5
+    prefix_weight: float = setting(
+        1.0, "routing: weight of the cached prompt fraction", flag="--routing-prefix-weight"
+    )
+    usage_weight: float = setting(0.5, "routing: weight of KV budget use", flag="--routing-usage-weight")
+    load_weight: float = setting(0.5, "routing: weight of queue length", flag="--routing-load-weight")
 
     def __post_init__(self) -> None:
         for name in ("prefix_weight", "usage_weight", "load_weight"):
@@ -37,18 +41,23 @@ class ControlPlaneConfig:
     `decode_reserve_blocks` for its first generated tokens.
     """
 
-    model: str
-    dataplanes: tuple[str, ...] = ()
-    dataplane_dns: str | None = None
-    dns_refresh_s: float = 10.0
-    max_queue_len: int = 1024
-    queue_timeout_s: float = 60.0
-    decode_reserve_blocks: int = 1
+    model: str = setting(DEFAULT_MODEL, "model name or folder (for its tokenizer)")
+    model_home: str | None = setting(None, "model store directory (default $PAGEDSERVE_MODEL_HOME)")
+    dataplanes: tuple[str, ...] = setting(
+        (), "a data plane HOST:PORT (repeatable)", flag="--dataplane", repeat=True
+    )
+    dataplane_dns: str | None = setting(None, "discover data planes by DNS: NAME:PORT")
+    dns_refresh_s: float = setting(10.0, "seconds between DNS lookups", cli=False)
+    max_queue_len: int = setting(1024, "requests that may wait for KV budget")
+    queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV budget", flag="--queue-timeout")
+    decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt")
     routing: RoutingWeights = field(default_factory=RoutingWeights)
-    reconnect_backoff_s: float = 0.2
-    reconnect_backoff_max_s: float = 2.0
-    model_home: str | None = None
-    served_model_names: tuple[str, ...] = ()  # names clients may use (default: `model`)
+    reconnect_backoff_s: float = setting(0.2, "first reconnect delay to a lost data plane", cli=False)
+    reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
+    served_model_names: tuple[str, ...] = setting(
+        (), "model names clients may use (first: reported; default: the model's)", flag="--served-model-name"
+    )
+    # Security settings come from files (controlplane/cli.py reads them): not flags of their own.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     tls: ServerTLS | None = None  # the public gRPC and HTTP ports
     dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)

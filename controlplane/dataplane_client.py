@@ -19,22 +19,12 @@ import grpc
 
 from controlplane.budget import BlockBudget
 from controlplane.prefix_index import PrefixIndex
-from dataplane.log import get_logger
-from dataplane.server.tls import ClientTLS
+from pagedserve.common.grpc_options import LINK_CHANNEL_OPTIONS
+from pagedserve.common.log import get_logger
+from pagedserve.common.tls import ClientTLS
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
-
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
 
 
 @dataclass(frozen=True)
@@ -88,10 +78,10 @@ class DataPlaneConnection:
     def start(self) -> None:
         if self.tls is not None:
             self._channel = grpc.aio.secure_channel(
-                self.address, self.tls.credentials(), options=CHANNEL_OPTIONS
+                self.address, self.tls.credentials(), options=LINK_CHANNEL_OPTIONS
             )
         else:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=LINK_CHANNEL_OPTIONS)
         self._task = asyncio.create_task(self._run(), name=f"dataplane-link-{self.address}")
 
     async def wait_connected(self, timeout_s: float) -> bool:

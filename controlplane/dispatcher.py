@@ -20,17 +20,13 @@ from controlplane.discovery import resolve_dataplanes
 from controlplane.errors import ServiceError
 from controlplane.prefix_index import PrefixIndex
 from controlplane.router import Candidate, choose
-from dataplane.kvcache.block_hash import first_block_extra_keys, hash_request_blocks
-from dataplane.log import get_logger
-from dataplane.telemetry import extract, tracer
+from pagedserve.common.block_hash import cdiv, first_block_extra_keys, hash_request_blocks
+from pagedserve.common.log import get_logger
+from pagedserve.common.telemetry import extract, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -173,13 +169,13 @@ class Dispatcher:
             assert info is not None
             bs = info.block_size
             total_tokens = min(prompt_len + request.max_tokens, info.max_model_len)
-            whole_need = _cdiv(total_tokens, bs)
+            whole_need = cdiv(total_tokens, bs)
             largest_pool = max(largest_pool, info.num_blocks)
             if prompt_len >= info.max_model_len or whole_need > info.num_blocks:
                 continue
             hashes = request.block_hashes(bs, info.prefix_hash_seed) if info.enable_prefix_caching else []
             cached = self.index.cached_prefix_blocks(link.address, hashes)
-            need = _cdiv(prompt_len, bs) - cached + self.config.decode_reserve_blocks * request.num_samples
+            need = cdiv(prompt_len, bs) - cached + self.config.decode_reserve_blocks * request.num_samples
             candidates.append(
                 Candidate(
                     dataplane=link.address,

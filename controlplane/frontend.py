@@ -22,9 +22,9 @@ from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.tokenizer import Tokenizer
-from dataplane.log import get_logger
-from dataplane.server.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
-from dataplane.telemetry import inject, span_ids, tracer
+from pagedserve.common.log import get_logger
+from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
+from pagedserve.common.telemetry import inject, span_ids, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)

@@ -21,7 +21,7 @@ from controlplane.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
 from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers
-from dataplane.server.tls import ServerTLS
+from pagedserve.common.tls import ServerTLS
 
 
 def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:

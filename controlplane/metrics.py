@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from dataplane.server.metrics import LATENCY_BUCKETS, PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
+from pagedserve.common.metrics import LATENCY_BUCKETS, PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 
 
 class _DataPlaneCollector(Collector):

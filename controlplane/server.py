@@ -18,9 +18,9 @@ from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
 from controlplane.servicer import GenerationServicer
 from controlplane.tokenizer import Tokenizer
-from dataplane.log import get_logger
-from dataplane.models.store import resolve_model_path
-from dataplane.server.tls import ServerTLS
+from pagedserve.common.log import get_logger
+from pagedserve.common.models.store import resolve_model_path
+from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)

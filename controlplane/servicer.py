@@ -9,17 +9,12 @@ import grpc
 
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend
-from dataplane.log import get_logger
-from dataplane.telemetry import extract
+from pagedserve.common.log import get_logger
+from pagedserve.common.protocol import FINISH_REASON_BY_NAME
+from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
-
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -63,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         request_id=rid,
                         complete=generation_pb2.GenerateComplete(
                             index=event.index,
-                            finish_reason=FINISH_REASONS[event.finish_reason],
+                            finish_reason=FINISH_REASON_BY_NAME[event.finish_reason],
                             stop_string=event.stop_string or "",
                             usage=common_pb2.Usage(
                                 prompt_tokens=event.prompt_tokens,

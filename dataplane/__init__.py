@@ -1,7 +1,7 @@
 """pagedserve data plane: the paged KV block pool, the scheduler and the model runner.
 
 `from dataplane import LLM, SamplingParams` is the offline API. The torch-free parts
-(`dataplane.kvcache`, `dataplane.scheduler`, `dataplane.sampling_params`, `dataplane.config`)
+(`dataplane.kvcache`, `dataplane.scheduler`, `pagedserve.common.sampling_params`, `dataplane.config`)
 import without torch, so the control plane can share them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dataplane.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dataplane.engine.llm import LLM, RequestOutput

@@ -1,151 +1,39 @@
-"""The `pagedserve` command line: models, generate, chat, dataplane, controlplane, serve, client,
-doctor, bench.
+"""The data plane's subcommands: `generate` and `chat` (the engine in process) and `dataplane`
+(the engine behind its gRPC service). The product shell (pagedserve/cli.py) mounts them.
 
-Subcommands import their heavy modules lazily: `pagedserve controlplane`, `client`, `doctor`
-and `bench --help` never import torch.
+Heavy modules are imported when a command runs, so `--help` never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import asyncio
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from dataplane.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES
+from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
+from pagedserve.common import settings
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1073741824' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a byte count)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-ENGINE_GROUP_TITLE = "engine"
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's."""
-    g = parser.add_argument_group(ENGINE_GROUP_TITLE)
-    g.add_argument("--model", default=DEFAULT_MODEL, help="store name or local Hugging Face folder")
-    g.add_argument(
-        "--model-home", default=None, help="model store directory (default $PAGEDSERVE_MODEL_HOME)"
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=2 * 2**30, help="KV pool size on CPU")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="pin the KV pool's block count")
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse cached prompt blocks",
-    )
-    g.add_argument("--prefix-hash-seed", default="pagedserve", help="seed of the chained block hashes")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="KV cache element type: auto (the model dtype) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
-    )
-    g.add_argument(
-        "--calculate-kv-scales",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="FP8 cache: calibrate per-layer K/V scales at start-up (else 1.0, with a warning)",
-    )
-    g.add_argument(
-        "--kv-scales-path",
-        default=None,
-        help="FP8 cache: JSON file of per-layer K/V scales (overrides calibration)",
-    )
-    g.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=list(ATTENTION_BACKENDS),
-        help="attention kernels (default: triton on CUDA, torch on CPU; triton on CPU needs TRITON_INTERPRET=1)",
-    )
+# --help shows every default (settings declare theirs once, in dataplane/config.py).
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
 
 
 def make_llm(args: argparse.Namespace) -> Any:
     from dataplane import LLM
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_hash_seed=args.prefix_hash_seed,
-        num_threads=args.threads,
-        model_home=args.model_home,
-        kv_cache_dtype=args.kv_cache_dtype,
-        calculate_kv_scales=args.calculate_kv_scales,
-        kv_scales_path=args.kv_scales_path,
-        attention_backend=args.attention_backend,
-    )
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            num_threads=args.threads,
-            attention_backend=args.attention_backend,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_blocks_override=args.num_gpu_blocks_override,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_hash_seed=args.prefix_hash_seed,
-            kv_cache_dtype=args.kv_cache_dtype,
-            calculate_kv_scales=args.calculate_kv_scales,
-            kv_scales_path=args.kv_scales_path,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        ),
-    )
+    return LLM.from_config(engine_config_from_args(args))
 
 
 def make_sampling(args: argparse.Namespace) -> Any:
@@ -202,55 +90,53 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference on a paged KV cache")
-    sub = parser.add_subparsers(dest="command", required=True)
-    from dataplane.models.cli import add_models_parser
-
-    add_models_parser(sub)
-
-    gen = sub.add_parser("generate", help="generate a completion for each prompt, offline")
+def add_dataplane_parsers(sub: Any) -> None:
+    """`generate`, `chat` and `dataplane` on the root parser's subcommands."""
+    gen = sub.add_parser(
+        "generate", help="generate a completion for each prompt, offline", formatter_class=HELP_FORMAT
+    )
     gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat with the model in the terminal (reads stdin)")
+    chat = sub.add_parser(
+        "chat", help="chat with the model in the terminal (reads stdin)", formatter_class=HELP_FORMAT
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    from benchmarks.cli import add_bench_parser  # torch-free: each benchmark imports torch when it runs
-    from clients.python.cli import add_client_parser
-    from controlplane.doctor import add_doctor_parser
-    from controlplane.main import add_controlplane_parsers
-    from dataplane.server.main import add_dataplane_parser
-
-    add_dataplane_parser(sub)
-    add_controlplane_parsers(sub)
-    add_client_parser(sub)
-    add_doctor_parser(sub)
-    add_bench_parser(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[0] == "bench":
-        from benchmarks.cli import SCRIPTS, run_script_module
-
-        if argv[1] in SCRIPTS:  # kernel benchmarks parse their own arguments
-            return run_script_module(SCRIPTS[argv[1]][0], argv[2:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        result: int = args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"pagedserve: error: {exc}", file=sys.stderr)
-        return 1
-    return result
+    dp = sub.add_parser(
+        "dataplane",
+        help="run a data plane: the KV block pool, scheduler and model, over gRPC",
+        formatter_class=HELP_FORMAT,
+    )
+    settings.add_arguments(dp, DataPlaneConfig, title="data plane")
+    dp.add_argument(
+        "--config-json",
+        default=None,
+        help="the whole DataPlaneConfig as JSON (what `pagedserve serve` hands its child); "
+        "replaces every other data-plane and engine flag",
+    )
+    dp.set_defaults(func=cmd_dataplane)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def dataplane_config_from_args(args: argparse.Namespace) -> DataPlaneConfig:
+    if args.config_json is not None:
+        return settings.from_json(DataPlaneConfig, args.config_json)
+    return settings.from_arguments(DataPlaneConfig, args)
+
+
+def cmd_dataplane(args: argparse.Namespace) -> int:
+    from dataplane.server.server import build_engine_loop, serve
+    from pagedserve.common.telemetry import configure_tracing
+    from pagedserve.common.tls import server_tls
+
+    config = dataplane_config_from_args(args)
+    configure_tracing("pagedserve-dataplane")
+    tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    engine_loop = build_engine_loop(config.engine, config.dataplane_id)
+    asyncio.run(serve(engine_loop, f"{config.host}:{config.port}", metrics_port=config.metrics_port, tls=tls))
+    return 0

@@ -1,16 +1,25 @@
 """Engine configuration: frozen dataclasses, one place. Imports no torch.
 
-Flag names follow vLLM's where vLLM has one (`--max-num-seqs`, `--block-size`, ...).
+Each field is declared once with its default and help (`setting`); flag names follow vLLM's
+where vLLM has one (`--max-num-seqs`, `--block-size`, ...). To add an engine setting, add a
+field here: the flags, `LLM(...)` and the data plane `serve` starts pick it up.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from pagedserve.common import settings
+from pagedserve.common.block_hash import DEFAULT_HASH_SEED
+from pagedserve.common.models.store import DEFAULT_MODEL
+from pagedserve.common.settings import format_bytes, parse_bytes, setting
+
 # Same names as kernels.fp8.KV_CACHE_DTYPES (this module imports no torch).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("torch", "triton")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -19,7 +28,7 @@ class CacheConfig:
 
     On the CPU the pool is sized by `kv_cache_memory` bytes; on a GPU by
     `gpu_memory_utilization` of device memory minus weights and peak activations.
-    `num_blocks_override` pins the block count (tests use tiny pools).
+    `num_gpu_blocks_override` pins the block count (tests use tiny pools).
 
     With `enable_prefix_caching`, full blocks are kept after their requests end, under a
     chained hash seeded by `prefix_hash_seed` (docs/prefix-hash.md); a control plane that
@@ -32,16 +41,28 @@ class CacheConfig:
     `calculate_kv_scales`, else 1.0 (with a loud warning).
     """
 
-    block_size: int = 16
-    kv_cache_memory: int = 2 * 1024**3
-    gpu_memory_utilization: float = 0.90
-    kv_cache_dtype: str = "auto"
-    num_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_hash_seed: str = "pagedserve"
-    enable_kv_events: bool = False
-    calculate_kv_scales: bool = True
-    kv_scales_path: str | None = None
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_memory: int = setting(
+        2 * 1024**3, "KV pool size on the CPU (e.g. 2GiB, 512MiB)", parse=parse_bytes, show=format_bytes
+    )
+    gpu_memory_utilization: float = setting(0.90, "fraction of GPU memory for weights, activations and KV")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache element type: auto (the model dtype) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
+        choices=KV_CACHE_DTYPES,
+    )
+    num_gpu_blocks_override: int | None = setting(None, "pin the KV pool's block count")
+    enable_prefix_caching: bool = setting(True, "reuse cached prompt blocks")
+    prefix_hash_seed: str = setting(DEFAULT_HASH_SEED, "seed of the chained block hashes")
+    enable_kv_events: bool = setting(
+        False, "record KV events for an external prefix index (the data plane turns it on)", cli=False
+    )
+    calculate_kv_scales: bool = setting(
+        True, "FP8 cache: calibrate per-layer K/V scales at start-up (else 1.0, with a warning)"
+    )
+    kv_scales_path: str | None = setting(
+        None, "FP8 cache: JSON file of per-layer K/V scales (overrides calibration)"
+    )
 
     @property
     def is_fp8(self) -> bool:
@@ -60,8 +81,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_scales_path is not None and not self.is_fp8:
             raise ValueError("kv_scales_path needs an FP8 kv_cache_dtype (fp8_e4m3 or fp8_e5m2)")
-        if self.num_blocks_override is not None and self.num_blocks_override < 1:
-            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         for name in ("enable_prefix_caching", "enable_kv_events", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -77,9 +98,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous-batching limits. `max_model_len` None means: take the model's own limit."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    max_num_seqs: int = setting(64, "most sequences in one batch")
+    max_num_batched_tokens: int = setting(2048, "most tokens (prefill and decode) in one step")
+    max_model_len: int | None = setting(None, "longest prompt plus output (default: the model's limit)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -98,15 +119,20 @@ class ModelConfig:
     path on the CPU. "triton" on the CPU needs TRITON_INTERPRET=1 (tests only).
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    num_threads: int | None = None
-    attention_backend: str | None = None
+    model: str = setting(DEFAULT_MODEL, "store name or local Hugging Face folder")
+    model_home: str | None = setting(None, "model store directory (default $PAGEDSERVE_MODEL_HOME)")
+    dtype: str = setting("float32", "weights and activations dtype", choices=MODEL_DTYPES)
+    device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    seed: int = setting(0, "seed of the random sampling state")
+    num_threads: int | None = setting(None, "torch intra-op threads", flag="--threads")
+    attention_backend: str | None = setting(
+        None,
+        "attention kernels (default: triton on CUDA, torch on CPU; triton on CPU needs TRITON_INTERPRET=1)",
+        choices=ATTENTION_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -117,6 +143,47 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every engine setting, in three sections. The one source: the CLI flags (`add_engine_args`),
+    `LLM(**kwargs)` (`engine_config(**kwargs)`) and the data-plane child's config that `serve`
+    hands over (`to_json`) are all derived from these fields (pagedserve/common/settings.py)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (named like vLLM's), one per EngineConfig setting, grouped by section."""
+    settings.add_arguments(parser, EngineConfig)
+
+
+def engine_config(**kwargs: Any) -> EngineConfig:
+    """EngineConfig from flat settings (`block_size=4, model=...`): what `LLM(...)` takes."""
+    return settings.from_kwargs(EngineConfig, kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return settings.from_arguments(EngineConfig, args)
+
+
+DEFAULT_DATAPLANE_PORT = 50052
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """A data-plane process: its gRPC endpoint, TLS, metrics port and the engine it runs.
+
+    `pagedserve dataplane` derives its flags from these fields; `pagedserve serve` hands its
+    data-plane child this whole config as JSON (`--config-json`), never a rebuilt argv.
+    """
+
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
+    port: int = setting(DEFAULT_DATAPLANE_PORT, "gRPC port (0 picks a free one)")
+    dataplane_id: str | None = setting(None, "name reported to control planes (default host-pid)")
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any)")
+    tls_cert_file: str | None = setting(None, "serve gRPC over TLS with this certificate (PEM)")
+    tls_key_file: str | None = setting(None, "the certificate's private key (PEM)")
+    tls_client_ca_file: str | None = setting(
+        None, "require control planes to present a cert from this CA (mTLS)"
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)

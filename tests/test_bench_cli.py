@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.cli import main
-from dataplane.config import DEFAULT_MODEL
-from dataplane.models import ModelNotFoundError, resolve_model_path
+from pagedserve.cli import main
+from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.tiny_models import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +32,7 @@ def outputs(out: Path, name: str) -> dict[str, object]:
 def test_memory_and_plan_run_without_torch(tmp_path: Path) -> None:
     script = f"""
 import sys
-from dataplane.cli import main
+from pagedserve.cli import main
 assert main(["bench", "memory", "--workload", "long-context", "chat", "--limit", "6", "--repeat", "2",
              "--block-sizes", "16", "--max-model-len", "4096", "--out", {str(tmp_path)!r}, "--no-progress"]) == 0
 assert main(["bench", "plan", "--model", "LLaMA-13B", "Llama-3-70B", "--contiguous", "--out", {str(tmp_path)!r}]) == 0

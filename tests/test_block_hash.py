@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.kvcache.block_hash import (
+from pagedserve.common.block_hash import (
     HASH_VERSION_TAG,
     BlockHash,
     BlockKey,

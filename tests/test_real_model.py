@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dataplane import LLM, SamplingParams
-from dataplane.config import DEFAULT_MODEL
-from dataplane.models import ModelNotFoundError, resolve_model_path
+from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.tiny_models import assert_same_greedy, reference_greedy
 
 pytestmark = pytest.mark.real_model
@@ -75,7 +74,7 @@ def test_chat_answers_the_capital_of_france(llm: LLM) -> None:
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """`pagedserve ARGS...` in a fresh interpreter, as a user would run it."""
     return subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", *args],
+        [sys.executable, "-m", "pagedserve", *args],
         input=stdin,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dataplane.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def test_defaults() -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from dataplane.kvcache import BlockPool, KVCacheManager
-from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.common.sampling_params import SamplingParams
 
 EOS = 2
 
@@ -75,14 +75,14 @@ def free_ids(s: Scheduler) -> list[int]:
 
 TORCH_FREE_MODULES = [
     "dataplane.kvcache",
-    "dataplane.kvcache.block_hash",
+    "pagedserve.common.block_hash",
     "dataplane.kvcache.block_pool",
     "dataplane.kvcache.kv_events",
     "dataplane.kvcache.kv_cache_manager",
     "dataplane.scheduler",
-    "dataplane.scheduler.request",
+    "dataplane.request",
     "dataplane.scheduler.scheduler",
-    "dataplane.sampling_params",
+    "pagedserve.common.sampling_params",
     "dataplane.config",
 ]
 

@@ -32,8 +32,8 @@ from dataplane.kvcache import (
     KVCacheManager,
     cdiv,
 )
-from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.common.sampling_params import SamplingParams
 
 EOS = 2
 STOP = 5

@@ -10,15 +10,10 @@ from typing import Any
 
 import grpc
 
+from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
-
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
@@ -103,7 +98,7 @@ def _item(response: generation_pb2.GenerateResponse) -> StreamChunk | Completion
     return Completion(
         request_id=response.request_id,
         index=d.index,
-        finish_reason=FINISH_REASONS.get(d.finish_reason, "unknown"),
+        finish_reason=FINISH_REASON_NAMES.get(d.finish_reason, "unknown"),
         stop_string=d.stop_string or None,
         prompt_tokens=d.usage.prompt_tokens,
         completion_tokens=d.usage.completion_tokens,

@@ -26,7 +26,7 @@ from controlplane.dispatcher import GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
-from dataplane.telemetry import extract
+from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
 
 _DISCONNECT_POLL_S = 0.5

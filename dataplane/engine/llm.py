@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dataplane.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from dataplane.config import EngineConfig, engine_config
 from dataplane.engine.llm_engine import LLMEngine
-from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request
+from pagedserve.common.models import DEFAULT_MODEL
+from pagedserve.common.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -66,56 +67,18 @@ class RequestOutput:
 class LLM:
     """Batch generation on the paged engine, in process. Knob names follow vLLM's `LLM`."""
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int = 2 * 1024**3,
-        gpu_memory_utilization: float = 0.90,
-        num_gpu_blocks_override: int | None = None,
-        enable_prefix_caching: bool = True,
-        prefix_hash_seed: str = "pagedserve",
-        num_threads: int | None = None,
-        model_home: str | None = None,
-        kv_cache_dtype: str = "auto",
-        calculate_kv_scales: bool = True,
-        kv_scales_path: str | None = None,
-        attention_backend: str | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                num_threads=num_threads,
-                attention_backend=attention_backend,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                prefix_hash_seed=prefix_hash_seed,
-                kv_cache_dtype=kv_cache_dtype,
-                calculate_kv_scales=calculate_kv_scales,
-                kv_scales_path=kv_scales_path,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-            ),
-        )
-        self.engine = LLMEngine(config, model_home=model_home)
+    def __init__(self, model: str = DEFAULT_MODEL, **settings: Any) -> None:
+        """`settings` are EngineConfig's fields by name (dataplane/config.py), with their
+        defaults there: `LLM("SmolLM2-135M-Instruct", block_size=16, max_num_seqs=64, ...)`.
+        An unknown name is a TypeError."""
+        self.engine = LLMEngine(engine_config(model=model, **settings))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM on an already built EngineConfig (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block hash (needed after a weight change); returns how many."""

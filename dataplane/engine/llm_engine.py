@@ -18,14 +18,14 @@ from dataplane.kvcache.budget import (
     peak_activation_bytes,
     plan_kv_cache,
 )
-from dataplane.log import get_logger
-from dataplane.models import resolve_model_path
 from dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
-from dataplane.sampling_params import SamplingParams
 from dataplane.scheduler import Request, RequestStatus, Scheduler
 from kernels import kv_cache_torch_dtype
+from pagedserve.common.log import get_logger
+from pagedserve.common.models import resolve_model_path
+from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
 
@@ -41,12 +41,12 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_home: str | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
         torch.manual_seed(config.model.seed)
-        self.model_path = resolve_model_path(config.model.model, model_home)
+        self.model_path = resolve_model_path(config.model.model, config.model.model_home)
         self.tokenizer = load_tokenizer(self.model_path)
         model = load_model(self.model_path, config.model.dtype, config.model.device)
         hf = model.config
@@ -165,8 +165,8 @@ class LLMEngine:
 
     def _plan_budget(self, shape: KVCacheShape, model: Any) -> KVCacheBudget:
         cache = self.config.cache
-        if cache.num_blocks_override is not None:
-            memory = cache.num_blocks_override * shape.bytes_per_block(cache.block_size)
+        if cache.num_gpu_blocks_override is not None:
+            memory = cache.num_gpu_blocks_override * shape.bytes_per_block(cache.block_size)
             return plan_kv_cache(shape, cache.block_size, memory)
         device = torch.device(self.config.model.device)
         if device.type == "cuda":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from dataplane.kvcache.block_hash import BlockHash, BlockKey
 from dataplane.kvcache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,6 +18,7 @@ from dataplane.kvcache.kv_events import (
     KVCacheEvent,
     KVEventRecord,
 )
+from pagedserve.common.block_hash import BlockHash, BlockKey
 
 
 class Block:

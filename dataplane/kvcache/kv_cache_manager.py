@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from dataplane.kvcache.block_hash import BlockHash, BlockKey, block_keys, first_block_extra_keys, seed_hash
 from dataplane.kvcache.block_pool import BlockPool
 from dataplane.kvcache.kv_events import KVEventRecord
-
-if TYPE_CHECKING:
-    # Annotation only: a runtime import makes `import dataplane.kvcache` circular via dataplane.scheduler.
-    from dataplane.scheduler.request import Request
-
-DEFAULT_HASH_SEED = "pagedserve"
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from dataplane.request import Request
+from pagedserve.common.block_hash import (
+    DEFAULT_HASH_SEED,
+    BlockHash,
+    BlockKey,
+    block_keys,
+    cdiv,
+    first_block_extra_keys,
+    seed_hash,
+)
 
 
 @dataclass

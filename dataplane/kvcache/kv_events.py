@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataplane.kvcache.block_hash import BlockHash
+from pagedserve.common.block_hash import BlockHash
 
 
 @dataclass(frozen=True)

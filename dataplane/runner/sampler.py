@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 @dataclass

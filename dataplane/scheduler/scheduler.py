@@ -18,7 +18,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dataplane.kvcache import KVCacheManager
-from dataplane.scheduler.request import Request, RequestStatus
+from dataplane.request import Request, RequestStatus
 
 
 @dataclass

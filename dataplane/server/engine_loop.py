@@ -24,16 +24,12 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, set_span_in_context
 
-from dataplane.log import get_logger
-from dataplane.scheduler.request import Request
+from dataplane.request import Request
 from dataplane.server.metrics import DataPlaneMetrics
-from dataplane.server.protocol import (
-    FINISH_REASON_NAMES,
-    FINISH_REASONS,
-    kv_event_to_proto,
-    sampling_params_from_proto,
-)
-from dataplane.telemetry import extract, tracer
+from dataplane.server.protocol import finish_reason_to_proto, kv_event_to_proto
+from pagedserve.common.log import get_logger
+from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
+from pagedserve.common.telemetry import extract, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
@@ -262,7 +258,7 @@ class EngineLoop:
     def _finished_msg(self, group: _Group, request: Request) -> dataplane_pb2.RequestFinished:
         end = request.finish_time or time.monotonic()
         first = request.first_token_time
-        reason = FINISH_REASONS.get(request.status, common_pb2.FINISH_REASON_ABORT)
+        reason = finish_reason_to_proto(request.status)
         self.metrics.finished(
             FINISH_REASON_NAMES[reason],
             request.num_prompt_tokens,

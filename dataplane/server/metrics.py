@@ -1,12 +1,8 @@
 """The data plane's Prometheus metrics (one registry per process). Imports no torch.
 
-Names follow the seed document's vLLM metrics under our prefix, with `_` instead of `:`:
-`promtool check metrics` (and Prometheus' naming rules) reserve colons for recording rules,
-so `vllm:kv_cache_usage_perc` becomes `pagedserve_kv_cache_usage_perc`.
-
 Gauges and cumulative counters are read from the engine when Prometheus scrapes (a custom
 collector: nothing to keep in sync); latency histograms are observed by the engine loop as
-requests finish.
+requests finish. Shared names and buckets: pagedserve/common/metrics.py.
 """
 
 from __future__ import annotations
@@ -14,52 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-PREFIX = "pagedserve_"
-# Seconds; covers sub-10 ms decode steps on a GPU up to minute-long CPU requests.
-LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1,
-    2.5,
-    5,
-    7.5,
-    10,
-    20,
-    40,
-    80,
-    160,
-)
-TOKEN_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1,
-    2.5,
-    5,
-)
+from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 
 
 class _EngineCollector(Collector):
@@ -112,55 +67,6 @@ class _EngineCollector(Collector):
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], self.info)
         yield info
-
-
-class RequestMetrics:
-    """Counters and latency histograms of finished requests; both planes keep one, the data
-    plane timing from a request's arrival there, the control plane from its client's call."""
-
-    def __init__(self, registry: CollectorRegistry, clock: str) -> None:
-        r = registry
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished completions by reason.", ["finished_reason"], registry=r
-        )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            f"{clock} to first token.",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Mean time per output token after the first.",
-            registry=r,
-            buckets=TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", f"{clock} to finish.", registry=r, buckets=LATENCY_BUCKETS
-        )
-
-    def finished(
-        self,
-        reason: str,
-        prompt_tokens: int,
-        output_tokens: int,
-        ttft: float,
-        e2e: float,
-        count_prompt: bool = True,
-    ) -> None:
-        """One finished completion; `count_prompt` False for the 2nd..nth sample of a request."""
-        self.request_success.labels(finished_reason=reason).inc()
-        if count_prompt:
-            self.prompt_tokens.inc(prompt_tokens)
-        if ttft > 0:
-            self.ttft.observe(ttft)
-            if output_tokens > 1:
-                self.tpot.observe((e2e - ttft) / (output_tokens - 1))
-        self.e2e.observe(e2e)
 
 
 class DataPlaneMetrics:

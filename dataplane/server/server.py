@@ -12,29 +12,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dataplane.config import EngineConfig
-from dataplane.log import get_logger
 from dataplane.server.engine_loop import DataPlaneIdentity, EngineLoop
 from dataplane.server.servicer import DataPlaneServicer
-from dataplane.server.tls import ServerTLS
+from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
+from pagedserve.common.log import get_logger
+from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
 
 SERVICE_NAME = dataplane_pb2.DESCRIPTOR.services_by_name["DataPlaneService"].full_name
-# Keepalive pings let both sides notice a dead peer within seconds, not minutes.
-GRPC_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
 
 
-def build_engine_loop(
-    config: EngineConfig, model_home: str | None = None, dataplane_id: str | None = None
-) -> EngineLoop:
+def build_engine_loop(config: EngineConfig, dataplane_id: str | None = None) -> EngineLoop:
     """Load the model and the engine (KV events on, so control planes can index the cache)."""
     from dataclasses import replace
 
@@ -42,7 +32,7 @@ def build_engine_loop(
 
     if config.cache.enable_prefix_caching and not config.cache.enable_kv_events:
         config = replace(config, cache=replace(config.cache, enable_kv_events=True))
-    engine = LLMEngine(config, model_home)
+    engine = LLMEngine(config)
     identity = DataPlaneIdentity(
         dataplane_id=dataplane_id or f"{socket.gethostname()}-{os.getpid()}",
         model=config.model.model,
@@ -63,7 +53,7 @@ async def create_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port.
     With `tls` (and its client CA) control planes must connect over mutual TLS."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=LINK_SERVER_OPTIONS)
     dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(DataPlaneServicer(engine_loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -25,7 +25,7 @@ from controlplane.server import ControlPlane, start_control_plane
 from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from dataplane.server.engine_loop import EngineLoop
 from dataplane.server.server import build_engine_loop, create_server
-from dataplane.server.tls import ServerTLS
+from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def engine_config(
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=str(model), num_threads=1),
-        cache=CacheConfig(num_blocks_override=num_blocks, enable_prefix_caching=True, **kw),
+        cache=CacheConfig(num_gpu_blocks_override=num_blocks, enable_prefix_caching=True, **kw),
         scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=16),
     )
 
@@ -103,7 +103,7 @@ class Process:
     def __init__(self, argv: list[str], marker: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dataplane.cli", *argv],
+            [sys.executable, "-m", "pagedserve", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

@@ -20,8 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from clients.python import AsyncGenerationClient, GenerationClient
 from controlplane.tokenizer import Tokenizer
 from dataplane import LLM, SamplingParams
-from dataplane.config import DEFAULT_MODEL
-from dataplane.models import ModelNotFoundError, resolve_model_path
+from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.grpc.harness import REPO, Process
 
 pytestmark = pytest.mark.real_model
@@ -163,7 +162,7 @@ def test_health_and_reflection(server: Process) -> None:
 
 def test_cli_client_prints_the_text(server: Process, offline: dict[str, list[int]], model_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "dataplane.cli", "client", "generate", "--address", server.address]
+    argv = [sys.executable, "-m", "pagedserve", "client", "generate", "--address", server.address]
     done = subprocess.run(
         [*argv, "--max-tokens", str(TOKENS), PROMPTS[1]], capture_output=True, text=True, env=env, timeout=120
     )

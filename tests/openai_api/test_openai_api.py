@@ -14,8 +14,7 @@ import pytest
 
 from controlplane.tokenizer import Tokenizer
 from dataplane import LLM, SamplingParams
-from dataplane.config import DEFAULT_MODEL
-from dataplane.models import resolve_model_path
+from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
 from tests.grpc.harness import ServerThread, engine_config
 
 pytestmark = pytest.mark.real_model

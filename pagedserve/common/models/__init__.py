@@ -1,6 +1,7 @@
 """The local model store: `pagedserve models pull|list` and name -> folder resolution."""
 
-from dataplane.models.store import (
+from pagedserve.common.models.store import (
+    DEFAULT_MODEL,
     REGISTRY,
     ModelInfo,
     ModelNotFoundError,
@@ -15,6 +16,7 @@ from dataplane.models.store import (
 )
 
 __all__ = [
+    "DEFAULT_MODEL",
     "REGISTRY",
     "ModelInfo",
     "ModelNotFoundError",

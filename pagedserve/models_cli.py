@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from dataplane.config import DEFAULT_MODEL
+from pagedserve.common.models.store import DEFAULT_MODEL
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from dataplane.models.store import ModelNotFoundError, PullError, pull_model
+    from pagedserve.common.models.store import ModelNotFoundError, PullError, pull_model
 
     try:
         path = pull_model(args.name, store=args.model_home, force=args.force, progress=not args.quiet)
@@ -25,7 +25,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from dataplane.models.store import list_models
+    from pagedserve.common.models.store import list_models
 
     try:
         rows = list_models(store=args.model_home)

@@ -4,7 +4,7 @@ transformers dequantizes a GGUF checkpoint to fp32 on load (`gguf_file=`), but t
 model still carries a `quantization_config` and `save_pretrained` refuses it. So: load the
 GGUF, build a fresh model from the same config without the quantization config, copy the
 state dict over and save that. transformers/torch/gguf are imported lazily, inside the
-functions, so importing `dataplane.models` stays cheap.
+functions, so importing `pagedserve.common.models` stays cheap.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from dataplane import env
+from pagedserve.common import env
 
 _configured = False
 
@@ -26,7 +26,7 @@ class _StderrLogger:
 
 def _add_trace_ids(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Every line logged inside a traced request carries its trace_id and span_id."""
-    from dataplane.telemetry import trace_ids
+    from pagedserve.common.telemetry import trace_ids
 
     for key, value in trace_ids().items():
         event.setdefault(key, value)

@@ -1,0 +1,107 @@
+"""`pagedserve controlplane`: a stateless control plane in front of data planes.
+
+Its flags are derived from ControlPlaneConfig (controlplane/config.py), plus the security
+group here, whose files are read into the config's keys and TLS settings. The product shell
+(pagedserve/cli.py, pagedserve/serve.py) mounts these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from controlplane.config import ControlPlaneConfig
+from pagedserve.common import settings
+
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+
+
+def add_listen_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("listen")
+    g.add_argument("--host", default="127.0.0.1", help="address the gRPC and HTTP ports listen on")
+    g.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="public gRPC port (0 picks a free one)"
+    )
+    g.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port: health, metrics, OpenAI API"
+    )
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("security")
+    s.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    s.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    s.add_argument(
+        "--tls-cert-file", default=None, help="serve gRPC and HTTP over TLS with this certificate (PEM)"
+    )
+    s.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM)")
+    s.add_argument(
+        "--dataplane-tls-ca-file", default=None, help="connect to data planes over TLS, verified by this CA"
+    )
+    s.add_argument(
+        "--dataplane-tls-cert-file", default=None, help="client certificate for mTLS to data planes"
+    )
+    s.add_argument("--dataplane-tls-key-file", default=None, help="its private key")
+
+
+def add_controlplane_args(p: argparse.ArgumentParser, *, own_dataplane: bool = False) -> None:
+    """Listen, control-plane and security flags. `own_dataplane` for `serve`: it starts the
+    data plane itself (no --dataplane flags) and its engine flags name the model."""
+    add_listen_args(p)
+    skip = {"model", "model_home", "dataplanes", "dataplane_dns"} if own_dataplane else set()
+    settings.add_arguments(p, ControlPlaneConfig, title="control plane", skip=skip)
+    add_security_args(p)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlaneConfig:
+    """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
+    (e.g. the data plane `serve` started) replace fields before validation."""
+    from controlplane.auth import load_api_keys
+    from pagedserve.common.tls import ClientTLS, server_tls
+
+    dataplane_tls = None
+    if args.dataplane_tls_ca_file or args.dataplane_tls_cert_file:
+        dataplane_tls = ClientTLS(
+            args.dataplane_tls_ca_file, args.dataplane_tls_cert_file, args.dataplane_tls_key_file
+        )
+    values = {**vars(args), **overrides}
+    values["api_keys"] = load_api_keys(args.api_key, args.api_key_file)
+    values["tls"] = server_tls(args.tls_cert_file, args.tls_key_file)
+    values["dataplane_tls"] = dataplane_tls
+    return settings.from_arguments(ControlPlaneConfig, values)
+
+
+def add_controlplane_parser(sub: Any, formatter_class: Any = argparse.ArgumentDefaultsHelpFormatter) -> None:
+    cp = sub.add_parser(
+        "controlplane",
+        help="run a stateless control plane in front of data planes",
+        formatter_class=formatter_class,
+    )
+    add_controlplane_args(cp)
+    cp.set_defaults(func=cmd_controlplane)
+
+
+def cmd_controlplane(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    # Serve once a data plane has connected (or after 10 s): requests sent right after the
+    # address is printed should not meet an empty routing set.
+    asyncio.run(run_controlplane(config, args.host, args.grpc_port, args.http_port, wait_s=10.0))
+    return 0
+
+
+async def run_controlplane(
+    config: ControlPlaneConfig, host: str, grpc_port: int, http_port: int, wait_s: float
+) -> None:
+    """Start the control plane, announce its ports once a data plane is connected (or after
+    `wait_s`), and serve until SIGINT/SIGTERM."""
+    from controlplane.server import run_until_signalled, start_control_plane
+    from pagedserve.common.telemetry import configure_tracing
+
+    configure_tracing("pagedserve-controlplane")
+    cp = await start_control_plane(config, host, grpc_port, http_port)
+    if wait_s:
+        await cp.dispatcher.wait_ready(wait_s)
+    print(f"pagedserve gRPC on {host}:{cp.grpc_port}  HTTP on http://{host}:{cp.http_port}", flush=True)
+    await run_until_signalled(cp)

@@ -1,0 +1,193 @@
+"""One source per setting: a config dataclass field carries its name, type, default and help once.
+
+`setting(...)` declares a field; everything else is derived from the dataclass:
+
+- `add_arguments(group, cls)`: the command-line flags (`--block-size`, defaults shown in `--help`);
+- `from_arguments(cls, args)`: the dataclass from parsed flags;
+- `to_json(config)` / `from_json(cls, text)`: the config handed to a child process.
+
+Nested config dataclasses (a field whose type is itself a config dataclass) are sections:
+their flags are added in their own argument group and their fields filled from the same flat
+namespace, so every setting name must be unique across the sections of one config.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a byte count)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(value: int) -> str:
+    """The shortest exact spelling parse_bytes reads back: 2147483648 -> '2GiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value % size == 0 and value >= size:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: tuple[Any, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    show: Callable[[Any], str] | None = None,
+    repeat: bool = False,
+    cli: bool = True,
+) -> Any:
+    """A config field with its command-line face.
+
+    `flag` overrides the derived `--field-name`; `parse` turns the flag's text into the value
+    (its type otherwise); `show` spells the default in `--help`. A `tuple[X, ...]` field takes
+    several values after one flag, or with `repeat` one per repeated flag. `cli` False keeps
+    the field out of the command line (set by code only).
+    """
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "parse": parse,
+        "show": show,
+        "repeat": repeat,
+        "cli": cli,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _scalar_type(tp: Any) -> tuple[Any, bool]:
+    """(the flag's value type, whether None is allowed) of an annotation like `int | None`."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    title: str | None = None,
+    skip: set[str] | frozenset[str] = frozenset(),
+) -> None:
+    """Add a flag for every `setting` of `cls` (sections in their own groups) to `parser` (or an
+    argument group); `skip` names settings another group of the same parser already has."""
+    group = parser.add_argument_group(title) if title else parser
+    for f, tp in _fields(cls):
+        if _is_config(tp):
+            add_arguments(parser, tp, title=f.name, skip=skip)
+            continue
+        if "help" not in f.metadata or not f.metadata["cli"] or f.name in skip:
+            continue
+        value_type, _ = _scalar_type(tp)
+        default = f.default
+        if f.metadata["show"] and default is not None:
+            # argparse runs a string default through `type`: --help shows "2GiB", args get bytes.
+            default = f.metadata["show"](default)
+        # Parsers use argparse.ArgumentDefaultsHelpFormatter: --help shows every default.
+        flag = flag_name(f)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+        if value_type is not bool and not f.metadata["choices"]:
+            kwargs["metavar"] = flag.removeprefix("--").replace("-", "_").upper()
+        if value_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(value_type) is tuple:
+            # argparse appends to its default in place: start from None, from_arguments keeps ().
+            kwargs["default"] = None
+            kwargs["type"] = f.metadata["parse"] or typing.get_args(value_type)[0]
+            if f.metadata["repeat"]:
+                kwargs["action"] = "append"
+            else:
+                kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = f.metadata["parse"] or value_type
+            if f.metadata["choices"]:
+                kwargs["choices"] = list(f.metadata["choices"])
+        group.add_argument(flag, **kwargs)
+
+
+def from_arguments(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T:
+    """`cls` from parsed flags (or a flat dict); names absent from it keep their defaults."""
+    values = vars(args) if isinstance(args, argparse.Namespace) else args
+    kwargs: dict[str, Any] = {}
+    for f, tp in _fields(cls):
+        if _is_config(tp):
+            kwargs[f.name] = from_arguments(tp, values)
+        elif f.name in values:
+            value = values[f.name]
+            if typing.get_origin(_scalar_type(tp)[0]) is tuple:
+                if value is None:
+                    continue  # flag not given: the field's default
+                value = tuple(value)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def setting_names(cls: type) -> list[str]:
+    """Every leaf setting's name, sections flattened (the keyword arguments `from_arguments` reads)."""
+    names: list[str] = []
+    for f, tp in _fields(cls):
+        names += setting_names(tp) if _is_config(tp) else [f.name]
+    return names
+
+
+def from_kwargs(cls: type[T], kwargs: dict[str, Any]) -> T:
+    """`cls` from flat keyword arguments; an unknown name is a TypeError, as for any call."""
+    known = set(setting_names(cls))
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unexpected setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return from_arguments(cls, kwargs)
+
+
+def to_json(config: Any) -> str:
+    """A config dataclass as JSON (its sections nested), for a child process's `from_json`."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def from_json(cls: type[T], text: str) -> T:
+    """Inverse of `to_json`; unknown keys are an error (parent and child must be one version)."""
+    return _from_dict(cls, json.loads(text))
+
+
+def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    kwargs: dict[str, Any] = {}
+    for f, tp in _fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _from_dict(tp, data[f.name]) if _is_config(tp) else data[f.name]
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} setting(s): {', '.join(sorted(unknown))}")
+    return cls(**kwargs)
