@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dataplane import LLM, SamplingParams
-from tests.test_engine_exactness import assert_no_leaks, check_all, workload
+from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all, workload
 from tests.tiny_models import Reference, load_reference_model, make_tiny_model, reference_greedy
 
 NUM_PROMPTS = 8

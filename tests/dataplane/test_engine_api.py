@@ -11,7 +11,7 @@ import pytest
 from dataplane import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.python import AsyncGenerationClient
-from tests.grpc.harness import ServerThread, engine_config
+from tests.e2e.harness import ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 
@@ -126,7 +126,7 @@ def test_metrics_move_with_a_scripted_workload_and_pass_promtool(server: ServerT
 
 
 def test_dataplane_serves_metrics_over_http(tmp_path: Path) -> None:
-    from tests.grpc.harness import Process
+    from tests.e2e.harness import Process
 
     tiny = make_tiny_model("llama", tmp_path / "llama")
     proc = Process(

@@ -18,7 +18,7 @@ import pytest
 
 from clients.python import AsyncGenerationClient, Completion, StreamChunk
 from dataplane import LLM, SamplingParams
-from tests.grpc.harness import (
+from tests.e2e.harness import (
     controlplane_process,
     dataplane_process,
     engine_config,

@@ -42,7 +42,7 @@ V1_MESSAGE = (
     "00000000"
 )
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "prefix-hash.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "prefix-hash.md"
 
 
 def test_vectors() -> None:

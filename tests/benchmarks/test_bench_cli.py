@@ -19,7 +19,7 @@ from pagedserve.cli import main
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.tiny_models import tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def outputs(out: Path, name: str) -> dict[str, object]:
@@ -144,7 +144,7 @@ def test_vllm_peer_without_vllm_is_refused_before_any_work(capsys: pytest.Captur
 
 
 def test_serve_loads_a_running_server_over_grpc_and_openai(tmp_path: Path) -> None:
-    from tests.grpc.harness import ServerThread, engine_config
+    from tests.e2e.harness import ServerThread, engine_config
     from tests.tiny_models import make_tiny_model
 
     tiny = make_tiny_model("llama", tmp_path / "llama")

@@ -21,7 +21,7 @@ from clients.python import AsyncGenerationClient, GenerationClient
 from controlplane.tokenizer import Tokenizer
 from dataplane import LLM, SamplingParams
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
-from tests.grpc.harness import REPO, Process
+from tests.e2e.harness import REPO, Process
 
 pytestmark = pytest.mark.real_model
 

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from clients.python import AsyncGenerationClient
 from clients.python.client import build_request
 from pagedserve.common.telemetry import inject
-from tests.grpc.harness import Process, ServerThread, engine_config
+from tests.e2e.harness import Process, ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 EXPORTER = InMemorySpanExporter()

@@ -12,7 +12,7 @@ import pytest
 from clients.python import AsyncGenerationClient
 from controlplane.doctor import Sample, Thresholds, diagnose, parse
 from pagedserve.cli import main
-from tests.grpc.harness import ServerThread, engine_config
+from tests.e2e.harness import ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.grpc.harness import ServerThread, engine_config
+from tests.e2e.harness import ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 

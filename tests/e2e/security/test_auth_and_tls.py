@@ -19,8 +19,8 @@ from controlplane.auth import ApiKeys, load_api_keys
 from controlplane.config import ControlPlaneConfig
 from controlplane.server import start_control_plane
 from pagedserve.common.tls import ClientTLS, ServerTLS
-from tests.grpc.harness import ServerThread, engine_config
-from tests.security.certs import Pki, make_pki
+from tests.e2e.certs import Pki, make_pki
+from tests.e2e.harness import ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 

@@ -15,7 +15,7 @@ import pytest
 from controlplane.tokenizer import Tokenizer
 from dataplane import LLM, SamplingParams
 from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
-from tests.grpc.harness import ServerThread, engine_config
+from tests.e2e.harness import ServerThread, engine_config
 
 pytestmark = pytest.mark.real_model
 
