@@ -73,11 +73,11 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
     return settings.from_arguments(ControlPlaneConfig, values)
 
 
-def add_controlplane_parser(sub: Any, formatter_class: Any = argparse.ArgumentDefaultsHelpFormatter) -> None:
+def add_controlplane_parser(sub: Any) -> None:
     cp = sub.add_parser(
         "controlplane",
         help="run a stateless control plane in front of data planes",
-        formatter_class=formatter_class,
+        formatter_class=settings.HelpFormatter,
     )
     add_controlplane_args(cp)
     cp.set_defaults(func=cmd_controlplane)

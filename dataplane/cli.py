@@ -15,7 +15,7 @@ from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_fro
 from pagedserve.common import settings
 
 # --help shows every default (settings declare theirs once, in dataplane/config.py).
-HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+HELP_FORMAT = settings.HelpFormatter
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

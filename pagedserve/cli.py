@@ -14,10 +14,7 @@ import sys
 from collections.abc import Sequence
 
 import pagedserve
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every flag's default (settings declare theirs once, in the config dataclasses)."""
+from pagedserve.common.settings import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_models_parser(sub)
     add_dataplane_parsers(sub)
-    add_controlplane_parser(sub, formatter_class=HelpFormatter)
-    add_serve_parser(sub, formatter_class=HelpFormatter)
+    add_controlplane_parser(sub)
+    add_serve_parser(sub)
     add_client_parser(sub)
     add_doctor_parser(sub)
     add_bench_parser(sub)

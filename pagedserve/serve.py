@@ -21,11 +21,11 @@ from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_fro
 from pagedserve.common import settings
 
 
-def add_serve_parser(sub: Any, formatter_class: Any = argparse.ArgumentDefaultsHelpFormatter) -> None:
+def add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve the model: one control plane plus one data plane (child process)",
-        formatter_class=formatter_class,
+        formatter_class=settings.HelpFormatter,
     )
     serve.add_argument("--dataplane-port", type=int, default=0, help="the data plane's internal gRPC port")
     add_controlplane_args(serve, own_dataplane=True)

@@ -28,6 +28,15 @@ T = TypeVar("T")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, unless its help already says what the default means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_bytes(text: str) -> int:
     """'2GiB', '512MiB', '1073741824' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -186,7 +195,12 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     kwargs: dict[str, Any] = {}
     for f, tp in _fields(cls):
         if f.name in data:
-            kwargs[f.name] = _from_dict(tp, data[f.name]) if _is_config(tp) else data[f.name]
+            value = data[f.name]
+            if _is_config(tp):
+                value = _from_dict(tp, value)
+            elif typing.get_origin(_scalar_type(tp)[0]) is tuple and value is not None:
+                value = tuple(value)  # JSON has lists only
+            kwargs[f.name] = value
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     if unknown:
         raise ValueError(f"unknown {cls.__name__} setting(s): {', '.join(sorted(unknown))}")
