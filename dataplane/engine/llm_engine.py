@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dataplane.config import EngineConfig
-from dataplane.kvcache import BlockPool, KVCacheManager
+from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord, PrefixCacheStats
 from dataplane.kvcache.budget import (
     KVCacheBudget,
     KVCacheShape,
@@ -38,6 +38,34 @@ class StepResult:
     finished: list[Request]
     num_batched_tokens: int
     num_preempted: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The pool, the scheduler and the prefix cache in numbers: what the server reports per
+    step and what Prometheus scrapes, read without reaching into the engine's parts."""
+
+    total_blocks: int
+    free_blocks: int  # allocation can take them: free plus evictable cached
+    cached_blocks: int  # carrying a prefix-cache hash, referenced or not
+    token_usage: float  # fraction of the pool's token slots holding computed tokens
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache: PrefixCacheStats  # a copy: later admissions do not change it
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return (self.total_blocks - self.free_blocks) / self.total_blocks
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The request id of sample `index` of request `request_id`: the request's own for sample 0.
+
+    The only place sample ids are made; callers map them from their own keys and never parse one.
+    """
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 class LLMEngine:
@@ -215,7 +243,7 @@ class LLMEngine:
         """Validate, tokenize and queue one request; raises ValueError naming the bad field.
 
         With `params.n` / `best_of` > 1 the returned request is the first sample; the others
-        (ids `<id>#1`, `<id>#2`, ...) join once it has computed the prompt, sharing its full
+        (ids from `sample_request_id`) join once it has computed the prompt, sharing its full
         prompt blocks through the prefix cache. `samples_of(id)` lists all of them until
         `release(id)`, which a caller must do once it has read a finished request's outputs.
         """
@@ -230,7 +258,8 @@ class LLMEngine:
         samples = [primary]
         for i in range(1, params.num_samples):
             seed = None if params.seed is None else params.seed + i
-            samples.append(self._new_request(f"{rid}#{i}", token_ids, replace(params, seed=seed), cache_salt))
+            sibling = sample_request_id(rid, i)
+            samples.append(self._new_request(sibling, token_ids, replace(params, seed=seed), cache_salt))
         if len(samples) > 1:
             self._pending_siblings[rid] = samples[1:]
         self._samples[rid] = samples
@@ -302,6 +331,27 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_siblings)
+
+    # -- reports -----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free_blocks,
+            cached_blocks=self.pool.num_cached_blocks,
+            token_usage=self.kv_cache.token_usage,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache=replace(self.kv_cache.prefix_cache_stats),
+        )
+
+    def take_kv_events(self) -> list[KVEventRecord]:
+        """The KV events since the last call (none unless the cache config enables them)."""
+        return self.kv_cache.take_events()
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """Every block hash the prefix cache holds: what replaying the KV events reproduces."""
+        return self.pool.cached_block_hashes()
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

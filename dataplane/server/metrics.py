@@ -7,27 +7,34 @@ requests finish. Shared names and buckets: pagedserve/common/metrics.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
+from pagedserve.common.protocol import FINISH_REASON_NAMES
+from protos.pagedserve.v1 import dataplane_pb2
+
+if TYPE_CHECKING:  # the engine module imports torch; only its type is needed here
+    from dataplane.engine.llm_engine import EngineStats
 
 
 class _EngineCollector(Collector):
     """Scrape-time view of the pool, the scheduler and the prefix cache."""
 
-    def __init__(self, engine: Any, info: dict[str, str], aborted: Any) -> None:
-        self.engine = engine
+    def __init__(
+        self, stats: Callable[[], EngineStats], info: dict[str, str], aborted: Callable[[], int]
+    ) -> None:
+        self.read_stats = stats
         self.info = info
         self.aborted = aborted
 
     def collect(self) -> Iterator[Any]:
-        pool, kv, sched = self.engine.pool, self.engine.kv_cache, self.engine.scheduler
-        stats = kv.prefix_cache_stats
+        stats = self.read_stats()
+        prefix = stats.prefix_cache
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -35,33 +42,31 @@ class _EngineCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(PREFIX + name, doc, value=value)
 
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", pool.usage)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", stats.usage)
         yield gauge(
             "kv_cache_token_usage_perc",
             "Fraction of the slots of used blocks that hold a token.",
-            kv.token_usage,
+            stats.token_usage,
         )
         yield gauge(
             "kv_cache_free_blocks",
             "KV blocks an allocation can take now (evictable cached included).",
-            pool.num_free_blocks,
+            stats.free_blocks,
         )
+        yield gauge("kv_cache_cached_blocks", "KV blocks holding a prefix-cache hash.", stats.cached_blocks)
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge(
-            "kv_cache_cached_blocks", "KV blocks holding a prefix-cache hash.", pool.num_cached_blocks
-        )
-        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
-        yield gauge(
-            "num_requests_waiting", "Requests waiting for KV blocks or a batch slot.", sched.num_waiting
+            "num_requests_waiting", "Requests waiting for KV blocks or a batch slot.", stats.num_waiting
         )
         yield gauge(
             "prefix_cache_hit_rate",
             "Prefix-cache hits / queries, in tokens, over first admissions.",
-            stats.hit_rate,
+            prefix.hit_rate,
         )
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries)
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.hits)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", prefix.hits)
         yield counter(
-            "num_preemptions", "Requests preempted (blocks freed, recomputed later).", sched.num_preemptions
+            "num_preemptions", "Requests preempted (blocks freed, recomputed later).", stats.num_preemptions
         )
         yield counter("num_aborted_requests", "Requests aborted before they finished.", self.aborted())
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
@@ -70,9 +75,11 @@ class _EngineCollector(Collector):
 
 
 class DataPlaneMetrics:
-    def __init__(self, engine: Any, cache_info: dict[str, str], aborted: Any) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats], cache_info: dict[str, str], aborted: Callable[[], int]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine, cache_info, aborted))
+        self.registry.register(_EngineCollector(stats, cache_info, aborted))
         self.requests = RequestMetrics(self.registry, "Arrival at the data plane")
         self.step = Histogram(
             PREFIX + "engine_step_seconds",
@@ -81,8 +88,15 @@ class DataPlaneMetrics:
             buckets=TOKEN_LATENCY_BUCKETS,
         )
 
-    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float, e2e: float) -> None:
-        self.requests.finished(reason, prompt_tokens, output_tokens, ttft, e2e)
+    def finished(self, msg: dataplane_pb2.RequestFinished) -> None:
+        """Observe a sample's end from its wire message: the numbers the control plane gets."""
+        self.requests.finished(
+            FINISH_REASON_NAMES[msg.finish_reason],
+            msg.usage.prompt_tokens,
+            msg.usage.completion_tokens,
+            msg.time_to_first_token_seconds,
+            msg.e2e_seconds,
+        )
 
     def generated(self, num_tokens: int) -> None:
         self.requests.generation_tokens.inc(num_tokens)

@@ -1,11 +1,17 @@
-"""The data plane's wire encodings of engine state (KV events, finish reasons). Imports no torch."""
+"""The data plane's wire encodings of engine state (KV events, finish reasons, pool stats).
+Imports no torch."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from dataplane.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord
 from dataplane.request import RequestStatus
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+
+if TYPE_CHECKING:  # the engine module imports torch; only its type is needed here
+    from dataplane.engine.llm_engine import EngineStats
 
 
 def finish_reason_to_proto(status: RequestStatus) -> common_pb2.FinishReason.ValueType:
@@ -29,3 +35,18 @@ def kv_event_to_proto(record: KVEventRecord) -> dataplane_pb2.KVEvent:
     if isinstance(event, AllBlocksCleared):
         return dataplane_pb2.KVEvent(seq=record.seq, cleared=dataplane_pb2.AllBlocksClearedEvent())
     raise TypeError(f"unknown KV event {event!r}")
+
+
+def pool_stats_to_proto(stats: EngineStats, draining: bool, num_aborted: int) -> dataplane_pb2.PoolStats:
+    return dataplane_pb2.PoolStats(
+        total_blocks=stats.total_blocks,
+        free_blocks=stats.free_blocks,
+        cached_blocks=stats.cached_blocks,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        prefix_cache_queries=stats.prefix_cache.queries,
+        prefix_cache_hits=stats.prefix_cache.hits,
+        num_preemptions=stats.num_preemptions,
+        draining=draining,
+        num_aborted_requests=num_aborted,
+    )

@@ -12,7 +12,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dataplane.config import EngineConfig
-from dataplane.server.engine_loop import DataPlaneIdentity, EngineLoop
+from dataplane.server.engine_api import DataPlaneIdentity
+from dataplane.server.engine_loop import EngineLoop
 from dataplane.server.servicer import DataPlaneServicer
 from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
 from pagedserve.common.log import get_logger

@@ -1,0 +1,65 @@
+"""What an engine loop is built from: the engine it drives and the identity it reports.
+
+Imports no torch: the engine's types are for the type checker only, so tests can drive the
+loop with a light fake engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from dataplane.request import Request
+from pagedserve.common.sampling_params import SamplingParams
+from protos.pagedserve.v1 import dataplane_pb2
+
+if TYPE_CHECKING:
+    from dataplane.engine.llm_engine import EngineStats, StepResult
+    from dataplane.kvcache import BlockHash, KVEventRecord
+
+
+class Engine(Protocol):
+    """What the loop needs from LLMEngine (tests may pass a lighter engine)."""
+
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request: ...
+
+    def samples_of(self, request_id: str) -> list[Request]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def abort_request(self, request_id: str) -> Request | None: ...
+
+    def step(self) -> StepResult: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def take_kv_events(self) -> list[KVEventRecord]: ...
+
+    def cached_block_hashes(self) -> set[BlockHash]: ...
+
+
+@dataclass(frozen=True)
+class DataPlaneIdentity:
+    """What the loop reports about itself in snapshots."""
+
+    dataplane_id: str
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    prefix_hash_seed: str
+    enable_prefix_caching: bool
+    kv_cache_dtype: str
+    vocab_size: int
+
+    def to_proto(self) -> dataplane_pb2.DataPlaneInfo:
+        return dataplane_pb2.DataPlaneInfo(**self.__dict__)
