@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dataplane.config import EngineConfig
-from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord, PrefixCacheStats
+from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
+from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
 from dataplane.kvcache.budget import (
     KVCacheBudget,
     KVCacheShape,
@@ -28,44 +29,6 @@ from pagedserve.common.models import resolve_model_path
 from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
-
-
-@dataclass
-class StepResult:
-    """What one step produced: new tokens per request and the requests that finished."""
-
-    new_tokens: dict[str, int]
-    finished: list[Request]
-    num_batched_tokens: int
-    num_preempted: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The pool, the scheduler and the prefix cache in numbers: what the server reports per
-    step and what Prometheus scrapes, read without reaching into the engine's parts."""
-
-    total_blocks: int
-    free_blocks: int  # allocation can take them: free plus evictable cached
-    cached_blocks: int  # carrying a prefix-cache hash, referenced or not
-    token_usage: float  # fraction of the pool's token slots holding computed tokens
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_cache: PrefixCacheStats  # a copy: later admissions do not change it
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some request, in [0, 1]."""
-        return (self.total_blocks - self.free_blocks) / self.total_blocks
-
-
-def sample_request_id(request_id: str, index: int) -> str:
-    """The request id of sample `index` of request `request_id`: the request's own for sample 0.
-
-    The only place sample ids are made; callers map them from their own keys and never parse one.
-    """
-    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 class LLMEngine:

@@ -7,15 +7,13 @@ loop with a light fake engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from dataplane.engine.outputs import EngineStats, StepResult
+from dataplane.kvcache import BlockHash, KVEventRecord
 from dataplane.request import Request
 from pagedserve.common.sampling_params import SamplingParams
 from protos.pagedserve.v1 import dataplane_pb2
-
-if TYPE_CHECKING:
-    from dataplane.engine.llm_engine import EngineStats, StepResult
-    from dataplane.kvcache import BlockHash, KVEventRecord
 
 
 class Engine(Protocol):

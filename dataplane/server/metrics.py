@@ -8,18 +8,16 @@ requests finish. Shared names and buckets: pagedserve/common/metrics.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from dataplane.engine.outputs import EngineStats
 from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import dataplane_pb2
-
-if TYPE_CHECKING:  # the engine module imports torch; only its type is needed here
-    from dataplane.engine.llm_engine import EngineStats
 
 
 class _EngineCollector(Collector):

@@ -3,15 +3,11 @@ Imports no torch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dataplane.engine.outputs import EngineStats
 from dataplane.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord
 from dataplane.request import RequestStatus
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
-
-if TYPE_CHECKING:  # the engine module imports torch; only its type is needed here
-    from dataplane.engine.llm_engine import EngineStats
 
 
 def finish_reason_to_proto(status: RequestStatus) -> common_pb2.FinishReason.ValueType:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dataplane.engine.llm_engine import EngineStats, StepResult, sample_request_id
+from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
 from dataplane.kvcache import BlockHash, BlockStored, KVEventRecord, PrefixCacheStats
 from dataplane.request import Request, RequestStatus
 from dataplane.server.engine_api import DataPlaneIdentity, Engine

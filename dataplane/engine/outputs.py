@@ -1,0 +1,47 @@
+"""What the engine hands its callers each step, and its stats: plain data, no torch, so the
+data-plane server imports them without loading the model code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dataplane.kvcache import PrefixCacheStats
+from dataplane.request import Request
+
+
+@dataclass
+class StepResult:
+    """What one step produced: new tokens per request and the requests that finished."""
+
+    new_tokens: dict[str, int]
+    finished: list[Request]
+    num_batched_tokens: int
+    num_preempted: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The pool, the scheduler and the prefix cache in numbers: what the server reports per
+    step and what Prometheus scrapes, read without reaching into the engine's parts."""
+
+    total_blocks: int
+    free_blocks: int  # allocation can take them: free plus evictable cached
+    cached_blocks: int  # carrying a prefix-cache hash, referenced or not
+    token_usage: float  # fraction of the pool's token slots holding computed tokens
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache: PrefixCacheStats  # a copy: later admissions do not change it
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return (self.total_blocks - self.free_blocks) / self.total_blocks
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The request id of sample `index` of request `request_id`: the request's own for sample 0.
+
+    The only place sample ids are made; callers map them from their own keys and never parse one.
+    """
+    return request_id if index == 0 else f"{request_id}#{index}"
