@@ -22,7 +22,7 @@ from controlplane.prefix_index import PrefixIndex
 from pagedserve.common.grpc_options import LINK_CHANNEL_OPTIONS
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ClientTLS
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2, dataplane_pb2_grpc
+from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -106,32 +106,13 @@ class DataPlaneConnection:
         return await stub.GetState(dataplane_pb2.GetStateRequest(), timeout=timeout_s)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: common_pb2.SamplingParams,
-        cache_salt: str | None,
-        trace_context: dict[str, str] | None = None,
-    ) -> RequestHandle:
+    def submit(self, command: dataplane_pb2.SubmitCommand) -> RequestHandle:
+        """Send a request to the data plane; its events arrive on the returned handle."""
         if not self.healthy or self._outgoing is None:
             raise RuntimeError(f"data plane {self.address} is not connected")
-        handle = RequestHandle(request_id, self)
-        self.handles[request_id] = handle
-        params = common_pb2.SamplingParams()
-        params.CopyFrom(sampling_params)
-        del params.stop[:]  # stop strings are matched here, on the text
-        self._outgoing.put_nowait(
-            dataplane_pb2.ConnectRequest(
-                submit=dataplane_pb2.SubmitCommand(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=params,
-                    cache_salt=cache_salt or "",
-                    trace_context=trace_context or {},
-                )
-            )
-        )
+        handle = RequestHandle(command.request_id, self)
+        self.handles[command.request_id] = handle
+        self._outgoing.put_nowait(dataplane_pb2.ConnectRequest(submit=command))
         return handle
 
     def abort(self, request_id: str) -> None:

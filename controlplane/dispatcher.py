@@ -1,56 +1,56 @@
 """The control plane's core: admission, prefix-hash lookup, budget, routing, dispatch, failover.
 
-Transport-neutral: the gRPC servicer (and the OpenAI HTTP front end) turn client requests
-into a `GenerationRequest` and consume `generate()`'s events. All state here is soft: the
-data-plane links rebuild it from snapshots and events after a restart.
+Transport-neutral: the gRPC servicer and the OpenAI HTTP front end hand it a validated
+`GenerationRequest` (built by the Frontend) and consume `generate()`'s events. The decisions
+(where a request runs, whether it may move after a failure) are pure functions in
+`controlplane.placement`; this class snapshots the links for them and carries them out. All
+state here is soft: the data-plane links rebuild it from snapshots and events after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
 
 from controlplane.admission import AdmissionQueue
 from controlplane.config import ControlPlaneConfig
 from controlplane.dataplane_client import DataPlaneConnection, Lost
 from controlplane.discovery import resolve_dataplanes
 from controlplane.errors import ServiceError
+from controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
 from controlplane.prefix_index import PrefixIndex
-from controlplane.router import Candidate, choose
-from pagedserve.common.block_hash import cdiv, first_block_extra_keys, hash_request_blocks
+from controlplane.request import GenerationRequest
+from pagedserve.common.block_hash import first_block_extra_keys, hash_request_blocks
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
 
+PromptHashes = Callable[[int, str], list[bytes]]
+"""The chained block hashes of a request's prompt for a (block_size, hash seed)."""
 
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: common_pb2.SamplingParams  # validated by the caller
-    num_samples: int
-    max_tokens: int
-    cache_salt: str | None = None
-    deadline: float | None = None  # time.monotonic() value
-    trace_context: dict[str, str] = field(default_factory=dict)  # W3C context of the request span
-    _hashes: dict[tuple[int, str], list[bytes]] = field(default_factory=dict)
 
-    def block_hashes(self, block_size: int, seed: str) -> list[bytes]:
-        key = (block_size, seed)
-        if key not in self._hashes:
-            extra = first_block_extra_keys(self.cache_salt)
-            self._hashes[key] = list(hash_request_blocks(self.prompt_token_ids, block_size, seed, extra))
-        return self._hashes[key]
+def prompt_hashes(request: GenerationRequest) -> PromptHashes:
+    """Memoized per data-plane hashing scheme: a request is placed (and re-placed) many times."""
+    extra = first_block_extra_keys(request.cache_salt)
+
+    @functools.cache
+    def hashes(block_size: int, seed: str) -> list[bytes]:
+        return list(hash_request_blocks(request.prompt_token_ids, block_size, seed, extra))
+
+    return hashes
 
 
 @dataclass(frozen=True)
-class Placement:
+class Reservation:
+    """A placement carried out: `need_blocks` reserved on `connection` for the request."""
+
     connection: DataPlaneConnection
     request_id: str
     need_blocks: int
@@ -74,8 +74,8 @@ class Dispatcher:
         self.config = config
         self.index = PrefixIndex()
         self.connections: dict[str, DataPlaneConnection] = {}
-        self.admission: AdmissionQueue[Placement] = AdmissionQueue(
-            config.max_queue_len, config.queue_timeout_s, release=self._release_placement
+        self.admission: AdmissionQueue[Reservation] = AdmissionQueue(
+            config.max_queue_len, config.queue_timeout_s, release=self._release_reservation
         )
         self._discovery: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()  # set whenever a data-plane link reports (health, stats)
@@ -149,116 +149,102 @@ class Dispatcher:
         return [c for c in self.connections.values() if c.healthy and c.info is not None]
 
     # -- placement ------------------------------------------------------------------------------
-    def _place(self, request: GenerationRequest, exclude: set[str]) -> Placement | None:
-        links = [c for c in self.healthy if c.address not in exclude]
-        if not links:
-            raise ServiceError("UNAVAILABLE", "no data plane is available to run this request")
-        prompt_len = len(request.prompt_token_ids)
-        longest = max(c.info.max_model_len for c in links if c.info)
-        if prompt_len >= longest:
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"prompt: {prompt_len} tokens, but max_model_len is {longest} "
-                "(the prompt must leave room for at least one generated token)",
-            )
-        candidates: list[Candidate] = []
-        largest_pool = 0
-        whole_need = 0
-        for link in links:
+    def snapshots(self, hashes: PromptHashes) -> list[LinkSnapshot]:
+        """Every link that has told us its configuration, as placement sees it for one request."""
+        out = []
+        for link in self.connections.values():
             info = link.info
-            assert info is not None
-            bs = info.block_size
-            total_tokens = min(prompt_len + request.max_tokens, info.max_model_len)
-            whole_need = cdiv(total_tokens, bs)
-            largest_pool = max(largest_pool, info.num_blocks)
-            if prompt_len >= info.max_model_len or whole_need > info.num_blocks:
+            if info is None:
                 continue
-            hashes = request.block_hashes(bs, info.prefix_hash_seed) if info.enable_prefix_caching else []
-            cached = self.index.cached_prefix_blocks(link.address, hashes)
-            need = cdiv(prompt_len, bs) - cached + self.config.decode_reserve_blocks * request.num_samples
-            candidates.append(
-                Candidate(
-                    dataplane=link.address,
-                    prompt_blocks=len(hashes),
-                    cached_blocks=cached,
-                    need_blocks=max(0, need),
-                    available_blocks=link.budget.available_blocks,
+            cacheable = info.enable_prefix_caching and link.healthy
+            prompt = hashes(info.block_size, info.prefix_hash_seed) if cacheable else []
+            out.append(
+                LinkSnapshot(
+                    address=link.address,
+                    healthy=link.healthy,
+                    draining=link.stats.draining,
+                    block_size=info.block_size,
+                    num_blocks=info.num_blocks,
+                    max_model_len=info.max_model_len,
+                    max_num_seqs=info.max_num_seqs,
+                    free_blocks=link.budget.reported_free_blocks,
+                    reserved_blocks=link.budget.reserved_blocks,
                     total_blocks=link.budget.total_blocks or info.num_blocks,
+                    prompt_blocks=len(prompt),
+                    cached_blocks=self.index.cached_prefix_blocks(link.address, prompt),
                     num_running=link.stats.num_running,
                     num_waiting=link.stats.num_waiting,
                     in_flight=len(link.handles),
-                    max_num_seqs=info.max_num_seqs,
                 )
             )
-        if not candidates:
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"prompt plus max_tokens needs {whole_need} KV blocks, more than the largest data plane's "
-                f"whole pool ({largest_pool} blocks); lower max_tokens or shorten the prompt",
-            )
-        best = choose(candidates, self.config.routing)
-        if best is None:
+        return out
+
+    def _place(
+        self, request: GenerationRequest, exclude: frozenset[str], hashes: PromptHashes
+    ) -> Reservation | None:
+        """The admission queue's placer: a reservation, None to wait, or ServiceError."""
+        plan = plan_placement(
+            request, self.snapshots(hashes), self.config.routing, self.config.decode_reserve_blocks, exclude
+        )
+        if isinstance(plan, Refusal):
+            raise ServiceError(plan.code, plan.message)
+        if isinstance(plan, Wait):
             return None
-        link = self.connections[best.dataplane]
-        link.budget.reserve(request.request_id, best.need_blocks)
-        return Placement(link, request.request_id, best.need_blocks, best.cached_blocks)
+        link = self.connections[plan.dataplane]
+        link.budget.reserve(request.request_id, plan.need_blocks)
+        return Reservation(link, request.request_id, plan.need_blocks, plan.cached_blocks)
 
     @staticmethod
-    def _release_placement(placement: Placement) -> None:
-        placement.connection.budget.release(placement.request_id)
-        placement.connection.on_change()
+    def _release_reservation(reservation: Reservation) -> None:
+        reservation.connection.budget.release(reservation.request_id)
+        reservation.connection.on_change()
 
     # -- generation -----------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
+    async def generate(
+        self, request: GenerationRequest, trace_context: Mapping[str, str] | None = None
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Admit, route and run `request`; yields Admitted, then deltas and finishes (one per
-        sample). Raises ServiceError. Closing the generator early aborts the request."""
-        exclude: set[str] = set()
+        sample). Raises ServiceError. Closing the generator early aborts the request.
+        `trace_context`: the W3C context of the request's span (the data plane's spans join it)."""
+        command = request.to_proto(trace_context)  # the wire message, made once for every attempt
+        hashes = prompt_hashes(request)
+        exclude: frozenset[str] = frozenset()
         streamed = False
-        parent = extract(request.trace_context)
+        parent = extract(dict(trace_context or {}))
         while True:
             remaining = None if request.deadline is None else request.deadline - time.monotonic()
             span = _tracer.start_span("pagedserve.admission", context=parent)
             try:
-                placement, waited = await self.admission.admit(
-                    lambda: self._place(request, exclude), remaining
+                reservation, waited = await self.admission.admit(
+                    functools.partial(self._place, request, exclude, hashes), remaining
                 )
-                link = placement.connection
+                link = reservation.connection
                 span.set_attributes(
                     {
                         "pagedserve.queue_seconds": waited,
                         "pagedserve.dataplane": link.address,
-                        "pagedserve.cached_blocks": placement.cached_blocks,
-                        "pagedserve.reserved_blocks": placement.need_blocks,
+                        "pagedserve.cached_blocks": reservation.cached_blocks,
+                        "pagedserve.reserved_blocks": reservation.need_blocks,
                         "pagedserve.attempt": len(exclude) + 1,
                     }
                 )
             finally:
                 span.end()
             try:
-                handle = link.submit(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    request.sampling_params,
-                    request.cache_salt,
-                    request.trace_context,
-                )
-            except RuntimeError:  # the link broke between placement and submit
+                handle = link.submit(command)
+            except RuntimeError as exc:  # the link broke between placement and submit
                 link.budget.release(request.request_id)
-                exclude.add(link.address)
+                exclude = _moved(retry_on_other(link.address, str(exc), streamed, exclude))
                 continue
-            yield Admitted(link.address, waited, placement.cached_blocks)
+            yield Admitted(link.address, waited, reservation.cached_blocks)
             finished = 0
             done = False
             try:
                 while not done:
                     event = await handle.events.get()
                     if isinstance(event, Lost):
-                        if streamed:
-                            raise ServiceError(
-                                "UNAVAILABLE", f"{event.message} while streaming; retry the request"
-                            )
+                        exclude = _moved(retry_on_other(link.address, event.message, streamed, exclude))
                         log.warning("rerouting", request_id=request.request_id, lost=link.address)
-                        exclude.add(link.address)
                         break
                     if isinstance(event, dataplane_pb2.SubmitRejected):
                         done = True
@@ -276,3 +262,10 @@ class Dispatcher:
                     link.abort(request.request_id)  # cancelled, closed early or failed: free its blocks
             if done:
                 return
+
+
+def _moved(decision: frozenset[str] | Refusal) -> frozenset[str]:
+    """The data planes to leave out of the next attempt; raises the refusal that ends it."""
+    if isinstance(decision, Refusal):
+        raise ServiceError(decision.code, decision.message)
+    return decision

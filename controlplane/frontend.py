@@ -1,9 +1,10 @@
 """What every client-facing API shares: prompt handling, validation and the per-request stream.
 
-The gRPC `GenerationService` and the OpenAI HTTP routes both build a `GenerationRequest`
-here and consume `Frontend.stream()`: text deltas (detokenized incrementally, stop strings
-applied) and one `CompletionDone` per completion index. Transport-specific framing stays in
-the servicer and the HTTP routes. No torch.
+The gRPC `GenerationService` and the OpenAI HTTP routes both turn what a client sent into a
+`GenerationRequest` with `Frontend.validate` (the one validation of a request) and consume
+`Frontend.stream()`: text deltas (detokenized incrementally, stop strings applied) and one
+`CompletionDone` per completion index. Transport-specific framing stays in the servicer and
+the HTTP routes. No torch.
 """
 
 from __future__ import annotations
@@ -11,19 +12,21 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
 from controlplane.detokenizer import IncrementalDetokenizer
-from controlplane.dispatcher import Admitted, Dispatcher, GenerationRequest
+from controlplane.dispatcher import Admitted, Dispatcher
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.metrics import ControlPlaneMetrics
+from controlplane.placement import NO_DATAPLANE
+from controlplane.request import GenerationRequest
 from controlplane.tokenizer import Tokenizer
 from pagedserve.common.log import get_logger
-from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_proto
+from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
 from pagedserve.common.telemetry import inject, span_ids, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
@@ -99,6 +102,22 @@ class Frontend:
         sizes = [c.info.vocab_size for c in links if c.info is not None and c.info.vocab_size]
         return max(sizes) if sizes else (self.tokenizer.vocab_size or None)
 
+    def max_model_len(self) -> int | None:
+        """The model's context as the data planes reported it (the longest); None before any has."""
+        links = self.dispatcher.connections.values()
+        return max((c.info.max_model_len for c in links if c.info is not None), default=None)
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """max_tokens of a request that leaves it unset: the rest of the model's context.
+
+        At least 1, so that a prompt that fills the context is refused for its length (by
+        admission) rather than for a max_tokens the client never sent.
+        """
+        context = self.max_model_len()
+        if context is None:  # no data plane has ever connected: nothing could run it anyway
+            raise ServiceError("UNAVAILABLE", NO_DATAPLANE)
+        return max(1, context - prompt_tokens)
+
     def encode_text(self, text: str, field_name: str = "prompt.text") -> list[int]:
         if not text:
             raise invalid_argument(f"{field_name} must not be empty")
@@ -131,35 +150,42 @@ class Frontend:
             raise invalid_argument(f"{field_name} must not be empty")
         return list(ids)
 
-    def request(
+    def validate(
         self,
-        prompt_token_ids: list[int],
-        params: common_pb2.SamplingParams,
+        prompt_token_ids: Sequence[int],
+        sampling: Mapping[str, object],
+        stop: Sequence[str] = (),
+        *,
         request_id: str | None = None,
         cache_salt: str | None = None,
         deadline: float | None = None,
-        params_field: str = "sampling_params",
+        field_prefix: str = "sampling_params.",
     ) -> GenerationRequest:
-        """Validate the sampling parameters and build the dispatcher's request."""
+        """The one validation of a request, whichever API it came through.
+
+        `sampling`: the sampling fields the client set, named as SamplingParams names them
+        (an unset max_tokens means the rest of the context); `stop`: its stop strings.
+        Raises INVALID_ARGUMENT naming the bad field, prefixed with `field_prefix` (the gRPC
+        message nests them under `sampling_params`, an OpenAI body does not).
+        """
+        values = dict(sampling)
+        if values.get("max_tokens") is None:
+            values["max_tokens"] = self.default_max_tokens(len(prompt_token_ids))
         try:
-            engine_params = sampling_params_from_proto(params)
+            params = sampling_params_from_fields(values)
         except ValueError as exc:
-            raise invalid_argument(f"{params_field}.{exc}" if params_field else str(exc)) from None
-        stop = tuple(params.stop)
+            raise invalid_argument(f"{field_prefix}{exc}") from None
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-            raise invalid_argument(
-                f"{params_field + '.' if params_field else ''}stop: at most {MAX_STOP_STRINGS} non-empty strings"
-            )
+            raise invalid_argument(f"{field_prefix}stop: at most {MAX_STOP_STRINGS} non-empty strings")
         if request_id is not None and len(request_id) > 256:
             raise invalid_argument("request_id: at most 256 characters")
         if not prompt_token_ids:
             raise invalid_argument("prompt: tokenizes to no tokens")
         return GenerationRequest(
             request_id=request_id or f"req-{uuid.uuid4().hex}",
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
-            num_samples=engine_params.num_samples,
-            max_tokens=engine_params.max_tokens,
+            stop=tuple(stop),
             cache_salt=cache_salt or None,
             deadline=deadline,
         )
@@ -178,21 +204,20 @@ class Frontend:
         start = time.monotonic() if start is None else start
         attributes: dict[str, str | int] = {
             "pagedserve.request_id": gen.request_id,
-            "pagedserve.prompt_tokens": len(gen.prompt_token_ids),
+            "pagedserve.prompt_tokens": gen.num_prompt_tokens,
             "pagedserve.max_tokens": gen.max_tokens,
             "pagedserve.num_samples": gen.num_samples,
             "gen_ai.request.model": self.model_name,
         }
         # No context attach here: an async generator may be finalized in another context, so
-        # the span is passed explicitly (to the data plane via gen.trace_context, to logs by id).
+        # the span is passed explicitly (to the data plane as a trace context, to logs by id).
         span = _tracer.start_span(
             "pagedserve.request", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
-        ctx = set_span_in_context(span)
-        gen.trace_context = inject(ctx)
+        trace_context = inject(set_span_in_context(span))
         ids = span_ids(span)
         try:
-            async for event in self._stream(gen, start):
+            async for event in self._stream(gen, start, trace_context):
                 if isinstance(event, CompletionDone):
                     span.set_attribute(
                         f"pagedserve.completion.{event.index}.finish_reason", event.finish_reason
@@ -225,15 +250,17 @@ class Frontend:
             exc.counted = True
             self.metrics.failure(exc.code)
 
-    async def _stream(self, gen: GenerationRequest, start: float) -> AsyncIterator[StreamEvent]:
+    async def _stream(
+        self, gen: GenerationRequest, start: float, trace_context: Mapping[str, str]
+    ) -> AsyncIterator[StreamEvent]:
         metrics = self.metrics
-        stop = tuple(gen.sampling_params.stop)
+        prompt = list(gen.prompt_token_ids)
         completions = [
-            _Completion(IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, stop))
+            _Completion(IncrementalDetokenizer(self.tokenizer, prompt, gen.stop))
             for _ in range(gen.num_samples)
         ]
         queue_seconds = 0.0
-        events = self.dispatcher.generate(gen)
+        events = self.dispatcher.generate(gen, trace_context)
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, Admitted):
@@ -269,7 +296,7 @@ class Frontend:
                     index=event.index,
                     finish_reason=reason,
                     stop_string=c.detokenizer.stop_string,
-                    prompt_tokens=len(gen.prompt_token_ids),
+                    prompt_tokens=gen.num_prompt_tokens,
                     completion_tokens=completion_tokens,
                     cached_tokens=cached,
                     queue_seconds=queue_seconds,

@@ -10,7 +10,7 @@ import grpc
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend
 from pagedserve.common.log import get_logger
-from pagedserve.common.protocol import FINISH_REASON_BY_NAME
+from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
 from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -43,9 +43,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         try:
             self.frontend.check_model(request.model)
-            gen = self.frontend.request(
+            gen = self.frontend.validate(
                 self._prompt_ids(request),
-                request.sampling_params,
+                sampling_fields_from_proto(request.sampling_params),
+                request.sampling_params.stop,
                 request_id=request.request_id or None,
                 cache_salt=request.cache_salt or None,
                 deadline=None if remaining is None else start + remaining,

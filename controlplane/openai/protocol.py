@@ -38,7 +38,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    # Unset: the rest of the model's context, as on every other route (OpenAI's own default is 16).
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

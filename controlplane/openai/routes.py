@@ -22,10 +22,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from controlplane.dispatcher import GenerationRequest
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
+from controlplane.request import GenerationRequest
 from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
 
@@ -102,19 +102,17 @@ class OpenAIRoutes:
         return {"object": "list", "data": cards}
 
     # -- shared -----------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        infos = [c.info for c in self.frontend.dispatcher.connections.values() if c.info is not None]
-        return max((i.max_model_len for i in infos), default=2048)
-
-    def _params(
-        self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
-    ) -> common_pb2.SamplingParams:
-        params = common_pb2.SamplingParams(
-            ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or []
-        )
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        params.stop.extend(stop)
-        params.max_tokens = max_tokens if max_tokens is not None else self._max_model_len()
+    @staticmethod
+    def _sampling(
+        body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    ) -> dict[str, object]:
+        """The sampling fields the body sets, named as SamplingParams names them (for
+        `Frontend.validate`; an unset max_tokens means the rest of the context)."""
+        values: dict[str, object] = {
+            "n": body.n,
+            "ignore_eos": body.ignore_eos,
+            "stop_token_ids": tuple(body.stop_token_ids or ()),
+        }
         for name in (
             "temperature",
             "top_p",
@@ -127,30 +125,31 @@ class OpenAIRoutes:
         ):
             value = getattr(body, name)
             if value is not None:
-                setattr(params, name, value)
-        params.n = body.n
+                values[name] = value
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
         if logprobs is not None:
-            params.logprobs = logprobs
-        return params
+            values["logprobs"] = logprobs
+        return values
 
     def _requests(
         self,
         prompts: Sequence[list[int]],
         body: CompletionRequest | ChatCompletionRequest,
-        params: common_pb2.SamplingParams,
+        sampling: dict[str, object],
         http: Request,
     ) -> list[GenerationRequest]:
         self.frontend.check_model(body.model)
-        if body.n < 1:
-            raise invalid_argument("n must be an integer >= 1")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         base = http.headers.get("x-request-id") or uuid.uuid4().hex
         return [
-            self.frontend.request(
+            self.frontend.validate(
                 prompt,
-                params,
+                sampling,
+                stop,
                 request_id=base if len(prompts) == 1 else f"{base}-{i}",
                 cache_salt=body.cache_salt,
-                params_field="",
+                field_prefix="",
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -244,9 +243,7 @@ class OpenAIRoutes:
         if body.best_of is not None and body.best_of != body.n:
             raise invalid_argument("best_of: only best_of == n is supported")
         prompts = self._completion_prompts(body.prompt)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise invalid_argument("logprobs must be in [0, 20]")
-        gens = self._requests(prompts, body, self._params(body, body.max_tokens, body.logprobs), http)
+        gens = self._requests(prompts, body, self._sampling(body, body.max_tokens, body.logprobs), http)
         rid, created = f"cmpl-{gens[0].request_id}", int(time.time())
         decode = self._token_text
         wants_logprobs = body.logprobs is not None
@@ -333,7 +330,7 @@ class OpenAIRoutes:
             raise invalid_argument("top_logprobs must be in [0, 20]")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        gens = self._requests([prompt], body, self._params(body, max_tokens, logprobs), http)
+        gens = self._requests([prompt], body, self._sampling(body, max_tokens, logprobs), http)
         rid, created = f"chatcmpl-{gens[0].request_id}", int(time.time())
         decode = self._token_text
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from dataplane.kvcache import KVCacheManager
 from dataplane.request import Request, RequestStatus
+from pagedserve.common import admission_rules
 
 
 @dataclass
@@ -63,23 +64,23 @@ class Scheduler:
     # -- submission --------------------------------------------------------------------------
     def max_total_tokens(self, request: Request) -> int:
         """Tokens the request can ever hold: prompt plus max_tokens, capped at max_model_len."""
-        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        return admission_rules.max_total_tokens(
+            request.num_prompt_tokens, request.sampling_params.max_tokens, self.max_model_len
+        )
 
     def add_request(self, request: Request) -> None:
         """Queue `request`, or raise ValueError when it can never run (so it cannot hang)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
-        blocks_needed = self.kv_cache.num_blocks_for(self.max_total_tokens(request))
-        if blocks_needed > self.kv_cache.num_total_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {blocks_needed} KV blocks but the pool has only "
-                f"{self.kv_cache.num_total_blocks}; lower max_tokens or raise kv_cache_memory"
-            )
+        refused = admission_rules.refusal(
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+            self.kv_cache.block_size,
+            self.kv_cache.num_total_blocks,
+            self.max_model_len,
+        )
+        if refused is not None:
+            raise ValueError(refused)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request

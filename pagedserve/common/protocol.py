@@ -1,13 +1,17 @@
 """Conversions between the wire messages and plane-neutral Python types, one table each.
 Imports no torch.
 
-Both planes use these: the control plane to validate a request before admitting it, the
-data plane to build the engine's SamplingParams from a submit command; clients name finish
-reasons with the same table.
+The control plane validates what a client sent into SamplingParams once, at its edge
+(`sampling_params_from_fields`), and puts exactly those on the wire
+(`sampling_params_to_proto`); the data plane rebuilds the same SamplingParams from the submit
+command (`sampling_params_from_proto`). Clients name finish reasons with the same table.
 """
 
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Mapping
 from dataclasses import fields
 
 from pagedserve.common.sampling_params import SamplingParams
@@ -26,6 +30,23 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+# The largest value each integer field's wire type holds (uint32, int32, int64).
+_UINT32_MAX = 2**32 - 1
+_WIRE_MAX = {
+    "max_tokens": _UINT32_MAX,
+    "n": _UINT32_MAX,
+    "logprobs": _UINT32_MAX,
+    "top_k": 2**31 - 1,
+    "seed": 2**63 - 1,
+}
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 # The one finish-reason table: wire enum <-> the name APIs, metrics and the engine use.
@@ -37,22 +58,82 @@ FINISH_REASON_NAMES = {
 FINISH_REASON_BY_NAME = {name: value for value, name in FINISH_REASON_NAMES.items()}
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams for a wire message; raises ValueError naming the bad field.
+def wire_float(value: float) -> float:
+    """`value` as the data plane reads it back: through the wire's float32, rounded to 6 decimals.
 
-    Unset optional fields keep the engine's defaults. Stop strings are not part of it: the
-    control plane matches them on the text it detokenizes.
+    float32 turns 0.7 into 0.699999988; rounding restores what the client wrote. Applying this
+    at the edge too makes the control plane validate the very value the data plane will use.
     """
-    kwargs: dict[str, object] = {}
+    try:
+        single: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # beyond float32's range: the wire carries an infinity
+        single = math.copysign(math.inf, value)
+    return round(single, 6)
+
+
+def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
+    """SamplingParams from the fields a client set (named as SamplingParams names them; unset
+    ones keep its defaults); raises ValueError naming the bad field.
+
+    Floats are taken at wire precision and integers must fit their wire type, so that
+    `sampling_params_from_proto(sampling_params_to_proto(p)) == p` for the result.
+    """
+    kwargs = dict(values)
+    for name in _FLOAT_FIELDS:
+        value = kwargs.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            kwargs[name] = wire_float(float(value))
+    for name, top in _WIRE_MAX.items():
+        value = kwargs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > top:
+            raise ValueError(f"{name} must be at most {top}, got {value}")
+    stop_ids = kwargs.get("stop_token_ids", ())
+    if isinstance(stop_ids, list | tuple):
+        if any(isinstance(t, int) and t > _UINT32_MAX for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be at most {_UINT32_MAX}")
+        kwargs["stop_token_ids"] = tuple(stop_ids)
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, object]:
+    """The fields a wire message sets, named as SamplingParams names them (for
+    `sampling_params_from_fields`). Stop strings are not among them: the control plane
+    matches them on the text it detokenizes."""
+    values: dict[str, object] = {}
     for name in _OPTIONAL_FIELDS:
         if name in _PARAM_NAMES and msg.HasField(name):  # type: ignore[arg-type]
-            kwargs[name] = getattr(msg, name)
-    if "temperature" in kwargs:
-        # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client wrote.
-        kwargs["temperature"] = round(float(kwargs["temperature"]), 6)  # type: ignore[arg-type]
-    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if name in kwargs:
-            kwargs[name] = round(float(kwargs[name]), 6)  # type: ignore[arg-type]
-    kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
-    kwargs["ignore_eos"] = msg.ignore_eos
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+            values[name] = getattr(msg, name)
+    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["ignore_eos"] = msg.ignore_eos
+    return values
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams for a wire message (unset optional fields keep the engine's
+    defaults); raises ValueError naming the bad field."""
+    return sampling_params_from_fields(sampling_fields_from_proto(msg))
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The wire message for `params`, every field set so the data plane applies no default of
+    its own. Stop strings are not part of it (the control plane matches them)."""
+    if params.best_of is not None and params.best_of != params.n:
+        raise ValueError(f"best_of: the wire carries n only, so best_of must equal n ({params.n})")
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        n=params.n,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg

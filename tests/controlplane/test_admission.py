@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -28,6 +29,14 @@ class Pool:
         return place
 
 
+async def until_waiting(q: AdmissionQueue[str], n: int, timeout_s: float = 5.0) -> None:
+    """Let the event loop run until exactly `n` requests wait in `q` (or fail)."""
+    deadline = time.monotonic() + timeout_s
+    while len(q) != n:
+        assert time.monotonic() < deadline, f"{len(q)} requests waiting, expected {n}"
+        await asyncio.sleep(0)
+
+
 def make_queue(pool: Pool, max_len: int = 4, timeout: float = 5.0) -> AdmissionQueue[str]:
     return AdmissionQueue(max_len, timeout, release=pool.budget.release)
 
@@ -49,7 +58,7 @@ def test_waiters_are_placed_in_order_when_blocks_free_up() -> None:
         await q.admit(pool.placer("a", 4))
         big = asyncio.create_task(q.admit(pool.placer("big", 4)))
         small = asyncio.create_task(q.admit(pool.placer("small", 1)))
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 2)
         assert len(q) == 2 and not big.done() and not small.done()
         pool.budget.release("a")
         q.poke()
@@ -68,7 +77,7 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
         q = make_queue(pool, max_len=1)
         await q.admit(pool.placer("a", 1))
         waiting = asyncio.create_task(q.admit(pool.placer("b", 1)))
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 1)
         with pytest.raises(ServiceError) as err:
             await q.admit(pool.placer("c", 1))
         assert err.value.code == "RESOURCE_EXHAUSTED"
@@ -98,9 +107,9 @@ def test_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
         q = make_queue(pool)
         await q.admit(pool.placer("a", 1))
         task = asyncio.create_task(q.admit(pool.placer("b", 1)))
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 1)
         task.cancel()
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 0)  # the cancelled waiter leaves the queue
         assert len(q) == 0
         pool.budget.release("a")
         q.poke()
@@ -115,7 +124,7 @@ def test_a_placement_is_never_orphaned_by_a_cancel() -> None:
         q = make_queue(pool)
         await q.admit(pool.placer("a", 1))
         task = asyncio.create_task(q.admit(pool.placer("b", 1)))
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 1)
         pool.budget.release("a")
         q.poke()  # places "b" (reserving its block) ...
         task.cancel()  # ... and its caller is cancelled before it resumes
@@ -143,7 +152,7 @@ def test_a_placement_error_fails_the_waiter() -> None:
             raise ServiceError("UNAVAILABLE", "no data plane")
 
         task = asyncio.create_task(q.admit(place))
-        await asyncio.sleep(0.01)
+        await until_waiting(q, 1)
         q.poke()
         with pytest.raises(ServiceError, match="no data plane"):
             await task

@@ -575,7 +575,9 @@ def test_prompt_must_leave_room_below_max_model_len() -> None:
 
 def test_request_needing_more_blocks_than_the_pool_is_refused() -> None:
     s = make_scheduler(num_blocks=2, block_size=4)
-    assert_refused(s, make_request("big", 4, max_tokens=5), r"needs 3 KV blocks but the pool has only 2")
+    assert_refused(
+        s, make_request("big", 4, max_tokens=5), r"needs 3 KV blocks but the whole pool has only 2"
+    )
     fits = make_request("fits", 4, max_tokens=4)  # 8 tokens = exactly 2 blocks
     s.add_request(fits)
     while s.has_unfinished():

@@ -7,13 +7,14 @@ subprocesses when a test must kill one; control planes likewise.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,32 @@ async def get_state(address: str) -> dataplane_pb2.GetStateResponse:
         return await dataplane_pb2_grpc.DataPlaneServiceStub(channel).GetState(
             dataplane_pb2.GetStateRequest(), timeout=5
         )
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it is true; fail naming `what` after `timeout_s`. For tests
+    that must wait for something to happen: a fixed sleep is either too short or too long."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(0.01)
+
+
+async def wait_until_async(
+    predicate: Callable[[], object | Awaitable[object]], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """`wait_until` on the event loop; `predicate` may be a coroutine function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        await asyncio.sleep(0.01)
 
 
 async def wait_idle(address: str, timeout_s: float = 10.0) -> dataplane_pb2.GetStateResponse:

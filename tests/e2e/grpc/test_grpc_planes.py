@@ -1,9 +1,10 @@
 """The two planes end to end on tiny models: real gRPC servers on ephemeral ports.
 
-Covers cancellation (blocks come back), INVALID_ARGUMENT / NOT_FOUND, queue overflow
-(RESOURCE_EXHAUSTED), prefix-aware routing and load spreading over two data planes, a data
-plane killed mid-stream (UNAVAILABLE within 2 s, later requests succeed on the other) and a
-control plane killed mid-load (no data-plane block leaks; a new one serves at once).
+Covers cancellation (blocks come back), INVALID_ARGUMENT / NOT_FOUND, the max_tokens default
+(the rest of the context), queue overflow (RESOURCE_EXHAUSTED), prefix-aware routing and load
+spreading over two data planes, a data plane killed mid-stream (UNAVAILABLE within 2 s, later
+requests succeed on the other) and a control plane killed mid-load (no data-plane block leaks;
+a new one serves at once).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.e2e.harness import (
     start_controlplane,
     start_dataplane,
     wait_idle,
+    wait_until_async,
 )
 from tests.tiny_models import make_tiny_model
 
@@ -132,6 +134,22 @@ def test_bad_requests_get_invalid_argument_naming_the_field(tiny: Path) -> None:
     asyncio.run(run())
 
 
+def test_unset_max_tokens_generates_to_the_end_of_the_context(tiny: Path) -> None:
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny, num_blocks=8, max_model_len=64))
+        cp = await start_controlplane(tiny, [dp.address])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                out = await client.generate(prompt(7, 10), temperature=0.0, ignore_eos=True)
+                assert (out[0].completion_tokens, out[0].finish_reason) == (64 - 10, "length")
+            await wait_idle(dp.address)
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
 def test_full_admission_queue_is_resource_exhausted(tiny: Path) -> None:
     async def run() -> None:
         dp = await start_dataplane(engine_config(tiny, num_blocks=64))
@@ -146,10 +164,9 @@ def test_full_admission_queue_is_resource_exhausted(tiny: Path) -> None:
                     if got == 120:  # 8 blocks allocated: 56 free < 61 needed
                         break  # (the stream stays open until aclose below)
                 queued = asyncio.create_task(client.generate(prompt(2, 8), max_tokens=4))
-                deadline = time.monotonic() + 10  # (the first still has ~780 tokens to go)
-                while len(cp.dispatcher.admission) < 1:
-                    assert time.monotonic() < deadline and not queued.done()
-                    await asyncio.sleep(0.01)
+                await wait_until_async(  # (the first still has ~780 tokens to go)
+                    lambda: len(cp.dispatcher.admission) >= 1 or queued.done(), what="the second one queues"
+                )
                 assert not queued.done()  # the second one waits ...
                 with pytest.raises(grpc.aio.AioRpcError) as err:  # ... so a third finds the queue full
                     await client.generate(prompt(3, 8), max_tokens=4)
@@ -184,7 +201,10 @@ def test_shared_prefix_goes_to_the_data_plane_that_caches_it_and_load_spreads(ti
                 stats = [d.loop.engine.kv_cache.prefix_cache_stats for d in dps]  # type: ignore[attr-defined]
                 owner = next(i for i, s in enumerate(stats) if s.requests == 1)
                 other = 1 - owner
-                await asyncio.sleep(0.1)  # the owner's KV events reach the control plane's index
+                await wait_until_async(  # its 6 full blocks
+                    lambda: cp.dispatcher.index.num_blocks(dps[owner].address) >= 6,
+                    what="the owner's KV events reach the control plane's index",
+                )
                 for suffix in range(4):
                     out = await client.generate([*shared, 10 + suffix, 11], max_tokens=2, temperature=0.0)
                     assert out[0].cached_tokens == 96
@@ -254,10 +274,12 @@ def test_control_plane_killed_mid_load_leaks_nothing_and_a_new_one_serves(tiny: 
             streams = [
                 asyncio.create_task(_drain(client.generate_stream(prompt(i, 30), **LONG))) for i in range(4)
             ]
-            deadline = time.monotonic() + 30
-            while (await get_state(dp.address)).snapshot.stats.num_running < 4:
-                assert time.monotonic() < deadline, [t for t in streams if t.done()]
-                await asyncio.sleep(0.05)
+
+            async def all_running() -> bool:
+                assert not any(t.done() for t in streams), [t for t in streams if t.done()]
+                return (await get_state(dp.address)).snapshot.stats.num_running >= 4
+
+            await wait_until_async(all_running, 30, "the 4 streams run on the data plane")
             first.kill()
             for task in streams:
                 with pytest.raises(grpc.aio.AioRpcError):
@@ -287,10 +309,11 @@ def test_request_that_streamed_nothing_is_rerouted_when_its_data_plane_dies(tiny
         first = min(dps, key=lambda d: d.address)  # idle tie: the router picks the lower address
         other = dps[1 - dps.index(first)]
         try:
-            first.loop._post(lambda: time.sleep(1.0))  # stall its engine: nothing streams yet
+            # Part of the scenario, not a wait: its engine stalls, so nothing streams yet.
+            first.loop._post(lambda: time.sleep(1.0))
             async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
                 task = asyncio.create_task(client.generate(prompt(3, 12), max_tokens=6, temperature=0.0))
-                await asyncio.sleep(0.3)
+                await wait_until_async(lambda: _handles(cp), what="the request is submitted")
                 assert first.address in {h.connection.address for h in _handles(cp)}
                 await first.server.stop(0)  # the data plane goes away before its first token
                 out = await asyncio.wait_for(task, 20)
@@ -320,8 +343,9 @@ def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
                 stub = dataplane_pb2_grpc.DataPlaneServiceStub(channel)
                 drained = await stub.Drain(dataplane_pb2.DrainRequest(wait=True), timeout=10)
                 assert drained.num_remaining == 0
-            await asyncio.sleep(0.2)
-            assert cp.dispatcher.healthy == []
+            await wait_until_async(
+                lambda: cp.dispatcher.healthy == [], what="the control plane sees the data plane draining"
+            )
             async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate([5, 6, 7], max_tokens=2)

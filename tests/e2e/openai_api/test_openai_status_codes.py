@@ -5,13 +5,12 @@ aborts its request, and 503 when no data plane is available (last: it drains the
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.e2e.harness import ServerThread, engine_config
+from tests.e2e.harness import ServerThread, engine_config, wait_until
 from tests.tiny_models import make_tiny_model
 
 
@@ -42,10 +41,7 @@ def test_queue_full_is_429_with_retry_after(server: ServerThread) -> None:
         target=lambda: client.completions.create(model=model, prompt=[8, 9], max_tokens=2)
     )
     waiting.start()
-    deadline = time.monotonic() + 30
-    while len(server.controlplane.dispatcher.admission) < 1:
-        assert time.monotonic() < deadline, "the second request never queued"
-        time.sleep(0.01)
+    wait_until(lambda: len(server.controlplane.dispatcher.admission) >= 1, 30, "the second request queues")
     with pytest.raises(openai.RateLimitError) as err:
         client.completions.create(model=model, prompt=[10, 11], max_tokens=2)
     assert err.value.status_code == 429
@@ -60,7 +56,6 @@ def test_queue_full_is_429_with_retry_after(server: ServerThread) -> None:
 def test_non_streaming_client_disconnect_aborts_the_request(server: ServerThread) -> None:
     import http.client
     import json
-    import time
 
     aborted_before = server.wait_idle().snapshot.stats.num_aborted_requests
     model = server.controlplane.dispatcher.config.model
@@ -70,10 +65,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server: ServerThread
     conn.request(
         "POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"}
     )
-    deadline = time.monotonic() + 10
-    while not server.state().requests:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: server.state().requests, what="the request runs on the data plane")
     assert conn.sock is not None
     conn.sock.close()  # the client gives up before the (non-streamed) answer
     idle = server.wait_idle(timeout_s=10)
@@ -94,10 +86,7 @@ def test_no_data_plane_is_503(server: ServerThread) -> None:
     server._run(drain())
     client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="x", max_retries=0, timeout=30)
     model = server.controlplane.dispatcher.config.model
-    for _ in range(50):
-        if not server.controlplane.dispatcher.healthy:
-            break
-        threading.Event().wait(0.05)
+    wait_until(lambda: not server.controlplane.dispatcher.healthy, what="the control plane sees the drain")
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
     assert err.value.status_code == 503

@@ -1,0 +1,135 @@
+"""Where a request runs, and whether it may move: pure decisions over snapshots. No torch.
+
+The Dispatcher takes a `LinkSnapshot` of each data-plane link (health, limits, block budget,
+load, and how much of this request's prompt it caches), asks `plan_placement` where the
+request goes and carries the answer out (reserving blocks, submitting). When a data plane is
+lost mid-request, `retry_on_other` says whether the request may run elsewhere. Nothing here
+reads a clock, a link or the network, so every decision is testable from plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controlplane.config import RoutingWeights
+from controlplane.request import GenerationRequest
+from controlplane.router import Candidate, choose
+from pagedserve.common.admission_rules import refusal
+from pagedserve.common.block_hash import cdiv
+
+NO_DATAPLANE = "no data plane is available to run this request"
+
+
+@dataclass(frozen=True)
+class LinkSnapshot:
+    """One data-plane link as placement sees it, at one instant, for one request."""
+
+    address: str
+    healthy: bool  # connected, with its configuration received
+    draining: bool
+    block_size: int
+    num_blocks: int  # the whole pool
+    max_model_len: int
+    max_num_seqs: int
+    free_blocks: int  # as the data plane last reported
+    reserved_blocks: int  # held by this replica for admitted requests not yet in a report
+    total_blocks: int
+    prompt_blocks: int  # full blocks of the request's prompt (0 when prefix caching is off there)
+    cached_blocks: int  # of those, the leading ones already cached there
+    num_running: int = 0
+    num_waiting: int = 0
+    in_flight: int = 0  # this replica's requests not yet finished there
+
+    @property
+    def available_blocks(self) -> int:
+        return self.free_blocks - self.reserved_blocks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Run the request on `dataplane`, reserving `need_blocks` there until it reports."""
+
+    dataplane: str
+    need_blocks: int
+    cached_blocks: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """End the request with this status (a gRPC status name) and message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Some data plane could run the request, but none has the blocks for it now: queue it."""
+
+
+WAIT = Wait()
+
+
+def plan_placement(
+    request: GenerationRequest,
+    links: Sequence[LinkSnapshot],
+    weights: RoutingWeights,
+    decode_reserve_blocks: int,
+    exclude: frozenset[str] = frozenset(),
+) -> Placement | Refusal | Wait:
+    """Where `request` runs now, why it never can, or that it must wait.
+
+    Only healthy, non-draining data planes outside `exclude` count. One that can never run the
+    request (`admission_rules.refusal`) is skipped; if every one is, the request is refused
+    with the reason of the roomiest (longest context, then largest pool), which for a uniform
+    fleet is everyone's reason. Among the rest the router picks the best that has the blocks
+    now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample.
+    """
+    usable = [s for s in links if s.healthy and not s.draining and s.address not in exclude]
+    if not usable:
+        return Refusal("UNAVAILABLE", NO_DATAPLANE)
+    prompt = request.num_prompt_tokens
+    candidates: list[Candidate] = []
+    refused: list[tuple[LinkSnapshot, str]] = []
+    for s in usable:
+        reason = refusal(prompt, request.max_tokens, s.block_size, s.num_blocks, s.max_model_len)
+        if reason is not None:
+            refused.append((s, reason))
+            continue
+        need = cdiv(prompt, s.block_size) - s.cached_blocks + decode_reserve_blocks * request.num_samples
+        candidates.append(
+            Candidate(
+                dataplane=s.address,
+                prompt_blocks=s.prompt_blocks,
+                cached_blocks=s.cached_blocks,
+                need_blocks=max(0, need),
+                available_blocks=s.available_blocks,
+                total_blocks=s.total_blocks,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                in_flight=s.in_flight,
+                max_num_seqs=s.max_num_seqs,
+            )
+        )
+    if not candidates:
+        _, reason = max(refused, key=lambda r: (r[0].max_model_len, r[0].num_blocks))
+        return Refusal("INVALID_ARGUMENT", reason)
+    best = choose(candidates, weights)
+    if best is None:
+        return WAIT
+    return Placement(best.dataplane, best.need_blocks, best.cached_blocks)
+
+
+def retry_on_other(
+    lost: str, reason: str, streamed: bool, exclude: frozenset[str]
+) -> frozenset[str] | Refusal:
+    """After data plane `lost` dropped the request (`reason`): the data planes to leave out
+    when placing it again, or the refusal that ends it.
+
+    Only a request that has streamed nothing moves: a client already holding tokens from one
+    data plane cannot be given a continuation sampled elsewhere.
+    """
+    if streamed:
+        return Refusal("UNAVAILABLE", f"{reason} while streaming; retry the request")
+    return exclude | {lost}

@@ -1,0 +1,37 @@
+"""When a request can never run on a data plane: the one rule both planes apply. No torch.
+
+The control plane applies it per data plane before admitting a request, the scheduler when the
+request is submitted, so a client gets the same answer whichever layer sees the request first
+(and the control plane never queues a request its data planes would refuse).
+"""
+
+from __future__ import annotations
+
+from pagedserve.common.block_hash import cdiv
+
+
+def max_total_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """Tokens a request can ever hold: prompt plus max_tokens, capped at max_model_len."""
+    return min(prompt_tokens + max_tokens, max_model_len)
+
+
+def refusal(
+    prompt_tokens: int, max_tokens: int, block_size: int, num_blocks: int, max_model_len: int
+) -> str | None:
+    """Why a request can never run on a data plane with these limits, or None if it can.
+
+    Per sample: a request's samples each hold their own blocks and a data plane runs them one
+    after another when its pool is short, so more samples only ever wait longer.
+    """
+    if prompt_tokens >= max_model_len:
+        return (
+            f"prompt has {prompt_tokens} tokens, but max_model_len is {max_model_len} "
+            "(the prompt must leave room for at least one generated token)"
+        )
+    need = cdiv(max_total_tokens(prompt_tokens, max_tokens, max_model_len), block_size)
+    if need > num_blocks:
+        return (
+            f"prompt plus max_tokens needs {need} KV blocks but the whole pool has only {num_blocks}; "
+            "lower max_tokens or shorten the prompt"
+        )
+    return None
