@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kernels import build_attention_metadata, paged_attention
-from kernels.attention import AttentionImpl
+from kernels.backend import AttentionImpl
 from kernels.fp8 import quantize_fp8
 
 # Datasheet HBM/GDDR bandwidth, GB/s, by a substring of torch.cuda.get_device_name().

@@ -63,13 +63,7 @@ def perplexity(llm: LLM, token_ids: Sequence[int], chunk: int) -> float:
     for start in range(0, n - 1, chunk):
         end = min(n, start + chunk)
         meta = build_attention_metadata([end - start], [end], [table], block_size, runner.device)
-        step = PagedStep(
-            meta,
-            runner.kv_caches,
-            kv_scales=runner.kv_scales,
-            attention_impl=runner.attention_impl,
-            cache_impl=runner.cache_impl,
-        )
+        step = PagedStep(meta, runner.kv_caches, runner.backends, kv_scales=runner.kv_scales)
         hidden = runner.decoder(
             input_ids=ids[start:end].unsqueeze(0),
             position_ids=torch.arange(start, end, device=runner.device).unsqueeze(0),

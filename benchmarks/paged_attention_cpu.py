@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
-from kernels.attention import AttentionImpl
+from kernels.backend import AttentionImpl
 from kernels.cpu_ext import load_cpu_kernels
 from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 

@@ -13,10 +13,21 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from benchmarks.throughput import StepRecord
+
+class Step(Protocol):
+    """What the roofline reads of an engine step (benchmarks.throughput.StepRecord is one).
+    A protocol rather than an import: throughput imports this module."""
+
+    @property
+    def kind(self) -> str: ...  # "decode" | "prefill" | "mixed" | "unknown"
+
+    @property
+    def num_batched_tokens(self) -> int: ...
+
+    @property
+    def num_sampled(self) -> int: ...
 
 
 # -- model FLOPs ---------------------------------------------------------------------------------
@@ -141,9 +152,7 @@ def _interp(curve: Sequence[RooflinePoint], rows: int) -> float:
     return last.seconds * rows / last.rows
 
 
-def measure_roofline(
-    shapes: LinearShapes, steps: Sequence[StepRecord], reps: int, skip_prefill: bool
-) -> Roofline:
+def measure_roofline(shapes: LinearShapes, steps: Sequence[Step], reps: int, skip_prefill: bool) -> Roofline:
     t = time.perf_counter()
     stack = MatmulStack(shapes)
     setup = time.perf_counter() - t

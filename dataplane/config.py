@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels.names import BACKENDS
 from pagedserve.common import settings
 from pagedserve.common.block_hash import DEFAULT_HASH_SEED
 from pagedserve.common.models.store import DEFAULT_MODEL
@@ -18,7 +19,8 @@ from pagedserve.common.settings import format_bytes, parse_bytes, setting
 
 # Same names as kernels.fp8.KV_CACHE_DTYPES (this module imports no torch).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-ATTENTION_BACKENDS = ("torch", "triton")
+# The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
+ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -2,27 +2,72 @@
 
 Every op has a torch implementation (the CPU default, and the reference) and a Triton one
 (kernels.triton_ops, the default on CUDA; on the CPU only in Triton's interpreter), chosen
-by `impl` (kernels.backend). This package is a leaf: it imports only torch, triton (lazily)
-and numpy (host-side metadata), never dataplane/controlplane. See docs/kernels.md.
+by `impl`, named in kernels.backend (which the engine resolves once, at start-up). This
+package is a leaf: it imports only torch, triton (lazily) and numpy (host-side metadata),
+never dataplane/controlplane. See docs/kernels.md.
+
+Importing the package itself loads nothing: the names below load their module on first use,
+so torch-free code (dataplane.config reads kernels.names) can import a leaf of it.
 """
 
-from kernels.attention import paged_attention
-from kernels.backend import KernelImpl
-from kernels.cache_ops import copy_blocks, swap_blocks, write_kv_cache
-from kernels.fp8 import KV_CACHE_DTYPES, KVCacheDtype, kv_cache_torch_dtype
-from kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSeq, build_attention_metadata
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kernels.attention import paged_attention
+    from kernels.backend import AttentionImpl, ResolvedBackends, resolve_backend
+    from kernels.cache_ops import copy_blocks, swap_blocks, write_kv_cache
+    from kernels.fp8 import KV_CACHE_DTYPES, KVCacheDtype, kv_cache_torch_dtype
+    from kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSeq, build_attention_metadata
+    from kernels.names import BACKENDS, Backend
+
+_HOMES = {
+    "paged_attention": "kernels.attention",
+    "AttentionImpl": "kernels.backend",
+    "ResolvedBackends": "kernels.backend",
+    "resolve_backend": "kernels.backend",
+    "copy_blocks": "kernels.cache_ops",
+    "swap_blocks": "kernels.cache_ops",
+    "write_kv_cache": "kernels.cache_ops",
+    "KV_CACHE_DTYPES": "kernels.fp8",
+    "KVCacheDtype": "kernels.fp8",
+    "kv_cache_torch_dtype": "kernels.fp8",
+    "AttentionMetadata": "kernels.metadata",
+    "DecodeGroup": "kernels.metadata",
+    "PrefillSeq": "kernels.metadata",
+    "build_attention_metadata": "kernels.metadata",
+    "BACKENDS": "kernels.names",
+    "Backend": "kernels.names",
+}
 
 __all__ = [
+    "BACKENDS",
     "KV_CACHE_DTYPES",
+    "AttentionImpl",
     "AttentionMetadata",
+    "Backend",
     "DecodeGroup",
     "KVCacheDtype",
-    "KernelImpl",
     "PrefillSeq",
+    "ResolvedBackends",
     "build_attention_metadata",
     "copy_blocks",
     "kv_cache_torch_dtype",
     "paged_attention",
+    "resolve_backend",
     "swap_blocks",
     "write_kv_cache",
 ]
+
+
+if not TYPE_CHECKING:  # for mypy the imports above define these names, and a typo stays an error
+
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value  # later lookups skip this function
+        return value

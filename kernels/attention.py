@@ -6,8 +6,8 @@ paths below, "cpp" and "torch", which are also the reference the Triton kernels 
 against. An FP8 cache is read as fp8 values times the layer's k_scale / v_scale.
 
 Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
-(kernels/cpu/paged_attention.cpp, built on first use by kernels.cpu_ext), which reads K/V
-straight from the paged cache. Otherwise they take the torch path: length-sorted groups,
+(kernels/cpu/paged_attention.cpp, built by kernels.cpu_ext when kernels.backend resolves
+"cpp"), which reads K/V straight from the paged cache. Otherwise they take the torch path: length-sorted groups,
 each gathering its sequences' K/V blocks with one index_select per tensor (whole blocks are
 contiguous in the cache, so this is a memcpy per block) and running one batched SDPA with a
 key-length mask. Prefill chunks always run one SDPA per sequence with the right causal
@@ -17,71 +17,30 @@ without repeating KV heads.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import use_triton
-from kernels.cache_ops import check_kv_caches, check_scales
+from kernels.backend import AttentionImpl, attention_impl_for
+from kernels.checks import check_attention_inputs
 from kernels.cpu_ext import CpuKernels, load_cpu_kernels
 from kernels.fp8 import is_fp8
 from kernels.metadata import AttentionMetadata
-
-# "auto": Triton for CUDA tensors (when installed); on the CPU the C++ decode kernel where it
-# applies (fp32, non-FP8 cache) and builds, else torch. "cpp": the C++ kernel or an error;
-# "torch": the torch path only; "triton": the Triton kernels or an error.
-AttentionImpl = Literal["auto", "cpp", "torch", "triton"]
-
-
-def check_attention_inputs(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Raise ValueError unless paged_attention's arguments fit together."""
-    check_kv_caches(key_cache, value_cache)
-    check_scales(key_cache.dtype, k_scale, v_scale)
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-    num_tokens, num_heads, q_head_dim = query.shape
-    if num_tokens != meta.num_tokens:
-        raise ValueError(f"query has {num_tokens} tokens but the metadata describes {meta.num_tokens}")
-    if q_head_dim != head_dim:
-        raise ValueError(f"query head_dim {q_head_dim} != cache head_dim {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_size != meta.block_size:
-        raise ValueError(f"cache block_size {block_size} != metadata block_size {meta.block_size}")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
-    if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
-        raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
-    if query.device != key_cache.device:
-        raise ValueError(f"query is on {query.device} but the cache is on {key_cache.device}")
-    if meta.slot_mapping.device != key_cache.device:
-        raise ValueError(f"metadata is on {meta.slot_mapping.device} but the cache is on {key_cache.device}")
 
 
 def _decode_kernels(
     query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, impl: AttentionImpl
 ) -> CpuKernels | None:
-    """The C++ kernels if this call's decode tokens should use them, else None (torch path)."""
-    supported = (
-        query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-    )
-    if impl == "cpp" and not supported:
+    """The C++ kernels if this call's decode tokens use them (impl "cpp"), else None (torch path)."""
+    if impl != "cpp":
+        return None
+    if not (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32):
         raise ValueError(
             f"impl='cpp' needs a float32 CPU query and cache, got {query.dtype} / {key_cache.dtype} "
-            f"on {query.device}; use 'auto'"
+            f"on {query.device}; use impl=None (by device)"
         )
-    if impl == "torch" or not supported or meta.num_decode_tokens == 0:
+    if meta.num_decode_tokens == 0:
         return None
-    return load_cpu_kernels(strict=impl == "cpp")
+    return load_cpu_kernels(strict=True)
 
 
 def paged_attention(
@@ -93,7 +52,7 @@ def paged_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    impl: AttentionImpl = "auto",
+    impl: AttentionImpl | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context.
 
@@ -102,17 +61,16 @@ def paged_attention(
     h reads kv head h // group. Returns a new contiguous [T, H, D] in the query dtype. An FP8
     cache holds K / k_scale and V / v_scale (scales must be 1.0 for other caches).
 
-    impl chooses the decode path: "auto" (default) uses the C++ CPU kernel for fp32 CPU
-    queries, building it on the first such call (seconds, once per machine; see
-    kernels.cpu_ext) and falling back to torch if it cannot be built; "cpp" insists on it
-    (ValueError for other dtypes/devices, RuntimeError if it cannot be built); "torch" never
-    uses it. Prefill tokens always take the torch (SDPA) path. "triton" runs the Triton
-    kernels (CUDA, or the CPU under TRITON_INTERPRET=1), which "auto" picks on CUDA.
+    impl (kernels.backend) is the concrete path: "torch" (SDPA); "cpp", the C++ decode kernel
+    (ValueError for other dtypes/devices than fp32 on the CPU, RuntimeError if it cannot be
+    built; prefill tokens still take SDPA); "triton", the Triton kernels (CUDA, or the CPU
+    under TRITON_INTERPRET=1). The engine passes the one resolve_backend chose at start-up;
+    None resolves by device on each call (Triton on CUDA; on the CPU "cpp" for fp32 where the
+    kernel builds, building it on the first such call, else "torch").
     """
-    if impl not in ("auto", "cpp", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'cpp', 'torch' or 'triton', got {impl!r}")
     check_attention_inputs(query, key_cache, value_cache, meta, k_scale, v_scale)
-    if impl in ("auto", "triton") and use_triton(impl, query.device, key_cache.dtype):
+    impl = attention_impl_for(impl, query.device, query.dtype, key_cache.dtype)
+    if impl == "triton":
         from kernels.triton_ops import paged_attention_triton
 
         return paged_attention_triton(query, key_cache, value_cache, meta, scale, k_scale, v_scale)

@@ -1,4 +1,19 @@
-"""Which implementation a kernel call uses: Triton on CUDA, torch (and C++) on the CPU.
+"""Which implementation each kernel op runs, decided once per engine.
+
+One vocabulary:
+- `Backend` ("torch" | "triton", kernels.names): what a user chooses (`--attention-backend`);
+  None means by device: Triton for CUDA tensors when it is installed and supports the cache
+  dtype, else torch.
+- `AttentionImpl` ("torch" | "cpp" | "triton"): a concrete attention path. The torch backend
+  runs "cpp" (the C++ decode kernel, kernels.cpu_ext; prefill stays torch) for fp32 on the
+  CPU when the kernel builds, else "torch". Cache ops have no third path: their concrete
+  implementations are the two backends.
+- `ResolvedBackends`: the concrete implementation of each op for one engine, from
+  `resolve_backend`, called once when the model runner is built. Every layer call receives
+  it, so the hot path never looks at the device, the dtypes or the C++ build again.
+
+The public ops take these concrete names as `impl`; None there resolves by device on each
+call, a convenience for tests and benchmarks, never the engine's path.
 
 "triton" on a CPU tensor works only in Triton's interpreter (TRITON_INTERPRET=1, which
 must be set before the first Triton kernel module is imported: kernels.triton_ops is
@@ -9,13 +24,24 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-# "auto": Triton for CUDA tensors when Triton is installed, else torch; "torch": the torch
-# reference path; "triton": the Triton kernels or an error.
-KernelImpl = Literal["auto", "torch", "triton"]
+from kernels.cpu_ext import load_cpu_kernels
+from kernels.names import BACKENDS, Backend
+
+AttentionImpl = Literal["torch", "cpp", "triton"]
+ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("torch", "cpp", "triton")
+
+
+@dataclass(frozen=True)
+class ResolvedBackends:
+    """The concrete implementation of each op, for caches of one device and dtype."""
+
+    attention: AttentionImpl
+    cache: Backend  # write_kv_cache (and block copies)
 
 
 @functools.cache
@@ -57,18 +83,71 @@ def triton_supports_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
-def use_triton(impl: str, device: torch.device, cache_dtype: torch.dtype | None = None) -> bool:
-    """Resolve impl for a cache of `cache_dtype` on `device`; ValueError for "triton" where
-    it cannot run. "auto" falls back to torch for an e4m3 cache on a pre-sm_89 GPU."""
-    if impl == "torch":
-        return False
+def require_triton(device: torch.device, cache_dtype: torch.dtype | None, who: str) -> None:
+    """ValueError, naming `who` asked for Triton, unless its kernels run on this device and
+    cache dtype."""
+    if not triton_supports(device):
+        raise ValueError(f"{who} cannot run here: {why_not_triton(device)}")
+    if cache_dtype is not None and not triton_supports_dtype(cache_dtype, device):
+        raise ValueError(f"{who}: compiled Triton supports {cache_dtype} only on sm_89+ GPUs")
+
+
+def default_backend(device: torch.device, cache_dtype: torch.dtype | None = None) -> Backend:
+    """The backend by device: Triton on CUDA when installed, except for an e4m3 cache on a
+    pre-sm_89 GPU (torch then); torch elsewhere, the interpreter included (it is for tests)."""
     dtype_ok = cache_dtype is None or triton_supports_dtype(cache_dtype, device)
-    if impl == "auto":
-        return device.type == "cuda" and triton_installed() and dtype_ok
+    return "triton" if device.type == "cuda" and triton_installed() and dtype_ok else "torch"
+
+
+def _torch_attention(
+    device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> AttentionImpl:
+    """The torch backend's attention: the C++ decode kernel for fp32 on the CPU, if it builds
+    (building it here, once, keeps the seconds-long first build out of the first step)."""
+    fp32 = query_dtype == torch.float32 and cache_dtype == torch.float32
+    if device.type == "cpu" and fp32 and load_cpu_kernels() is not None:
+        return "cpp"
+    return "torch"
+
+
+def resolve_backend(
+    requested: str | None, device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> ResolvedBackends:
+    """The concrete implementations for a model computing in `query_dtype` over caches of
+    `cache_dtype` on `device`. requested: a Backend name as the user gave it, or None for by
+    device (default_backend); ValueError for another name, or "triton" where it cannot run."""
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of {BACKENDS} (or None: by device), got {requested!r}"
+        )
+    backend = default_backend(device, cache_dtype) if requested is None else requested
+    if backend == "triton":
+        require_triton(device, cache_dtype, "--attention-backend triton")
+        return ResolvedBackends(attention="triton", cache="triton")
+    return ResolvedBackends(attention=_torch_attention(device, query_dtype, cache_dtype), cache="torch")
+
+
+def attention_impl_for(
+    impl: AttentionImpl | None, device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> AttentionImpl:
+    """A paged_attention call's `impl`, checked; None resolves by device (not the engine's path)."""
+    if impl is None:
+        return resolve_backend(None, device, query_dtype, cache_dtype).attention
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS} or None (by device), got {impl!r}")
     if impl == "triton":
-        if not triton_supports(device):
-            raise ValueError(f"impl='triton' cannot run here: {why_not_triton(device)}")
-        if not dtype_ok:
-            raise ValueError(f"impl='triton': compiled Triton supports {cache_dtype} only on sm_89+ GPUs")
-        return True
-    raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+        require_triton(device, cache_dtype, "impl='triton'")
+    return impl
+
+
+def cache_impl_for(
+    impl: Backend | None, device: torch.device, cache_dtype: torch.dtype | None = None
+) -> Backend:
+    """A cache op call's `impl`, checked; None resolves by device (not the engine's path)."""
+    if impl is None:
+        return default_backend(device, cache_dtype)
+    if impl not in BACKENDS:
+        raise ValueError(f"impl must be one of {BACKENDS} or None (by device), got {impl!r}")
+    if impl == "triton":
+        require_triton(device, cache_dtype, "impl='triton'")
+    return impl

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
-from kernels.attention import AttentionImpl
-from kernels.backend import KernelImpl
+from kernels import AttentionMetadata, ResolvedBackends, paged_attention, write_kv_cache
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -30,10 +28,11 @@ class PagedStep:
     metadata: AttentionMetadata
     # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # The kernels' concrete implementations, resolved once for the caches (kernels.backend):
+    # a layer call only dispatches on them.
+    backends: ResolvedBackends
     # kv_scales[layer] = (k_scale, v_scale) of an FP8 cache; None: the cache is in the model dtype.
     kv_scales: list[tuple[float, float]] | None = None
-    attention_impl: AttentionImpl = "auto"
-    cache_impl: KernelImpl = "auto"
     # Called with (layer, key, value) of the step's new tokens before they are cached
     # (KV-scale calibration); key/value: [T, num_kv_heads, head_dim].
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = field(default=None, compare=False)
@@ -69,7 +68,7 @@ def paged_attention_forward(
         step.observer(layer_idx, k, v)
     k_scale, v_scale = step.kv_scales[layer_idx] if step.kv_scales is not None else (1.0, 1.0)
     write_kv_cache(
-        k, v, key_cache, value_cache, step.metadata.slot_mapping, k_scale, v_scale, impl=step.cache_impl
+        k, v, key_cache, value_cache, step.metadata.slot_mapping, k_scale, v_scale, impl=step.backends.cache
     )
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     # out: [T, H, D]
@@ -81,7 +80,7 @@ def paged_attention_forward(
         scale,
         k_scale=k_scale,
         v_scale=v_scale,
-        impl=step.attention_impl,
+        impl=step.backends.attention,
     )
     return out.unsqueeze(0), None
 

@@ -21,6 +21,7 @@ import torch
 
 from dataplane.runner.attention_hook import PagedStep
 from kernels import build_attention_metadata
+from kernels.backend import ResolvedBackends, default_backend
 from kernels.fp8 import fp8_max
 
 SCALE_HEADROOM = 2.0
@@ -156,7 +157,10 @@ def calibrate_kv_scales(model: Any, token_ids: list[int], fp8: torch.dtype, bloc
         amax[layer, 1] = max(float(amax[layer, 1]), float(value.abs().max()))
 
     meta = build_attention_metadata([n], [n], [list(range(num_blocks))], block_size, device)
-    step = PagedStep(meta, caches, observer=observe)
+    # The by-device backend for both ops: a prefill never reaches the C++ decode kernel, so
+    # this skips resolve_backend's build of it (an FP8 engine on the CPU never uses it).
+    backend = default_backend(device, model.dtype)
+    step = PagedStep(meta, caches, ResolvedBackends(attention=backend, cache=backend), observer=observe)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     pos = torch.arange(n, device=device).unsqueeze(0)
     model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, paged_step=step)

@@ -13,25 +13,8 @@ from dataplane.runner.kv_scales import KVScales
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata
-from kernels.attention import AttentionImpl
-from kernels.backend import KernelImpl, triton_supports, why_not_triton
-from kernels.cpu_ext import load_cpu_kernels
+from kernels.backend import resolve_backend
 from kernels.fp8 import is_fp8
-
-
-def kernel_impls(attention_backend: str | None, device: torch.device) -> tuple[AttentionImpl, KernelImpl]:
-    """(attention impl, cache-op impl) for a backend choice: None = by device (Triton on CUDA,
-    the torch/C++ path on the CPU); "torch" = the torch path (plus the C++ decode kernel on
-    the CPU); "triton" = the Triton kernels, or ValueError where they cannot run."""
-    if attention_backend is None:
-        return "auto", "auto"
-    if attention_backend == "torch":
-        return ("auto" if device.type == "cpu" else "torch"), "torch"
-    if attention_backend == "triton":
-        if not triton_supports(device):
-            raise ValueError(f"--attention-backend triton: {why_not_triton(device)}")
-        return "triton", "triton"
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
 
 
 class ModelRunner:
@@ -55,14 +38,15 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = torch.device(device)
-        self.attention_impl, self.cache_impl = kernel_impls(attention_backend, self.device)
+        # The one place the backend choice meets the device and dtypes: every step's layers
+        # get these concrete implementations. Resolving also builds (or loads the cached
+        # build of) the C++ decode kernel where it is used, now rather than in the first step.
+        self.backends = resolve_backend(attention_backend, self.device, model.dtype, kv_dtype)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         if onednn_linear_available(model.dtype, self.device):
             pack_linears(model)
             self.lm_head = model.get_output_embeddings()
-            # Build (or load the cached build of) the C++ decode kernel now, not in the first step.
-            load_cpu_kernels()
         self.block_size = block_size
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers
@@ -118,13 +102,7 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
-        step = PagedStep(
-            meta,
-            self.kv_caches,
-            kv_scales=self.kv_scales,
-            attention_impl=self.attention_impl,
-            cache_impl=self.cache_impl,
-        )
+        step = PagedStep(meta, self.kv_caches, self.backends, kv_scales=self.kv_scales)
         hidden = self.decoder(
             input_ids=ids, position_ids=pos, use_cache=False, paged_step=step
         ).last_hidden_state[0]  # [T, hidden]

@@ -2,8 +2,10 @@
 
 Importing this package imports Triton and defines the @triton.jit kernels, so it is only
 imported on the first Triton call (kernels.backend): TRITON_INTERPRET must be set before.
-Each launcher checks what its kernel assumes (shapes, dtypes, strides, devices) and has a
-torch reference with the same signature in kernels.cache_ops / kernels.attention.
+Each launcher checks what its kernel assumes (shapes, dtypes, strides, devices; the checks
+shared with the torch path come from the leaf kernels.checks, so nothing here imports the
+dispatching modules back) and has a torch reference with the same signature in
+kernels.cache_ops / kernels.attention.
 """
 
 from kernels.triton_ops.attention import paged_attention_triton

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from kernels.attention import check_attention_inputs
+from kernels.checks import check_attention_inputs
 from kernels.fp8 import is_fp8
 from kernels.metadata import AttentionMetadata, WorkItems
 from kernels.triton_ops import jit

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cache_ops import as_bits, check_write_inputs
+from kernels.checks import as_bits, check_write_inputs
 from kernels.fp8 import inverse_scale, is_fp8
 from kernels.triton_ops import jit
 from kernels.triton_ops.common import FP8_FORMATS, check_device, next_pow2

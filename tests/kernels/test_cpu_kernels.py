@@ -135,7 +135,7 @@ def test_mixed_batch_through_paged_attention(
     assert "decode" not in batch.meta._groups
 
 
-def test_auto_uses_the_kernel_for_fp32_cpu(ext: CpuKernels) -> None:
+def test_by_device_uses_the_kernel_for_fp32_cpu(ext: CpuKernels) -> None:
     batch = make_batch([1, 1], [20, 33], block_size=16, num_kv_heads=1, group=2, head_dim=64)
     paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
     assert "decode" not in batch.meta._groups
@@ -194,7 +194,7 @@ def test_impl_validation(ext: CpuKernels) -> None:
             batch.scale,
             impl="bogus",  # type: ignore[arg-type]
         )
-    # auto on bf16 quietly takes the torch path
+    # by device (impl=None), bf16 quietly takes the torch path
     out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
     assert out.dtype == torch.bfloat16
 

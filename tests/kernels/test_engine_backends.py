@@ -46,7 +46,7 @@ def test_triton_backend_greedy_matches_transformers(tiny: dict[str, Any], arch: 
     llm, tokens = generate(
         path, block_size=16, max_num_seqs=NUM_PROMPTS, kv_cache_memory=2**20, attention_backend="triton"
     )
-    assert llm.engine.runner.attention_impl == "triton"
+    assert llm.engine.runner.backends.attention == "triton"
     check_all(tokens, refs, f"{arch} triton")
     assert_no_leaks(llm)
 

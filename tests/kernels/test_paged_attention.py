@@ -22,7 +22,7 @@ from kernels import (
     paged_attention,
     write_kv_cache,
 )
-from kernels.attention import AttentionImpl
+from kernels.backend import AttentionImpl
 from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 from kernels.reference import dense_causal_attention_reference
 
@@ -135,7 +135,7 @@ def make_batch(
 IMPLS: list[AttentionImpl] = ["torch", "cpp"]
 
 
-def max_error(batch: Batch, query: torch.Tensor | None = None, impl: AttentionImpl = "auto") -> float:
+def max_error(batch: Batch, query: torch.Tensor | None = None, impl: AttentionImpl | None = None) -> float:
     q = batch.query if query is None else query
     out = paged_attention(q, batch.key_cache, batch.value_cache, batch.meta, batch.scale, impl=impl)
     assert out.shape == batch.query.shape

@@ -236,13 +236,17 @@ def test_e4m3_needs_sm89_in_compiled_triton(monkeypatch: pytest.MonkeyPatch) -> 
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (8, 0))
-    assert not backend.use_triton("auto", cuda, torch.float8_e4m3fn)  # A100: torch path
-    assert backend.use_triton("auto", cuda, torch.float8_e5m2)
-    assert backend.use_triton("auto", cuda, torch.bfloat16)
+    assert backend.default_backend(cuda, torch.float8_e4m3fn) == "torch"  # A100: torch path
+    assert backend.default_backend(cuda, torch.float8_e5m2) == "triton"
+    assert backend.default_backend(cuda, torch.bfloat16) == "triton"
+    by_device = backend.resolve_backend(None, cuda, torch.bfloat16, torch.float8_e4m3fn)
+    assert by_device == backend.ResolvedBackends(attention="torch", cache="torch")
     with pytest.raises(ValueError, match="sm_89"):
-        backend.use_triton("triton", cuda, torch.float8_e4m3fn)
+        backend.cache_impl_for("triton", cuda, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="sm_89"):  # the engine's choice, refused at start-up
+        backend.resolve_backend("triton", cuda, torch.bfloat16, torch.float8_e4m3fn)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (9, 0))
-    assert backend.use_triton("auto", cuda, torch.float8_e4m3fn)
+    assert backend.default_backend(cuda, torch.float8_e4m3fn) == "triton"
 
 
 def test_triton_launcher_validation() -> None:
@@ -419,7 +423,7 @@ def test_interpreter_bug_workarounds_are_needed() -> None:
 
 @gpu_only
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_gpu_long_context_decode_and_auto_backend(kv_dtype: torch.dtype) -> None:
+def test_gpu_long_context_decode_and_by_device_backend(kv_dtype: torch.dtype) -> None:
     # Llama-8B-like heads, 4k contexts (split-KV chosen automatically) next to a prefill chunk.
     batch = make_batch(
         [1, 1, 1, 1, 64],
@@ -435,7 +439,7 @@ def test_gpu_long_context_decode_and_auto_backend(kv_dtype: torch.dtype) -> None
     if kv_dtype != torch.bfloat16:
         scales = (0.02, 0.02)
         batch = fp8_batch(batch, kv_dtype, *scales)
-    auto = paged_attention(
+    by_device = paged_attention(
         batch.query,
         batch.key_cache,
         batch.value_cache,
@@ -454,5 +458,5 @@ def test_gpu_long_context_decode_and_auto_backend(kv_dtype: torch.dtype) -> None
         v_scale=scales[1],
         impl="triton",
     )
-    assert torch.equal(auto, triton_out)  # "auto" is Triton on CUDA
+    assert torch.equal(by_device, triton_out)  # impl=None is Triton on CUDA
     check_attention(batch, BF16_ATOL, *scales)
