@@ -61,6 +61,16 @@ class CompletionDone:
 StreamEvent = TextDelta | CompletionDone
 
 
+@dataclass(frozen=True)
+class ModelCard:
+    """A served model name and, once a data plane has reported, how it is served."""
+
+    id: str
+    max_model_len: int | None
+    block_size: int | None
+    kv_cache_dtype: str | None
+
+
 @dataclass
 class _Completion:
     detokenizer: IncrementalDetokenizer
@@ -106,6 +116,20 @@ class Frontend:
         """The model's context as the data planes reported it (the longest); None before any has."""
         links = self.dispatcher.connections.values()
         return max((c.info.max_model_len for c in links if c.info is not None), default=None)
+
+    def model_cards(self) -> list[ModelCard]:
+        """What ListModels (gRPC) and /v1/models (HTTP) report: one card per served name, with
+        the healthy data planes' context, block size and KV dtype once one has reported."""
+        infos = [c.info for c in self.dispatcher.healthy if c.info is not None]
+        return [
+            ModelCard(
+                name,
+                max(i.max_model_len for i in infos) if infos else None,
+                infos[0].block_size if infos else None,
+                infos[0].kv_cache_dtype if infos else None,
+            )
+            for name in self.served_model_names
+        ]
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens of a request that leaves it unset: the rest of the model's context.

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from controlplane.auth import ApiKeys, GrpcAuthInterceptor
 from controlplane.config import ControlPlaneConfig
@@ -20,6 +19,7 @@ from controlplane.servicer import GenerationServicer
 from controlplane.tokenizer import Tokenizer
 from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
+from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -68,7 +68,7 @@ async def _start_grpc(
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
     port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the control plane to {address}")

@@ -125,14 +125,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             generation_pb2.ListModelsRequest, generation_pb2.ListModelsResponse
         ],
     ) -> generation_pb2.ListModelsResponse:
-        infos = [c.info for c in self.frontend.dispatcher.healthy if c.info is not None]
         response = generation_pb2.ListModelsResponse()
-        for name in self.frontend.served_model_names:
-            card = response.models.add(id=name)
-            if infos:
-                card.max_model_len = max(i.max_model_len for i in infos)
-                card.block_size = infos[0].block_size
-                card.kv_cache_dtype = infos[0].kv_cache_dtype
+        for card in self.frontend.model_cards():
+            pb = response.models.add(id=card.id)
+            if card.max_model_len is not None:
+                pb.max_model_len = card.max_model_len
+            if card.block_size is not None:
+                pb.block_size = card.block_size
+            if card.kv_cache_dtype is not None:
+                pb.kv_cache_dtype = card.kv_cache_dtype
         return response
 
 

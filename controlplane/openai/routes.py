@@ -92,12 +92,11 @@ class OpenAIRoutes:
 
     # -- /v1/models -----------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
-        infos = [c.info for c in self.frontend.dispatcher.healthy if c.info is not None]
         cards: list[dict[str, Any]] = []
-        for name in self.frontend.served_model_names:
-            card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve"}
-            if infos:
-                card["max_model_len"] = max(i.max_model_len for i in infos)
+        for model in self.frontend.model_cards():
+            card: dict[str, Any] = {"id": model.id, "object": "model", "created": 0, "owned_by": "pagedserve"}
+            if model.max_model_len is not None:
+                card["max_model_len"] = model.max_model_len
             cards.append(card)
         return {"object": "list", "data": cards}
 

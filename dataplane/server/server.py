@@ -9,7 +9,6 @@ import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from dataplane.config import EngineConfig
 from dataplane.server.engine_api import DataPlaneIdentity
@@ -17,6 +16,7 @@ from dataplane.server.engine_loop import EngineLoop
 from dataplane.server.servicer import DataPlaneServicer
 from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
 from pagedserve.common.log import get_logger
+from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
@@ -58,7 +58,7 @@ async def create_server(
     dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(DataPlaneServicer(engine_loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
     port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the data plane to {address}")

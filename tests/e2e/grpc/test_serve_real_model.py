@@ -158,6 +158,19 @@ def test_health_and_reflection(server: Process) -> None:
         )
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"pagedserve.v1.GenerationService", "grpc.health.v1.Health"} <= names
+        assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+        # grpc.reflection.v1 (current grpcurl and Postman) answers too: same messages, new name.
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        request = reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="pagedserve.v1.GenerationService"
+        )
+        (response,) = list(v1(iter([request]), timeout=5))
+        files = response.file_descriptor_response.file_descriptor_proto
+        assert any(b"pagedserve/v1/generation.proto" in f for f in files)
 
 
 def test_cli_client_prints_the_text(server: Process, offline: dict[str, list[int]], model_path: Path) -> None:
