@@ -134,12 +134,15 @@ class Frontend:
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens of a request that leaves it unset: the rest of the model's context.
 
-        At least 1, so that a prompt that fills the context is refused for its length (by
-        admission) rather than for a max_tokens the client never sent.
+        The context a data plane can give one sequence is its max_model_len or, when its KV
+        pool is smaller, what the pool holds: a small pool then bounds the default instead of
+        refusing a request for a max_tokens the client never sent. At least 1, so that a
+        prompt that fills the context is refused for its length (by admission).
         """
-        context = self.max_model_len()
-        if context is None:  # no data plane has ever connected: nothing could run it anyway
+        infos = [c.info for c in self.dispatcher.connections.values() if c.info is not None]
+        if not infos:  # no data plane has ever connected: nothing could run it anyway
             raise ServiceError("UNAVAILABLE", NO_DATAPLANE)
+        context = max(min(i.max_model_len, i.num_blocks * i.block_size) for i in infos)
         return max(1, context - prompt_tokens)
 
     def encode_text(self, text: str, field_name: str = "prompt.text") -> list[int]:

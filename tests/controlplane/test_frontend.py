@@ -38,9 +38,15 @@ class FakeDispatcher:
     """Streams scripted token chunks per sample index, then one finish per sample, and
     records the requests it was given and whether its stream was closed before the end."""
 
-    def __init__(self, samples: list[list[list[int]]], max_model_len: int | None = CONTEXT) -> None:
+    def __init__(
+        self, samples: list[list[list[int]]], max_model_len: int | None = CONTEXT, num_blocks: int = 1024
+    ) -> None:
         self.samples = samples
-        info = None if max_model_len is None else SimpleNamespace(max_model_len=max_model_len, vocab_size=0)
+        info = None
+        if max_model_len is not None:
+            info = SimpleNamespace(
+                max_model_len=max_model_len, vocab_size=0, num_blocks=num_blocks, block_size=4
+            )
         self.connections = {"dp:1": SimpleNamespace(info=info)}
         self.requests: list[GenerationRequest] = []
         self.closed_early: bool | None = None
@@ -177,6 +183,12 @@ def test_unset_max_tokens_is_the_rest_of_the_context_over_either_api() -> None:
     # A prompt filling the context still gets a valid max_tokens: admission refuses its length.
     assert fe.validate(list(range(1, 9)) * 8, {}).max_tokens == 1
     assert fe.validate(prompt, {"max_tokens": 5}).max_tokens == 5
+
+
+def test_unset_max_tokens_stops_at_what_a_small_pool_holds() -> None:
+    # 5 blocks of 4 tokens hold 20 tokens, fewer than the 64-token context.
+    fe = frontend(FakeDispatcher([[[HELLO]]], num_blocks=5))
+    assert fe.validate([HELLO, COMMA, WORLD], {}).max_tokens == 20 - 3
 
 
 def test_without_any_data_plane_an_unset_max_tokens_is_unavailable() -> None:
