@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install pull serve chat protos test lint typecheck unit bench clean
+.PHONY: install pull serve chat protos chart clients test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,15 +26,31 @@ serve: pull
 chat: pull
 	$(BIN)/pagedserve chat
 
-# Regenerate the Python gRPC code (and typed stubs) from protos/*.proto.
+# Regenerate every client's gRPC code from protos/*.proto: Python (with typed stubs), Go and Java
+# (Go and Java need Debian's protoc and plugins, see docs/api.md; `--lang python` for Python only).
 protos: install
 	$(BIN)/python -m protos.generate
 
+# Regenerate the Helm chart's settings (values, schema, flag templates, docs tables) from the config dataclasses.
+chart: install
+	$(BIN)/python -m helm.generate
+
+# Build the Go and Java clients offline with Debian's toolchains (docs/api.md): the libraries and the
+# examples build/go/bin/pagedserve-generate and build/java/bin/pagedserve-generate.
+clients:
+	clients/go/build.sh build/go
+	clients/java/build.sh build/java
+
+# buf breaking compares the public protos with a git reference (protos/breaking.py says which); the
+# drift check covers Go and Java when their generators are installed (always in CI).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/buf lint protos
+	$(BIN)/python -m protos.breaking
 	$(BIN)/python -m protos.generate --check
+	$(BIN)/python -m helm.generate --check
+	$(BIN)/hadolint Dockerfile
 
 typecheck: install
 	$(BIN)/mypy

@@ -112,8 +112,10 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
 class _GrpcTarget:
     def __init__(self, address: str, api_key: str | None) -> None:
         from clients.python import AsyncGenerationClient
+        from clients.python.client import NO_RETRY
 
-        self.client = AsyncGenerationClient(address, api_key=api_key)
+        # No client retries: a refused request counts as refused (the HTTP target does not retry).
+        self.client = AsyncGenerationClient(address, api_key=api_key, retry=NO_RETRY)
 
     async def run(self, prompt: list[int], max_tokens: int, outcome: Outcome) -> None:
         from clients.python import Completion

@@ -1,12 +1,17 @@
 """Sync and asyncio clients for `GenerationService`. Errors surface as `grpc.RpcError` /
-`grpc.aio.AioRpcError` carrying the server's status code and message."""
+`grpc.aio.AioRpcError` carrying the server's status code and message. Calls retry as
+`RetryPolicy` says (docs/api.md, "Retries"; the Go and Java clients do the same)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -14,6 +19,74 @@ from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The retry policy of docs/api.md ("Retries"), the same in the Go, Java and Python clients.
+
+    - UNAVAILABLE is retried only while the call has received no response message (for
+      Generate: before the first token), after an exponential backoff
+      `min(initial_backoff_s * multiplier ** (retry - 1), max_backoff_s)`, less up to `jitter`
+      of it at random.
+    - RESOURCE_EXHAUSTED is retried only when the server sent a `retry-after` trailer (seconds),
+      after exactly that long, and only if that is at most `max_retry_after_s`.
+    - Nothing else is retried, and never once a response has arrived.
+    - At most `max_attempts` calls in all; a retry whose wait would pass the deadline (the
+      client's `timeout`, which covers all attempts) is not made.
+    """
+
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    max_retry_after_s: float = 30.0
+
+    def delay(
+        self,
+        retry: int,
+        started: bool,
+        code: grpc.StatusCode | None,
+        trailers: Iterable[tuple[str, str | bytes]] | None = None,
+    ) -> float | None:
+        """Seconds to wait before retry number `retry` (1 for the first) after a failure with
+        `code` and `trailers`, or None when it must not be retried. `started`: whether the
+        failed attempt had received a response message."""
+        if started or retry >= self.max_attempts:
+            return None
+        if code == grpc.StatusCode.UNAVAILABLE:
+            backoff = min(self.initial_backoff_s * self.multiplier ** (retry - 1), self.max_backoff_s)
+            return backoff * (1 - self.jitter * random.random())
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            value = dict(trailers or ()).get("retry-after")
+            try:
+                seconds = float(value.decode() if isinstance(value, bytes) else value)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return None
+            return seconds if 0 <= seconds <= self.max_retry_after_s else None
+        return None
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _wait(
+    policy: RetryPolicy, retry: int, started: bool, exc: grpc.RpcError, deadline: float | None
+) -> float | None:
+    """The policy's wait before the next attempt, or None when `exc` must be raised."""
+    code = exc.code() if hasattr(exc, "code") else None
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    wait = policy.delay(retry, started, code, trailers)
+    if wait is None or (deadline is not None and time.monotonic() + wait >= deadline):
+        return None
+    return wait
 
 
 @dataclass
@@ -142,8 +215,9 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class GenerationClient:
-    """Blocking client. `timeout` (seconds) becomes each call's gRPC deadline; `api_key` is sent
-    as `authorization: Bearer`; `tls=True` (or a CA file) connects over TLS."""
+    """Blocking client. `timeout` (seconds) becomes each call's gRPC deadline (retries included);
+    `api_key` is sent as `authorization: Bearer`; `tls=True` (or a CA file) connects over TLS;
+    `retry` is the retry policy (`NO_RETRY` disables retries)."""
 
     def __init__(
         self,
@@ -152,12 +226,14 @@ class GenerationClient:
         api_key: str | None = None,
         tls: bool = False,
         tls_ca_file: str | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         creds = _credentials(tls_ca_file, tls)
         self._channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout
         self.metadata = _metadata(api_key)
+        self.retry = retry
 
     def __enter__(self) -> GenerationClient:
         return self
@@ -168,18 +244,40 @@ class GenerationClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _unary(self, method: Callable[..., T], request: Any) -> T:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for retry in itertools.count(1):
+            try:
+                return method(request, timeout=_remaining(deadline), metadata=self.metadata)
+            except grpc.RpcError as exc:
+                wait = _wait(self.retry, retry, False, exc, deadline)
+                if wait is None:
+                    raise
+            time.sleep(wait)
+        raise AssertionError("unreachable")
+
     def generate_stream(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> Iterator[StreamChunk | Completion]:
         """Stream chunks and, per index, a final Completion. Breaking out of the loop cancels the request."""
-        call = self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
-        )
-        try:
-            for response in call:
-                yield _item(response)
-        finally:
-            call.cancel()
+        request = build_request(prompt, **kwargs)
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for retry in itertools.count(1):
+            call = self._stub.Generate(request, timeout=_remaining(deadline), metadata=self.metadata)
+            started = False
+            try:
+                for response in call:
+                    started = True
+                    yield _item(response)
+                return
+            except grpc.RpcError as exc:
+                wait = _wait(self.retry, retry, started, exc, deadline)
+                if wait is None:
+                    raise
+            finally:
+                call.cancel()
+            time.sleep(wait)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> list[Completion]:
         collector = _Collector()
@@ -188,20 +286,15 @@ class GenerationClient:
         return collector.result()
 
     def tokenize(self, text: str) -> list[int]:
-        return list(
-            self._stub.Tokenize(
-                generation_pb2.TokenizeRequest(text=text), timeout=self.timeout, metadata=self.metadata
-            ).token_ids
-        )
+        response = self._unary(self._stub.Tokenize, generation_pb2.TokenizeRequest(text=text))
+        return list(response.token_ids)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
-        return str(self._stub.Detokenize(request, timeout=self.timeout, metadata=self.metadata).text)
+        return str(self._unary(self._stub.Detokenize, request).text)
 
     def list_models(self) -> list[str]:
-        response = self._stub.ListModels(
-            generation_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
-        )
+        response = self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
         return [m.id for m in response.models]
 
 
@@ -215,6 +308,7 @@ class AsyncGenerationClient:
         api_key: str | None = None,
         tls: bool = False,
         tls_ca_file: str | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         creds = _credentials(tls_ca_file, tls)
         self._channel = (
@@ -223,6 +317,7 @@ class AsyncGenerationClient:
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout
         self.metadata = _metadata(api_key)
+        self.retry = retry
 
     async def __aenter__(self) -> AsyncGenerationClient:
         return self
@@ -233,17 +328,39 @@ class AsyncGenerationClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _unary(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for retry in itertools.count(1):
+            try:
+                return await method(request, timeout=_remaining(deadline), metadata=self.metadata)
+            except grpc.aio.AioRpcError as exc:
+                wait = _wait(self.retry, retry, False, exc, deadline)
+                if wait is None:
+                    raise
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
     async def generate_stream(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[StreamChunk | Completion]:
-        call = self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
-        )
-        try:
-            async for response in call:
-                yield _item(response)
-        finally:
-            call.cancel()
+        request = build_request(prompt, **kwargs)
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for retry in itertools.count(1):
+            call = self._stub.Generate(request, timeout=_remaining(deadline), metadata=self.metadata)
+            started = False
+            try:
+                async for response in call:
+                    started = True
+                    yield _item(response)
+                return
+            except grpc.aio.AioRpcError as exc:
+                wait = _wait(self.retry, retry, started, exc, deadline)
+                if wait is None:
+                    raise
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
     async def generate(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
@@ -254,19 +371,13 @@ class AsyncGenerationClient:
         return collector.result()
 
     async def tokenize(self, text: str) -> list[int]:
-        response = await self._stub.Tokenize(
-            generation_pb2.TokenizeRequest(text=text), timeout=self.timeout, metadata=self.metadata
-        )
+        response = await self._unary(self._stub.Tokenize, generation_pb2.TokenizeRequest(text=text))
         return list(response.token_ids)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
-        response = await self._stub.Detokenize(
-            generation_pb2.DetokenizeRequest(token_ids=list(token_ids)), timeout=self.timeout
-        )
-        return str(response.text)
+        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        return str((await self._unary(self._stub.Detokenize, request)).text)
 
     async def list_models(self) -> list[str]:
-        response = await self._stub.ListModels(
-            generation_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
-        )
+        response = await self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
         return [m.id for m in response.models]

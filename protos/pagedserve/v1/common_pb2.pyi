@@ -26,6 +26,7 @@ class _FinishReason:
 class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
+    """Not set (never sent by the server)."""
     FINISH_REASON_STOP: _FinishReason.ValueType  # 1
     """EOS, a stop token id or a stop string."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
@@ -33,9 +34,11 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """Cancelled by the client, a deadline or a shutdown."""
 
-class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
+class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
+    """Why a completion ended."""
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
+"""Not set (never sent by the server)."""
 FINISH_REASON_STOP: FinishReason.ValueType  # 1
 """EOS, a stop token id or a stop string."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
@@ -47,10 +50,31 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 @_typing.final
 class SamplingParams(_message.Message):
     """How to pick each next token and when to stop. Field names follow vLLM's SamplingParams;
-    an unset optional field takes the server default (max_tokens 16, temperature 1.0, ...).
+    an unset optional field takes the server default (given on each field). An invalid value
+    fails the call with INVALID_ARGUMENT naming the field ("sampling_params.<field> ...").
     """
 
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
@@ -66,28 +90,46 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
+    """Most tokens to generate per completion, >= 1. Default: the rest of the model's context."""
     temperature: _builtins.float
-    """0 means greedy."""
+    """>= 0; 0 means greedy. Default 1.0."""
     top_p: _builtins.float
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
+    Default 1.0 (off).
+    """
     top_k: _builtins.int
-    """0 or -1 disables top-k."""
+    """Keep the top_k most likely tokens; 0 or -1 disables top-k. Default 0."""
     min_p: _builtins.float
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1]. Default 0."""
     seed: _builtins.int
-    """Makes a sampled request reproducible whatever else shares its batch."""
+    """Makes a sampled request reproducible whatever else shares its batch. Default: unseeded."""
     ignore_eos: _builtins.bool
+    """Keep generating past EOS until max_tokens."""
     n: _builtins.int
-    """Completions per prompt; each streams under its own index."""
+    """Completions per prompt; each streams under its own index. Default 1."""
     logprobs: _builtins.int
-    """Per generated token: its logprob plus this many top alternatives."""
+    """Per generated token: its logprob plus this many top alternatives, at most 20. Default: none."""
     presence_penalty: _builtins.float
+    """OpenAI presence penalty over the generated tokens, in [-2, 2]. Default 0."""
     frequency_penalty: _builtins.float
+    """OpenAI frequency penalty over the generated tokens, in [-2, 2]. Default 0."""
     repetition_penalty: _builtins.float
+    """CTRL-style penalty over prompt and generated tokens, in (0, 10]; 1 is off. Default 1."""
     @_builtins.property
-    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end a completion (besides EOS), not included in the output."""
+
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings (matched by the control plane on the detokenized text; not included in the output)."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logits of these token ids before sampling (greedy included), OpenAI's
+        logit_bias: ids in [0, vocab_size), biases in [-100, 100], at most 300 entries.
+        """
 
     def __init__(
         self,
@@ -106,10 +148,11 @@ class SamplingParams(_message.Message):
         frequency_penalty: _builtins.float | None = ...,
         repetition_penalty: _builtins.float | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -160,13 +203,17 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
+    """Token counts of one completion."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
+    """Tokens in the prompt."""
     completion_tokens: _builtins.int
+    """Tokens generated for this completion."""
     cached_tokens: _builtins.int
     """Prompt tokens served from the prefix cache."""
     def __init__(
@@ -193,7 +240,9 @@ class TopLogprob(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
+    """The alternative token."""
     logprob: _builtins.float
+    """Its log probability."""
     def __init__(
         self,
         *,
@@ -210,13 +259,18 @@ Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):
+    """The log probability of one generated token and its top alternatives."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
     logprob: _builtins.float
+    """Log probability of the generated token."""
     @_builtins.property
-    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]: ...
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The `sampling_params.logprobs` most likely tokens at this position."""
+
     def __init__(
         self,
         *,

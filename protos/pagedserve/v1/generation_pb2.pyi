@@ -21,11 +21,15 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class TokenIds(_message.Message):
+    """A prompt given as token ids of the served model's vocabulary."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids in [0, vocab_size); must not be empty."""
+
     def __init__(
         self,
         *,
@@ -41,13 +45,16 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
+    """One message of a chat conversation."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant", "developer" or "tool"."""
     content: _builtins.str
+    """The message text."""
     def __init__(
         self,
         *,
@@ -64,11 +71,15 @@ Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class ChatMessages(_message.Message):
+    """A chat conversation, oldest message first."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """Must not be empty."""
+
     def __init__(
         self,
         *,
@@ -84,6 +95,8 @@ Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
+    """One generation request: a prompt and how to sample its continuation."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -94,20 +107,25 @@ class GenerateRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Optional; the server assigns one when empty. Echoed in every response."""
+    """Optional; the server assigns one when empty. Echoed in every response. At most 256 characters."""
     model: _builtins.str
     """Optional; must name the served model when set."""
     text: _builtins.str
+    """Plain text, tokenized by the server (no chat template)."""
     cache_salt: _builtins.str
     """Requests with different salts never share prefix-cache blocks."""
     @_builtins.property
-    def token_ids(self) -> Global___TokenIds: ...
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, used as they are."""
+
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """Rendered with the model's chat template, generation prompt appended."""
 
     @_builtins.property
-    def sampling_params(self) -> _common_pb2.SamplingParams: ...
+    def sampling_params(self) -> _common_pb2.SamplingParams:
+        """Sampling and stopping; unset fields take the server defaults."""
+
     def __init__(
         self,
         *,
@@ -131,16 +149,23 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """One message of the Generate stream: a chunk of new tokens or the end of one completion."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    """The request's id (the client's, or the one the server assigned)."""
     @_builtins.property
-    def chunk(self) -> Global___TokenChunk: ...
+    def chunk(self) -> Global___TokenChunk:
+        """New tokens of one completion."""
+
     @_builtins.property
-    def complete(self) -> Global___GenerateComplete: ...
+    def complete(self) -> Global___GenerateComplete:
+        """The end of one completion; the stream ends after one per index."""
+
     def __init__(
         self,
         *,
@@ -169,10 +194,13 @@ class TokenChunk(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
+    """The completion these tokens belong to, in [0, n)."""
     text: _builtins.str
     """UTF-8 text those tokens completed (may be empty while a character is still partial)."""
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The new token ids, in order."""
+
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """Present when sampling_params.logprobs is set; one per token id."""
@@ -195,6 +223,8 @@ Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
 
 @_typing.final
 class Timings(_message.Message):
+    """Where the time of one completion went."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
@@ -203,7 +233,9 @@ class Timings(_message.Message):
     queue_seconds: _builtins.float
     """Time in the control plane's admission queue."""
     time_to_first_token_seconds: _builtins.float
+    """From arrival at the control plane to the first generated token."""
     e2e_seconds: _builtins.float
+    """From arrival at the control plane to the end of the completion."""
     def __init__(
         self,
         *,
@@ -231,13 +263,19 @@ class GenerateComplete(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
+    """The completion that ended, in [0, n)."""
     finish_reason: _common_pb2.FinishReason.ValueType
+    """Why it ended."""
     stop_string: _builtins.str
     """The stop string that ended the completion, when one did."""
     @_builtins.property
-    def usage(self) -> _common_pb2.Usage: ...
+    def usage(self) -> _common_pb2.Usage:
+        """Token counts of this completion."""
+
     @_builtins.property
-    def timings(self) -> Global___Timings: ...
+    def timings(self) -> Global___Timings:
+        """Latencies of this completion."""
+
     def __init__(
         self,
         *,
@@ -257,15 +295,21 @@ Global___GenerateComplete: _TypeAlias = GenerateComplete  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):
+    """Asks for the token ids of a prompt."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
+    """Optional; must name the served model when set."""
     text: _builtins.str
+    """Plain text (no chat template)."""
     @_builtins.property
-    def chat(self) -> Global___ChatMessages: ...
+    def chat(self) -> Global___ChatMessages:
+        """Rendered with the model's chat template, generation prompt appended."""
+
     def __init__(
         self,
         *,
@@ -285,11 +329,15 @@ Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
 class TokenizeResponse(_message.Message):
+    """The token ids of a prompt."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt's token ids, as Generate would see them."""
+
     def __init__(
         self,
         *,
@@ -305,13 +353,18 @@ Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
 
 @_typing.final
 class DetokenizeRequest(_message.Message):
+    """Asks for the text of some token ids."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
+    """Optional; must name the served model when set."""
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids in [0, vocab_size)."""
+
     def __init__(
         self,
         *,
@@ -328,10 +381,13 @@ Global___DetokenizeRequest: _TypeAlias = DetokenizeRequest  # noqa: Y015
 
 @_typing.final
 class DetokenizeResponse(_message.Message):
+    """The text of some token ids."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """The decoded text, special tokens skipped."""
     def __init__(
         self,
         *,
@@ -347,6 +403,8 @@ Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
 
 @_typing.final
 class ListModelsRequest(_message.Message):
+    """Asks which models the server serves (no fields)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -362,6 +420,8 @@ Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
 
 @_typing.final
 class ModelCard(_message.Message):
+    """One model name the server answers to, with the served model's limits."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
@@ -369,9 +429,13 @@ class ModelCard(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    """The name to pass as `model` in requests."""
     max_model_len: _builtins.int
+    """Longest prompt plus completion, in tokens (0 before a data plane has connected)."""
     block_size: _builtins.int
+    """Tokens per KV-cache block (the prefix-cache granularity)."""
     kv_cache_dtype: _builtins.str
+    """The KV cache's data type, e.g. "auto", "fp8_e4m3"."""
     def __init__(
         self,
         *,
@@ -390,11 +454,17 @@ Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):
+    """The models the server serves."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCard]: ...
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCard]:
+        """One card per name the server answers to (its --served-model-name list; by default the
+        model's own name), the reported name first.
+        """
+
     def __init__(
         self,
         *,

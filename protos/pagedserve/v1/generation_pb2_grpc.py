@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class GenerationServiceStub:
-    """The public API of the control plane.
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
     """
 
     def __init__(self, channel):
@@ -58,32 +62,42 @@ class GenerationServiceStub:
 
 
 class GenerationServiceServicer:
-    """The public API of the control plane.
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
     """
 
     def Generate(self, request, context):
         """Streams the completion as token ids and text deltas, then one final message per
         completion index. The call's gRPC deadline bounds queueing and generation; cancelling
-        the call aborts the request and frees its KV blocks.
+        the call aborts the request and frees its KV blocks. RESOURCE_EXHAUSTED (admission queue
+        full) carries a `retry-after` trailer in seconds; UNAVAILABLE before the first message
+        means no data plane could take the request, after it that the stream broke.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The prompt token ids the server would generate from (chat prompts rendered with the
+        model's chat template, generation prompt appended).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The text of a list of token ids (special tokens skipped).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The model names this server answers to and the served model's limits.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -120,7 +134,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GenerationService:
-    """The public API of the control plane.
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
     """
 
     @staticmethod

@@ -27,7 +27,12 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class GenerationServiceStub:
-    """The public API of the control plane."""
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -36,28 +41,52 @@ class GenerationServiceStub:
     Generate: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]
     """Streams the completion as token ids and text deltas, then one final message per
     completion index. The call's gRPC deadline bounds queueing and generation; cancelling
-    the call aborts the request and frees its KV blocks.
+    the call aborts the request and frees its KV blocks. RESOURCE_EXHAUSTED (admission queue
+    full) carries a `retry-after` trailer in seconds; UNAVAILABLE before the first message
+    means no data plane could take the request, after it that the stream broke.
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
+    """The prompt token ids the server would generate from (chat prompts rendered with the
+    model's chat template, generation prompt appended).
+    """
     Detokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.DetokenizeRequest, _generation_pb2.DetokenizeResponse]
+    """The text of a list of token ids (special tokens skipped)."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]
+    """The model names this server answers to and the served model's limits."""
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
-    """The public API of the control plane."""
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams the completion as token ids and text deltas, then one final message per
     completion index. The call's gRPC deadline bounds queueing and generation; cancelling
-    the call aborts the request and frees its KV blocks.
+    the call aborts the request and frees its KV blocks. RESOURCE_EXHAUSTED (admission queue
+    full) carries a `retry-after` trailer in seconds; UNAVAILABLE before the first message
+    means no data plane could take the request, after it that the stream broke.
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
+    """The prompt token ids the server would generate from (chat prompts rendered with the
+    model's chat template, generation prompt appended).
+    """
     Detokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.DetokenizeRequest, _generation_pb2.DetokenizeResponse]  # type: ignore[assignment]
+    """The text of a list of token ids (special tokens skipped)."""
     ListModels: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]  # type: ignore[assignment]
+    """The model names this server answers to and the served model's limits."""
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
-    """The public API of the control plane."""
+    """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
+    metadata (required when the server runs with API keys; otherwise UNAUTHENTICATED). Errors
+    are gRPC statuses whose message names the offending field, e.g. INVALID_ARGUMENT
+    "sampling_params.temperature must be >= 0, got -1.0". docs/api.md has the versioning rules
+    and the retry policy of the official clients.
+    """
 
     @_abc_1.abstractmethod
     def Generate(
@@ -67,7 +96,9 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
         """Streams the completion as token ids and text deltas, then one final message per
         completion index. The call's gRPC deadline bounds queueing and generation; cancelling
-        the call aborts the request and frees its KV blocks.
+        the call aborts the request and frees its KV blocks. RESOURCE_EXHAUSTED (admission queue
+        full) carries a `retry-after` trailer in seconds; UNAVAILABLE before the first message
+        means no data plane could take the request, after it that the stream broke.
         """
 
     @_abc_1.abstractmethod
@@ -75,20 +106,25 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _generation_pb2.TokenizeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]: ...
+    ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
+        """The prompt token ids the server would generate from (chat prompts rendered with the
+        model's chat template, generation prompt appended).
+        """
 
     @_abc_1.abstractmethod
     def Detokenize(
         self,
         request: _generation_pb2.DetokenizeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generation_pb2.DetokenizeResponse, _abc.Awaitable[_generation_pb2.DetokenizeResponse]]: ...
+    ) -> _typing.Union[_generation_pb2.DetokenizeResponse, _abc.Awaitable[_generation_pb2.DetokenizeResponse]]:
+        """The text of a list of token ids (special tokens skipped)."""
 
     @_abc_1.abstractmethod
     def ListModels(
         self,
         request: _generation_pb2.ListModelsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generation_pb2.ListModelsResponse, _abc.Awaitable[_generation_pb2.ListModelsResponse]]: ...
+    ) -> _typing.Union[_generation_pb2.ListModelsResponse, _abc.Awaitable[_generation_pb2.ListModelsResponse]]:
+        """The model names this server answers to and the served model's limits."""
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

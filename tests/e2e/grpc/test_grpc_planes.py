@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from clients.python import AsyncGenerationClient, Completion, StreamChunk
+from clients.python.client import NO_RETRY
 from dataplane import LLM, SamplingParams
 from tests.e2e.harness import (
     controlplane_process,
@@ -156,7 +157,7 @@ def test_full_admission_queue_is_resource_exhausted(tiny: Path) -> None:
         # Each request reserves its prompt block plus 60 decode blocks: one runs, one waits.
         cp = await start_controlplane(tiny, [dp.address], max_queue_len=1, decode_reserve_blocks=60)
         try:
-            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}", retry=NO_RETRY) as client:
                 first = client.generate_stream(prompt(1, 8), **LONG)
                 got = 0
                 async for _ in first:

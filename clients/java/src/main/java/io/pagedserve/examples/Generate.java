@@ -1,0 +1,243 @@
+package io.pagedserve.examples;
+
+import io.grpc.Context;
+import io.grpc.StatusRuntimeException;
+import io.pagedserve.client.Completion;
+import io.pagedserve.client.PagedServeClient;
+import io.pagedserve.v1.GenerateRequest;
+import io.pagedserve.v1.SamplingParams;
+import java.io.File;
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
+import java.io.IOException;
+import java.io.PrintStream;
+import java.nio.charset.StandardCharsets;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.List;
+import java.util.concurrent.CancellationException;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutionException;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicBoolean;
+
+/**
+ * Streams one generation from a pagedserve server and prints the text as it arrives; Ctrl-C
+ * cancels the request (the server frees its KV blocks). The flags are the Go example's:
+ *
+ * <pre>
+ * java -cp ... io.pagedserve.examples.Generate --address 127.0.0.1:50051 --max-tokens 64 "The capital of France is"
+ * java -cp ... io.pagedserve.examples.Generate --chat --async "What is the capital of France?"
+ * </pre>
+ *
+ * <p>{@code --async} streams through the async stub (a StreamObserver) instead of iterating the
+ * blocking stub. Exit status: 0 done, 1 the server (or the deadline) ended the call ("error:
+ * CODE: message" on stderr), 2 bad flags, 130 cancelled by Ctrl-C.
+ */
+public final class Generate {
+  private static final String USAGE =
+      "usage: Generate [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat] [--async]\n"
+          + "                [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM] PROMPT\n"
+          + "  (PROMPT - reads it from stdin; --api-key defaults to $PAGEDSERVE_API_KEY)";
+
+  public static void main(String[] args) throws Exception {
+    // UTF-8 whatever the locale, and unbuffered so that each chunk shows as it arrives.
+    PrintStream out = new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8);
+    String address = "127.0.0.1:50051";
+    int maxTokens = 128;
+    float temperature = 0f;
+    boolean chat = false;
+    boolean async = false;
+    double timeout = 0;
+    String apiKey = System.getenv("PAGEDSERVE_API_KEY");
+    boolean tls = false;
+    String caFile = null;
+    List<String> positional = new ArrayList<>();
+    try {
+      for (int i = 0; i < args.length; i++) {
+        String arg = args[i];
+        String value = null;
+        if (arg.startsWith("--") && arg.contains("=")) {
+          value = arg.substring(arg.indexOf('=') + 1);
+          arg = arg.substring(0, arg.indexOf('='));
+        }
+        switch (arg) {
+          case "--chat":
+            chat = true;
+            continue;
+          case "--async":
+            async = true;
+            continue;
+          case "--tls":
+            tls = true;
+            continue;
+          case "-h":
+          case "--help":
+            System.err.println(USAGE);
+            System.exit(0);
+            break;
+          default:
+            break;
+        }
+        if (arg.startsWith("--")) {
+          if (value == null) {
+            if (i + 1 >= args.length) {
+              throw new IllegalArgumentException(arg + " needs a value");
+            }
+            value = args[++i];
+          }
+          switch (arg) {
+            case "--address":
+              address = value;
+              break;
+            case "--max-tokens":
+              maxTokens = Integer.parseInt(value);
+              break;
+            case "--temperature":
+              temperature = Float.parseFloat(value);
+              break;
+            case "--timeout":
+              timeout = Double.parseDouble(value);
+              break;
+            case "--api-key":
+              apiKey = value;
+              break;
+            case "--tls-ca-file":
+              caFile = value;
+              break;
+            default:
+              throw new IllegalArgumentException("unknown flag " + arg);
+          }
+        } else {
+          positional.add(arg);
+        }
+      }
+      if (positional.size() != 1) {
+        throw new IllegalArgumentException("one PROMPT expected");
+      }
+    } catch (IllegalArgumentException e) {
+      System.err.println("error: " + e.getMessage() + "\n" + USAGE);
+      System.exit(2);
+    }
+    String prompt = positional.get(0);
+    if (prompt.equals("-")) {
+      prompt = new String(System.in.readAllBytes(), StandardCharsets.UTF_8);
+    }
+
+    PagedServeClient.Builder builder = PagedServeClient.forAddress(address);
+    if (apiKey != null && !apiKey.isEmpty()) {
+      builder.apiKey(apiKey);
+    }
+    if (caFile != null) {
+      builder.caFile(new File(caFile));
+    } else if (tls) {
+      builder.tls();
+    }
+    if (timeout > 0) {
+      builder.timeout(Duration.ofNanos((long) (timeout * 1e9)));
+    }
+    SamplingParams params = PagedServeClient.sampled(maxTokens, temperature);
+    GenerateRequest request =
+        chat
+            ? PagedServeClient.chatRequest(Collections.singletonList(PagedServeClient.user(prompt)), params)
+            : PagedServeClient.textRequest(prompt, params);
+    int status;
+    try (PagedServeClient client = builder.build()) {
+      status = async ? runAsync(client, request, out) : runBlocking(client, request, out);
+    } catch (IOException | RuntimeException e) { // e.g. an unreadable CA file, no TLS provider
+      System.err.println("error: " + e);
+      status = 1;
+    }
+    System.exit(status);
+  }
+
+  /** Iterates the blocking stub inside a cancellable context that Ctrl-C cancels. */
+  static int runBlocking(PagedServeClient client, GenerateRequest request, PrintStream out) {
+    Context.CancellableContext context = Context.current().withCancellation();
+    AtomicBoolean interrupted = new AtomicBoolean();
+    CountDownLatch finished = new CountDownLatch(1);
+    Thread hook =
+        new Thread(
+            () -> {
+              interrupted.set(true);
+              context.cancel(null);
+              awaitQuietly(finished);
+            });
+    Runtime.getRuntime().addShutdownHook(hook);
+    try {
+      List<Completion> completions = context.call(() -> client.stream(request, chunk -> out.print(chunk.getText())));
+      return finish(completions, out);
+    } catch (StatusRuntimeException e) {
+      return failed(e, interrupted.get(), finished);
+    } catch (Exception e) {
+      throw new IllegalStateException(e);
+    } finally {
+      if (!interrupted.get()) {
+        Runtime.getRuntime().removeShutdownHook(hook);
+      }
+      finished.countDown();
+    }
+  }
+
+  /** Streams through the async stub (a StreamObserver); Ctrl-C cancels the future. */
+  static int runAsync(PagedServeClient client, GenerateRequest request, PrintStream out) throws InterruptedException {
+    CompletableFuture<List<Completion>> future = client.streamAsync(request, chunk -> out.print(chunk.getText()));
+    AtomicBoolean interrupted = new AtomicBoolean();
+    CountDownLatch finished = new CountDownLatch(1);
+    Thread hook =
+        new Thread(
+            () -> {
+              interrupted.set(true);
+              future.cancel(true);
+              awaitQuietly(finished);
+            });
+    Runtime.getRuntime().addShutdownHook(hook);
+    try {
+      return finish(future.get(), out);
+    } catch (CancellationException e) {
+      return failed(null, true, finished);
+    } catch (ExecutionException e) {
+      return failed((StatusRuntimeException) e.getCause(), interrupted.get(), finished);
+    } finally {
+      if (!interrupted.get()) {
+        Runtime.getRuntime().removeShutdownHook(hook);
+      }
+      finished.countDown();
+    }
+  }
+
+  private static int finish(List<Completion> completions, PrintStream out) {
+    out.println();
+    for (Completion c : completions) {
+      System.err.printf(
+          "[%s; %d prompt (%d cached) + %d generated tokens; ttft %.0f ms, total %.2f s]%n",
+          c.finishReasonName(),
+          c.usage.getPromptTokens(),
+          c.usage.getCachedTokens(),
+          c.usage.getCompletionTokens(),
+          c.timings.getTimeToFirstTokenSeconds() * 1000,
+          c.timings.getE2ESeconds());
+    }
+    return 0;
+  }
+
+  private static int failed(StatusRuntimeException e, boolean interrupted, CountDownLatch finished) {
+    if (interrupted) {
+      System.err.println("\ncancelled");
+      finished.countDown();
+      return 130;
+    }
+    System.err.println("\nerror: " + PagedServeClient.describe(e));
+    return 1;
+  }
+
+  private static void awaitQuietly(CountDownLatch latch) {
+    try {
+      latch.await(5, TimeUnit.SECONDS);
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+    }
+  }
+}

@@ -1,0 +1,135 @@
+"""The Python client's retry policy (docs/api.md, "Retries") against a scripted fake server:
+exact attempt counts for UNAVAILABLE before and after the first token, RESOURCE_EXHAUSTED with
+and without `retry-after`, errors that are never retried, the deadline covering all attempts;
+sync and asyncio alike. The Go and Java clients meet the same fake in test_go_java_clients.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from clients.python import AsyncGenerationClient, GenerationClient
+from clients.python.client import DEFAULT_RETRY, NO_RETRY, Completion, RetryPolicy, StreamChunk
+from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
+
+_ids = itertools.count()
+
+
+def prompt(scenario: str) -> str:
+    return f"{scenario}#py-{next(_ids)}"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeServer]:
+    server = FakeServer()
+    yield server
+    server.stop()
+
+
+def test_backoff_schedule_and_retry_after_rules() -> None:
+    policy = RetryPolicy(jitter=0.0)
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    assert [policy.delay(n, False, unavailable) for n in (1, 2, 3, 4)] == [0.1, 0.2, 0.4, None]
+    long = RetryPolicy(max_attempts=10, jitter=0.0)
+    assert [long.delay(n, False, unavailable) for n in (5, 6, 7)] == [1.6, 2.0, 2.0]  # capped
+    for _ in range(200):  # jitter takes up to 20% off, never adds
+        assert 0.08 <= DEFAULT_RETRY.delay(1, False, unavailable) <= 0.1  # type: ignore[operator]
+    assert policy.delay(1, True, unavailable) is None  # after the first token: never
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert policy.delay(1, False, exhausted, [("retry-after", "1.5")]) == 1.5
+    assert policy.delay(1, False, exhausted, [("retry-after", b"2")]) == 2.0
+    assert policy.delay(1, False, exhausted, []) is None
+    assert policy.delay(1, False, exhausted, [("retry-after", "soon")]) is None
+    assert policy.delay(1, False, exhausted, [("retry-after", "31")]) is None  # over max_retry_after_s
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INTERNAL,
+    ):
+        assert policy.delay(1, False, code, [("retry-after", "1")]) is None
+    assert NO_RETRY.delay(1, False, unavailable) is None
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED_ATTEMPTS))
+def test_sync_client_attempts(fake: FakeServer, scenario: str) -> None:
+    p = prompt(scenario)
+    start = time.monotonic()
+    with GenerationClient(fake.address, timeout=20) as client:
+        items: list[StreamChunk | Completion] = []
+        try:
+            for item in client.generate_stream(p):
+                items.append(item)
+            error = None
+        except grpc.RpcError as exc:
+            error = exc
+    elapsed = time.monotonic() - start
+    assert fake.attempts(p) == EXPECTED_ATTEMPTS[scenario]
+    text = "".join(i.text for i in items if isinstance(i, StreamChunk))
+    if scenario in ("unavailable-twice", "exhausted-retry-after", "ok"):
+        assert error is None and text == TEXT
+    else:
+        assert error is not None
+    if scenario == "unavailable-always":
+        assert error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[union-attr]
+        assert 0.56 <= elapsed < 5  # 0.1 + 0.2 + 0.4 s of backoff, less up to 20% jitter
+    if scenario == "exhausted-retry-after":
+        assert elapsed >= 0.3
+    if scenario == "broken-midstream":
+        assert text == PARTIAL and error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[union-attr]
+    if scenario.startswith("exhausted-") and error is not None:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_unary_calls_retry_too_and_no_retry_disables(fake: FakeServer) -> None:
+    p = prompt("unavailable-twice")
+    with GenerationClient(fake.address, timeout=20) as client:
+        assert client.tokenize(p) == [1, 2, 3]
+    assert fake.attempts(p) == 3
+    p = prompt("unavailable-twice")
+    with (
+        GenerationClient(fake.address, timeout=20, retry=NO_RETRY) as client,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        client.generate(p)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert fake.attempts(p) == 1
+
+
+def test_the_deadline_covers_every_attempt(fake: FakeServer) -> None:
+    # retry-after 0.3 s does not fit in a 0.2 s deadline: one attempt, the server's error, at once.
+    p = prompt("exhausted-retry-after")
+    start = time.monotonic()
+    with GenerationClient(fake.address, timeout=0.2) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(p)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert fake.attempts(p) == 1 and time.monotonic() - start < 0.2
+    # Backoff 0.1 + 0.2 s fits in 0.45 s, the third wait (0.4 s) does not: 3 attempts.
+    p = prompt("unavailable-always")
+    with GenerationClient(fake.address, timeout=0.45) as client, pytest.raises(grpc.RpcError):
+        client.generate(p)
+    assert fake.attempts(p) == 3
+
+
+def test_async_client_attempts(fake: FakeServer) -> None:
+    async def run() -> None:
+        async with AsyncGenerationClient(fake.address, timeout=20) as client:
+            for scenario, expected in EXPECTED_ATTEMPTS.items():
+                p = prompt(scenario)
+                try:
+                    out = await client.generate(p)
+                    assert out[0].text == TEXT, scenario
+                except grpc.aio.AioRpcError as exc:
+                    assert scenario not in ("unavailable-twice", "exhausted-retry-after", "ok"), exc
+                assert fake.attempts(p) == expected, scenario
+            p = prompt("unavailable-twice")
+            assert await client.tokenize(p) == [1, 2, 3]
+            assert fake.attempts(p) == 3
+
+    asyncio.run(run())
