@@ -1,0 +1,1 @@
+"""The Helm chart (helm/pagedserve/) and its generator (`python -m helm.generate`)."""

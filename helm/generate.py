@@ -1,0 +1,578 @@
+"""Generate the Helm chart's settings from the config dataclasses, so values, flags and docs agree.
+
+    python -m helm.generate          # rewrite the generated parts of helm/pagedserve/
+    python -m helm.generate --check  # exit 1 if they differ from a fresh generation
+
+The one source of every engine setting is `EngineConfig` (dataplane/config.py); of every
+control-plane tuning setting `ControlPlaneConfig` (controlplane/config.py). Each `setting`
+field with a command-line flag becomes, in the chart:
+
+- a value (camelCase key) in `values.yaml`, with its default and help, between the
+  `# BEGIN GENERATED <block>` / `# END GENERATED <block>` markers;
+- a property of `values.schema.json` (type, choices, the limits the dataclass enforces);
+- a line of `templates/_settings.tpl`, which turns the value into the flag on the
+  container's command line (a value left null, or removed, leaves the flag out: the
+  dataclass default applies);
+- a row of the settings tables in the chart's README.md.
+
+Fields the chart sets itself (the model store path, the discovery address, TLS and ports)
+are listed in CHART_MANAGED with the reason. The Grafana dashboard
+(`files/grafana-dashboard.json`) is generated here too, so its queries live in one place.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python helm/generate.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from controlplane.config import ControlPlaneConfig  # noqa: E402
+from dataplane.config import EngineConfig  # noqa: E402
+from pagedserve.common.settings import flag_name  # noqa: E402
+
+CHART = ROOT / "helm" / "pagedserve"
+GENERATOR = "python -m helm.generate"
+
+# Settings the chart fills in itself, never from `engine` / `controlplane.settings`.
+CHART_MANAGED: dict[str, str] = {
+    "model_home": "the chart mounts the model store at `models.mountPath` and passes `--model-home`",
+    "dataplanes": "the chart passes the data planes' addresses (`controlplane.discovery`)",
+    "dataplane_dns": "the chart passes the headless Service's name (`controlplane.discovery`)",
+    "dataplane_token_file": "the chart mounts the shared token's Secret (`dataplaneAuth.token`)",
+    # ControlPlaneConfig.model: the control planes tokenize with the data planes' model.
+    "controlplane.model": "the control planes use `engine.model` (they tokenize for the data planes)",
+}
+
+# JSON-schema limits mirroring each dataclass's __post_init__ checks (tests/deploy checks that
+# a value just outside each limit is refused by the dataclass and one at the limit accepted).
+BYTES_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgG]([iI][bB])?)?\s*$"
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "block_size": {"minimum": 1},
+    "kv_cache_memory": {"pattern": BYTES_PATTERN},
+    "gpu_memory_utilization": {"exclusiveMinimum": 0, "maximum": 1},
+    "num_gpu_blocks_override": {"minimum": 1},
+    "prefix_hash_seed": {"minLength": 1},
+    "max_num_seqs": {"minimum": 1},
+    "max_num_batched_tokens": {"minimum": 1},
+    "max_model_len": {"minimum": 1},
+    "num_threads": {"minimum": 1},
+    "max_queue_len": {"minimum": 0},
+    "queue_timeout_s": {"exclusiveMinimum": 0},
+    "decode_reserve_blocks": {"minimum": 0},
+    "prefix_weight": {"minimum": 0},
+    "usage_weight": {"minimum": 0},
+    "load_weight": {"minimum": 0},
+}
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One chart value: a `setting` field of a config dataclass with its flag."""
+
+    section: str  # the dataclass section it sits in ("cache", "routing", ...; "" at the top)
+    name: str  # the field name (the dataclass's keyword)
+    key: str  # the values key (camelCase)
+    flag: str  # the command-line flag
+    kind: str  # "bool" | "int" | "float" | "str" | "list"
+    item_kind: str | None  # for "list": the items' kind
+    optional: bool  # None allowed (then the flag is left out)
+    default: Any  # as written in values.yaml (JSON-able; sizes spelled like "2GiB")
+    help: str
+    choices: tuple[Any, ...] | None
+    repeat: bool  # a list given as one flag per item
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        if self.kind == "list":
+            base: dict[str, Any] = {"type": "array", "items": {"type": _kind_type(self.item_kind)}}
+        else:
+            base = {"type": _kind_type(self.kind)}
+        if self.optional:
+            base["type"] = [base["type"], "null"]
+        out: dict[str, Any] = {"description": f"{self.help} ({self.flag})", **base}
+        if self.choices:
+            out["enum"] = [*self.choices, *([None] if self.optional else [])]
+        out.update(CONSTRAINTS.get(self.name, {}))
+        out["default"] = self.default
+        return out
+
+
+def _kind_type(kind: str | None) -> str:
+    return {"bool": "boolean", "int": "integer", "float": "number", "str": "string"}[kind or "str"]
+
+
+def camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _kind(tp: Any, parse: Callable[[str], Any] | None) -> tuple[str, str | None]:
+    if parse is not None:
+        return "str", None  # given as text, parsed by the flag (sizes like "2GiB")
+    if typing.get_origin(tp) is tuple:
+        (item, *_rest) = typing.get_args(tp)
+        return "list", _kind(item, None)[0]
+    if tp not in _JSON_TYPES:
+        raise TypeError(f"no chart value kind for {tp!r}")
+    return {bool: "bool", int: "int", float: "float", str: "str"}[tp], None
+
+
+def knobs(cls: type, owner: str, section: str = "") -> list[Knob]:
+    """Every setting of `cls` that has a flag and is not chart-managed, sections flattened."""
+    out: list[Knob] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += knobs(tp, owner, f.name)
+            continue
+        if "help" not in f.metadata or not f.metadata["cli"]:
+            continue  # not a setting with a flag (security files, code-only knobs)
+        if f.name in CHART_MANAGED or f"{owner}.{f.name}" in CHART_MANAGED:
+            continue
+        value_type, optional = _unwrap_optional(tp)
+        kind, item_kind = _kind(value_type, f.metadata["parse"])
+        default = f.default
+        if default is not None and f.metadata["show"]:
+            default = f.metadata["show"](default)
+        if isinstance(default, tuple):
+            default = list(default)
+        out.append(
+            Knob(
+                section=section,
+                name=f.name,
+                key=camel(f.name),
+                flag=flag_name(f),
+                kind=kind,
+                item_kind=item_kind,
+                optional=optional,
+                default=default,
+                help=str(f.metadata["help"]),
+                choices=tuple(f.metadata["choices"]) if f.metadata["choices"] else None,
+                repeat=bool(f.metadata["repeat"]),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """A group of generated values: where they sit in values.yaml and which define renders them."""
+
+    name: str  # the values path, e.g. "engine" or "controlplane.settings"
+    source: str  # the dataclass it is generated from, for comments
+    define: str  # the template that renders its flags
+    knobs: list[Knob]
+
+    @property
+    def path(self) -> list[str]:
+        return self.name.split(".")
+
+
+def blocks() -> list[Block]:
+    return [
+        Block(
+            "engine",
+            "dataplane/config.py EngineConfig",
+            "pagedserve.engineArgs",
+            knobs(EngineConfig, "engine"),
+        ),
+        Block(
+            "controlplane.settings",
+            "controlplane/config.py ControlPlaneConfig",
+            "pagedserve.controlplaneSettingsArgs",
+            knobs(ControlPlaneConfig, "controlplane"),
+        ),
+    ]
+
+
+# -- values.yaml ---------------------------------------------------------------------------------
+def yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return json.dumps(value)
+    return json.dumps(str(value))  # a JSON string is a YAML string
+
+
+def values_lines(block: Block) -> list[str]:
+    """The block's values, unindented (the caller indents them to the marker's column)."""
+    lines = [f"{block.path[-1]}:"]
+    section = None
+    for knob in block.knobs:
+        if knob.section != section:
+            section = knob.section
+            if section:
+                lines.append(f"  # -- {section} --")
+        note = f" ({', '.join(map(str, knob.choices))})" if knob.choices else ""
+        lines.append(f"  # {knob.flag}: {knob.help}{note}")
+        lines.append(f"  {knob.key}: {yaml_scalar(knob.default)}")
+    return lines
+
+
+def replace_regions(text: str, regions: dict[str, list[str]], comment: str = "#") -> str:
+    """Replace the lines between `<comment> BEGIN GENERATED name` and `<comment> END GENERATED
+    name` with `regions[name]`, indented like the BEGIN marker. Every region must be present."""
+    begin = re.compile(rf"^(?P<indent>[ ]*){re.escape(comment)} BEGIN GENERATED (?P<name>[\w.]+)\b.*$")
+    out: list[str] = []
+    lines = text.splitlines()
+    found: set[str] = set()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        out.append(line)
+        match = begin.match(line)
+        i += 1
+        if not match or match["name"] not in regions:
+            continue
+        name, indent = match["name"], match["indent"]
+        end = re.compile(rf"^\s*{re.escape(comment)} END GENERATED {re.escape(name)}(\s|$)")
+        while i < len(lines) and not end.match(lines[i]):
+            i += 1
+        if i == len(lines):
+            raise ValueError(f"no '{comment} END GENERATED {name}' after '{line.strip()}'")
+        out += [(indent + body) if body else "" for body in regions[name]]
+        found.add(name)
+    missing = sorted(set(regions) - found)
+    if missing:
+        raise ValueError(f"markers not found for: {', '.join(missing)}")
+    return "\n".join(out) + "\n"
+
+
+# -- values.schema.json --------------------------------------------------------------------------
+def block_schema(block: Block) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": f"Generated from {block.source} by `{GENERATOR}`.",
+        "additionalProperties": False,
+        "properties": {knob.key: knob.schema for knob in block.knobs},
+    }
+
+
+def schema_text(current: str, all_blocks: list[Block]) -> str:
+    schema = json.loads(current)
+    for block in all_blocks:
+        node = schema
+        for part in block.path[:-1]:
+            node = node["properties"][part]
+        node["properties"][block.path[-1]] = block_schema(block)
+    return json.dumps(schema, indent=2) + "\n"
+
+
+# -- templates/_settings.tpl ---------------------------------------------------------------------
+def knob_template(knob: Knob) -> list[str]:
+    v = f'index $s "{knob.key}"'
+    if knob.kind == "bool":
+        no_flag = "--no-" + knob.flag.removeprefix("--")
+        emit = [f'- {{{{ ternary "{knob.flag}" "{no_flag}" $v | toJson }}}}']
+    elif knob.kind == "list" and knob.repeat:
+        emit = ["{{- range $v }}", f'- {{{{ printf "{knob.flag}=%v" . | toJson }}}}', "{{- end }}"]
+    elif knob.kind == "list":
+        emit = [f"- {json.dumps(knob.flag)}", "{{- range $v }}", "- {{ toString . | toJson }}", "{{- end }}"]
+    elif knob.kind == "int":
+        emit = [f'- {{{{ printf "{knob.flag}=%d" (int64 $v) | toJson }}}}']
+    else:  # str, float: Go's %v prints floats in their shortest form (0.9, 1e-05)
+        emit = [f'- {{{{ printf "{knob.flag}=%v" $v | toJson }}}}']
+    guard = "if $v" if knob.kind == "list" else 'if not (kindIs "invalid" $v)'
+    return [f"{{{{- $v = {v} }}}}", f"{{{{- {guard} }}}}", *emit, "{{- end }}"]
+
+
+def template_text(all_blocks: list[Block]) -> str:
+    lines = [
+        f"{{{{/* GENERATED by `{GENERATOR}` from the config dataclasses: do not edit. */}}}}",
+        "{{/* Each define renders one block of values as container args, one flag per value;",
+        "     a value that is null or absent leaves its flag out (the dataclass default applies). */}}",
+    ]
+    for block in all_blocks:
+        lookup = ".Values"
+        for part in block.path:
+            lookup = f"(({lookup}).{part} | default dict)"
+        lines += [
+            "",
+            f"{{{{/* {block.name}: {block.source} */}}}}",
+            f'{{{{- define "{block.define}" -}}}}',
+            f"{{{{- $s := {lookup} -}}}}",
+            "{{- $v := 0 -}}",
+        ]
+        for knob in block.knobs:
+            lines += knob_template(knob)
+        lines.append("{{- end }}")
+    return "\n".join(lines) + "\n"
+
+
+# -- README tables -------------------------------------------------------------------------------
+def table_lines(block: Block) -> list[str]:
+    lines = [
+        f"Generated from `{block.source}` by `{GENERATOR}`.",
+        "",
+        "| value | flag | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for knob in block.knobs:
+        default = "null (flag left out)" if knob.default is None else yaml_scalar(knob.default)
+        choices = f" One of: {', '.join(f'`{c}`' for c in knob.choices)}." if knob.choices else ""
+        lines.append(f"| `{block.name}.{knob.key}` | `{knob.flag}` | `{default}` | {knob.help}.{choices} |")
+    return lines
+
+
+# -- Grafana dashboard ---------------------------------------------------------------------------
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+CP = 'namespace=~"$namespace", pod=~"$controlplane_pods"'
+DP = 'namespace=~"$namespace", pod=~"$dataplane_pods"'
+RATE = "[$__rate_interval]"
+
+
+def _quantiles(metric: str, selector: str, by: str = "") -> list[tuple[str, str]]:
+    group = f"{by}, le" if by else "le"
+    return [
+        (
+            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{selector}}}{RATE})))",
+            f"p{round(q * 100)}" + (f" {{{{{by}}}}}" if by else ""),
+        )
+        for q in (0.5, 0.9, 0.99)
+    ]
+
+
+def dashboard() -> dict[str, Any]:
+    """The seed's signals, per data plane: KV usage (blocks, tokens), preemptions, prefix-cache
+    hit rate, running/waiting, TTFT/TPOT/ITL percentiles. Pods are told apart by name (the
+    chart names them `<release>-pagedserve-controlplane-*` and `...-dataplane-<n>`)."""
+    panels: list[dict[str, Any]] = []
+    y = 0
+
+    def row(title: str) -> None:
+        nonlocal y
+        panels.append(
+            {"type": "row", "title": title, "collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}}
+        )
+        y += 1
+
+    def panel(title: str, unit: str, targets: list[tuple[str, str]], x: int, w: int = 12) -> None:
+        nonlocal y
+        panels.append(
+            {
+                "type": "timeseries",
+                "title": title,
+                "datasource": DATASOURCE,
+                "gridPos": {"h": 8, "w": w, "x": x, "y": y},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                "targets": [
+                    {
+                        "refId": chr(ord("A") + i),
+                        "datasource": DATASOURCE,
+                        "expr": expr,
+                        "legendFormat": legend,
+                    }
+                    for i, (expr, legend) in enumerate(targets)
+                ],
+            }
+        )
+        if x + w >= 24:
+            y += 8
+
+    row("KV cache (per data plane)")
+    panel(
+        "KV cache usage (blocks)", "percentunit", [(f"pagedserve_kv_cache_usage_perc{{{DP}}}", "{{pod}}")], 0
+    )
+    panel(
+        "KV cache usage (token slots of used blocks)",
+        "percentunit",
+        [(f"pagedserve_kv_cache_token_usage_perc{{{DP}}}", "{{pod}}")],
+        12,
+    )
+    panel(
+        "Prefix-cache hit rate (tokens)",
+        "percentunit",
+        [
+            (
+                f"sum by (pod) (rate(pagedserve_prefix_cache_hits_total{{{DP}}}{RATE}))"
+                f" / sum by (pod) (rate(pagedserve_prefix_cache_queries_total{{{DP}}}{RATE}))",
+                "{{pod}}",
+            )
+        ],
+        0,
+    )
+    panel(
+        "Preemptions",
+        "ops",
+        [(f"sum by (pod) (rate(pagedserve_num_preemptions_total{{{DP}}}{RATE}))", "{{pod}}")],
+        12,
+    )
+    row("Scheduling")
+    panel(
+        "Running and waiting requests (per data plane)",
+        "short",
+        [
+            (f"pagedserve_num_requests_running{{{DP}}}", "running {{pod}}"),
+            (f"pagedserve_num_requests_waiting{{{DP}}}", "waiting {{pod}}"),
+        ],
+        0,
+    )
+    panel(
+        "Control planes: admission queue and connected data planes",
+        "short",
+        [
+            (f"sum(pagedserve_num_requests_queued{{{CP}}})", "queued for KV budget"),
+            (f"count(max by (dataplane) (pagedserve_dataplane_up{{{CP}}}) == 1)", "data planes up"),
+        ],
+        12,
+    )
+    row("Latency (as clients see it, from the control planes)")
+    panel("Time to first token", "s", _quantiles("pagedserve_time_to_first_token_seconds", CP), 0, 8)
+    panel("Time per output token", "s", _quantiles("pagedserve_time_per_output_token_seconds", CP), 8, 8)
+    panel("Inter-token latency", "s", _quantiles("pagedserve_inter_token_latency_seconds", CP), 16, 8)
+    panel("Time in the admission queue", "s", _quantiles("pagedserve_request_queue_time_seconds", CP), 0)
+    panel(
+        "Requests and tokens",
+        "ops",
+        [
+            (
+                f"sum by (finished_reason) (rate(pagedserve_request_success_total{{{CP}}}{RATE}))",
+                "{{finished_reason}}",
+            ),
+            (f"sum by (code) (rate(pagedserve_request_failure_total{{{CP}}}{RATE}))", "failed {{code}}"),
+            (f"sum(rate(pagedserve_generation_tokens_total{{{CP}}}{RATE}))", "generated tokens/s"),
+        ],
+        12,
+    )
+    row("Latency per data plane (from arrival at the data plane)")
+    panel(
+        "Time to first token p90",
+        "s",
+        _quantiles("pagedserve_time_to_first_token_seconds", DP, by="pod")[1:2],
+        0,
+        8,
+    )
+    panel(
+        "Time per output token p90",
+        "s",
+        _quantiles("pagedserve_time_per_output_token_seconds", DP, by="pod")[1:2],
+        8,
+        8,
+    )
+    panel("Engine step p90", "s", _quantiles("pagedserve_engine_step_seconds", DP, by="pod")[1:2], 16, 8)
+
+    for i, p in enumerate(panels, start=1):
+        p["id"] = i
+    namespace_query = "label_values(pagedserve_num_requests_running, namespace)"
+    return {
+        "title": "pagedserve",
+        "uid": "pagedserve",
+        "description": f"pagedserve control and data planes. Generated by `{GENERATOR}`.",
+        "tags": ["pagedserve", "llm"],
+        "editable": True,
+        "schemaVersion": 39,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timezone": "browser",
+        "templating": {
+            "list": [
+                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus"},
+                {
+                    "name": "namespace",
+                    "label": "Namespace",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "definition": namespace_query,
+                    "query": {"query": namespace_query, "refId": "namespace"},
+                    "refresh": 2,
+                    "includeAll": True,
+                    "multi": True,
+                },
+                {
+                    "name": "controlplane_pods",
+                    "label": "Control-plane pods (regex)",
+                    "type": "textbox",
+                    "query": ".+-controlplane-.+",
+                },
+                {
+                    "name": "dataplane_pods",
+                    "label": "Data-plane pods (regex)",
+                    "type": "textbox",
+                    "query": ".+-dataplane-[0-9]+",
+                },
+            ]
+        },
+        "panels": panels,
+    }
+
+
+# -- all outputs ---------------------------------------------------------------------------------
+def outputs(chart: Path) -> dict[Path, str]:
+    """Every generated file's full new text (hand-written parts kept from the current files)."""
+    all_blocks = blocks()
+    values = chart / "values.yaml"
+    schema = chart / "values.schema.json"
+    readme = chart / "README.md"
+    return {
+        values: replace_regions(values.read_text(), {b.name: values_lines(b) for b in all_blocks}),
+        schema: schema_text(schema.read_text(), all_blocks),
+        chart / "templates" / "_settings.tpl": template_text(all_blocks),
+        readme: replace_regions(
+            readme.read_text(), {b.name: table_lines(b) for b in all_blocks}, comment="<!--"
+        ),
+        chart / "files" / "grafana-dashboard.json": json.dumps(dashboard(), indent=2) + "\n",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on drift")
+    parser.add_argument("--chart", type=Path, default=CHART, help="the chart directory")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs(args.chart).items():
+        current = path.read_text() if path.exists() else ""
+        if current == text:
+            continue
+        stale.append(path)
+        if args.check:
+            diff = difflib.unified_diff(
+                current.splitlines(), text.splitlines(), str(path), "generated", lineterm="", n=1
+            )
+            print("\n".join(list(diff)[:40]), file=sys.stderr)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if args.check and stale:
+        names = ", ".join(str(p.relative_to(args.chart)) for p in stale)
+        print(f"helm/generate: out of date: {names}; run `{GENERATOR}`", file=sys.stderr)
+        return 1
+    if not args.check:
+        print(f"helm/generate: {len(stale)} file(s) rewritten" if stale else "helm/generate: up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

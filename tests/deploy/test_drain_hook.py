@@ -1,0 +1,198 @@
+"""The data planes' preStop hook (helm/pagedserve/files/drain.py) against a gRPC server that
+speaks DataPlaneService: it drains and waits for the running requests, reports a timeout,
+passes a data plane that is already gone, and checks a TLS certificate by the pod's DNS name
+while it dials the loopback address."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pagedserve.common.tls import DATAPLANE_TOKEN_METADATA
+from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from tests.deploy.chart import load_drain_script
+
+
+class FakeDataPlane(dataplane_pb2_grpc.DataPlaneServiceServicer):
+    """Drain semantics of the real servicer: stop taking work, wait while requests remain."""
+
+    def __init__(self, running: int, finish_after_s: float, token: str | None = None) -> None:
+        self.running = running
+        self.finish_after_s = finish_after_s
+        self.token = token
+        self.draining = threading.Event()
+        self.requests: list[dataplane_pb2.DrainRequest] = []
+
+    def Connect(self, request_iterator: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+    def GetState(self, request: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+    def Drain(self, request: dataplane_pb2.DrainRequest, context: Any) -> dataplane_pb2.DrainResponse:
+        sent = [v for k, v in context.invocation_metadata() if k == DATAPLANE_TOKEN_METADATA]
+        if self.token is not None and sent != [self.token]:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this data plane requires its shared token")
+        self.requests.append(request)
+        self.draining.set()
+        end = time.monotonic() + self.finish_after_s
+        while request.wait and self.running and context.is_active():
+            if time.monotonic() >= end:
+                self.running = 0  # the streams finished
+            time.sleep(0.01)
+        return dataplane_pb2.DrainResponse(num_remaining=self.running)
+
+
+def serve(fake: FakeDataPlane, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(fake, server)
+    address = "127.0.0.1:0"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    server.start()
+    return server, port
+
+
+@pytest.fixture
+def dataplane() -> Iterator[tuple[FakeDataPlane, int]]:
+    fake = FakeDataPlane(running=3, finish_after_s=0.3)
+    server, port = serve(fake)
+    yield fake, port
+    server.stop(None)
+
+
+def test_drain_waits_until_the_running_requests_finish(dataplane: tuple[FakeDataPlane, int]) -> None:
+    fake, port = dataplane
+    start = time.monotonic()
+    assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "10"]) == 0
+    assert time.monotonic() - start >= 0.3
+    assert [r.wait for r in fake.requests] == [True] and fake.running == 0
+
+
+def test_drain_reports_requests_left_at_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeDataPlane(running=2, finish_after_s=60)
+    server, port = serve(fake)
+    try:
+        assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "0.3"]) == 1
+    finally:
+        server.stop(None)
+    assert "still running after 0.3 s" in capsys.readouterr().err
+
+
+def test_a_data_plane_that_is_gone_needs_no_drain() -> None:
+    server, port = serve(FakeDataPlane(running=0, finish_after_s=0))
+    server.stop(None)
+    assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "2"]) == 0
+
+
+def test_drain_sends_the_shared_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    token = "0123456789abcdef0123456789abcdef"
+    fake = FakeDataPlane(running=1, finish_after_s=0.1, token=token)
+    server, port = serve(fake)
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "wrong").write_text("f" * 32)
+    base = ["--address", f"127.0.0.1:{port}", "--timeout", "5"]
+    try:
+        assert load_drain_script().main([*base, "--token-file", str(tmp_path / "wrong")]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err and not fake.requests
+        assert load_drain_script().main([*base, "--token-file", str(tmp_path / "token")]) == 0
+        assert len(fake.requests) == 1 and fake.running == 0
+    finally:
+        server.stop(None)
+
+
+def test_half_given_client_certificate_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        load_drain_script().parse_args(["--address", "x:1", "--timeout", "1", "--cert-file", "c"])
+
+
+def _pki(directory: Path, dns_name: str) -> dict[str, Path]:
+    """A CA, a server certificate for `dns_name` only (no IP), and a client certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(cn: str, key: Any, issuer: Any, issuer_key: Any, ca: bool, san: str | None) -> Any:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer.subject if issuer else name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def pem_key(key: Any) -> bytes:
+        return bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+
+    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    ca = cert("test CA", ca_key, None, ca_key, True, None)
+    files = {
+        "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
+        "server.crt": cert("dp", server_key, ca, ca_key, False, dns_name).public_bytes(
+            serialization.Encoding.PEM
+        ),
+        "server.key": pem_key(server_key),
+        "client.crt": cert("cp", client_key, ca, ca_key, False, None).public_bytes(
+            serialization.Encoding.PEM
+        ),
+        "client.key": pem_key(client_key),
+    }
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return {name: directory / name for name in files}
+
+
+def test_mutual_tls_checks_the_pods_dns_name_on_the_loopback_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("cryptography", reason="cryptography (a dev dependency) makes the certificates")
+    pki = _pki(tmp_path, "*.llm-pagedserve-dataplane.serving.svc.cluster.local")
+    credentials = grpc.ssl_server_credentials(
+        [(pki["server.key"].read_bytes(), pki["server.crt"].read_bytes())],
+        root_certificates=pki["ca.crt"].read_bytes(),
+        require_client_auth=True,
+    )
+    fake = FakeDataPlane(running=1, finish_after_s=0.1)
+    server, port = serve(fake, credentials)
+    monkeypatch.setenv("POD_NAME", "llm-pagedserve-dataplane-0")
+    tls = [
+        "--ca-file",
+        str(pki["ca.crt"]),
+        "--cert-file",
+        str(pki["client.crt"]),
+        "--key-file",
+        str(pki["client.key"]),
+    ]
+    base = ["--address", f"127.0.0.1:{port}", "--timeout", "5", *tls]
+    drain = load_drain_script()
+    try:
+        name = "$POD_NAME.llm-pagedserve-dataplane.serving.svc.cluster.local"
+        assert drain.main([*base, "--server-name", name]) == 0
+        assert fake.requests and fake.running == 0
+        # Without the name the certificate (DNS names only) does not match 127.0.0.1.
+        fake.requests.clear()
+        assert drain.main(base) == 1
+        assert not fake.requests
+    finally:
+        server.stop(None)
