@@ -13,6 +13,7 @@ from typing import Any
 
 from controlplane.config import ControlPlaneConfig
 from pagedserve.common import settings
+from pagedserve.common.lifecycle import cli_command
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -32,7 +33,12 @@ def add_listen_args(p: argparse.ArgumentParser) -> None:
 def add_security_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security")
     s.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
-    s.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file of API keys: one per line, as `key` (a tenant of its own) or `tenant: key`, "
+        'or JSON {"tenant": ["key", ...]}; a tenant never hits another tenant\'s prefix cache',
+    )
     s.add_argument(
         "--tls-cert-file", default=None, help="serve gRPC and HTTP over TLS with this certificate (PEM)"
     )
@@ -58,7 +64,7 @@ def add_controlplane_args(p: argparse.ArgumentParser, *, own_dataplane: bool = F
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlaneConfig:
     """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
     (e.g. the data plane `serve` started) replace fields before validation."""
-    from controlplane.auth import load_api_keys
+    from controlplane.auth import load_keys
     from pagedserve.common.tls import ClientTLS, server_tls
 
     dataplane_tls = None
@@ -67,7 +73,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
             args.dataplane_tls_ca_file, args.dataplane_tls_cert_file, args.dataplane_tls_key_file
         )
     values = {**vars(args), **overrides}
-    values["api_keys"] = load_api_keys(args.api_key, args.api_key_file)
+    values["api_keys"], values["api_key_tenants"] = load_keys(args.api_key, args.api_key_file)
     values["tls"] = server_tls(args.tls_cert_file, args.tls_key_file)
     values["dataplane_tls"] = dataplane_tls
     return settings.from_arguments(ControlPlaneConfig, values)
@@ -83,25 +89,33 @@ def add_controlplane_parser(sub: Any) -> None:
     cp.set_defaults(func=cmd_controlplane)
 
 
+@cli_command
 def cmd_controlplane(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     # Serve once a data plane has connected (or after 10 s): requests sent right after the
     # address is printed should not meet an empty routing set.
-    asyncio.run(run_controlplane(config, args.host, args.grpc_port, args.http_port, wait_s=10.0))
-    return 0
+    return asyncio.run(run_controlplane(config, args.host, args.grpc_port, args.http_port, wait_s=10.0))
 
 
 async def run_controlplane(
     config: ControlPlaneConfig, host: str, grpc_port: int, http_port: int, wait_s: float
-) -> None:
+) -> int:
     """Start the control plane, announce its ports once a data plane is connected (or after
-    `wait_s`), and serve until SIGINT/SIGTERM."""
-    from controlplane.server import run_until_signalled, start_control_plane
+    `wait_s`), and serve until SIGINT/SIGTERM; returns the exit code (0 after serving, 128 +
+    the signal when stopped before announcing)."""
+    from controlplane.server import run_until_signalled, start_control_plane, stop_signals
     from pagedserve.common.telemetry import configure_tracing
 
     configure_tracing("pagedserve-controlplane")
     cp = await start_control_plane(config, host, grpc_port, http_port)
+    stopped = stop_signals()
     if wait_s:
-        await cp.dispatcher.wait_ready(wait_s)
-    print(f"pagedserve gRPC on {host}:{cp.grpc_port}  HTTP on http://{host}:{cp.http_port}", flush=True)
-    await run_until_signalled(cp)
+        ready = asyncio.ensure_future(cp.dispatcher.wait_ready(wait_s))
+        waiters: set[asyncio.Future[Any]] = {ready, stopped}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+    announced = not stopped.done()
+    if announced:
+        print(f"pagedserve gRPC on {host}:{cp.grpc_port}  HTTP on http://{host}:{cp.http_port}", flush=True)
+    await run_until_signalled(cp, stopped)
+    return 0 if announced else 128 + stopped.result()  # 130: Ctrl-C while starting

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import setting
-from pagedserve.common.tls import ClientTLS, ServerTLS
+from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,14 @@ class ControlPlaneConfig:
     served_model_names: tuple[str, ...] = setting(
         (), "model names clients may use (first: reported; default: the model's)", flag="--served-model-name"
     )
+    dataplane_token_file: str | None = setting(
+        None, "send the data planes the shared token in this file (their --dataplane-token-file)"
+    )
     # Security settings come from files (controlplane/cli.py reads them): not flags of their own.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # (key, tenant) for the keys a keys file names a tenant for; every other key is a tenant
+    # of its own. A tenant is part of its requests' cache salt (controlplane/auth.py).
+    api_key_tenants: tuple[tuple[str, str], ...] = ()
     tls: ServerTLS | None = None  # the public gRPC and HTTP ports
     dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)
 
@@ -77,3 +83,13 @@ class ControlPlaneConfig:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         if self.decode_reserve_blocks < 0:
             raise ValueError(f"decode_reserve_blocks must be >= 0, got {self.decode_reserve_blocks}")
+        unknown = sorted({key for key, _ in self.api_key_tenants} - set(self.api_keys))
+        if unknown:
+            raise ValueError(f"api_key_tenants: {len(unknown)} key(s) not in api_keys")
+        if self.dataplane_token_file is not None:
+            read_token_file(self.dataplane_token_file)  # a missing or empty file fails at start-up
+
+    @property
+    def dataplane_token(self) -> str | None:
+        """The shared token the links send to the data planes (read from its file), or None."""
+        return None if self.dataplane_token_file is None else read_token_file(self.dataplane_token_file)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +21,7 @@ from controlplane.budget import BlockBudget
 from controlplane.prefix_index import PrefixIndex
 from pagedserve.common.grpc_options import LINK_CHANNEL_OPTIONS
 from pagedserve.common.log import get_logger
-from pagedserve.common.tls import ClientTLS
+from pagedserve.common.tls import ClientTLS, token_metadata
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
@@ -55,9 +55,11 @@ class DataPlaneConnection:
         backoff_s: float = 0.2,
         backoff_max_s: float = 2.0,
         tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address
         self.tls = tls
+        self._metadata = token_metadata(token)  # the data plane's shared token, on every call
         self.index = index
         self.on_change = on_change
         self.backoff_s = backoff_s
@@ -103,7 +105,9 @@ class DataPlaneConnection:
     async def get_state(self, timeout_s: float = 5.0) -> dataplane_pb2.GetStateResponse:
         assert self._channel is not None, "start() first"
         stub = dataplane_pb2_grpc.DataPlaneServiceStub(self._channel)
-        return await stub.GetState(dataplane_pb2.GetStateRequest(), timeout=timeout_s)
+        return await stub.GetState(
+            dataplane_pb2.GetStateRequest(), timeout=timeout_s, metadata=self._metadata
+        )
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, command: dataplane_pb2.SubmitCommand) -> RequestHandle:
@@ -139,8 +143,11 @@ class DataPlaneConnection:
             outgoing: asyncio.Queue[dataplane_pb2.ConnectRequest | None] = asyncio.Queue()
             self._outgoing = outgoing
             reason = "stream ended"
+            # Commands go down through our own writer task (not a request iterator handed to
+            # grpc): this stream owns it and ends it, so a broken stream leaves no task behind.
+            call = stub.Connect(metadata=self._metadata)
+            writer = asyncio.create_task(self._write(call, outgoing), name=f"dataplane-writer-{self.address}")
             try:
-                call = stub.Connect(self._commands(outgoing))
                 async for response in call:
                     if response.HasField("snapshot"):
                         self._on_snapshot(response.snapshot)
@@ -152,6 +159,10 @@ class DataPlaneConnection:
             except asyncio.CancelledError:
                 self._lost("the control plane is shutting down")
                 raise
+            finally:
+                writer.cancel()
+                call.cancel()
+                await asyncio.wait({writer})
             self._lost(reason)
             if self._closed:
                 break
@@ -159,14 +170,19 @@ class DataPlaneConnection:
             backoff = min(self.backoff_max_s, backoff * 2)
 
     @staticmethod
-    async def _commands(
+    async def _write(
+        call: grpc.aio.StreamStreamCall[dataplane_pb2.ConnectRequest, dataplane_pb2.ConnectResponse],
         outgoing: asyncio.Queue[dataplane_pb2.ConnectRequest | None],
-    ) -> AsyncIterator[dataplane_pb2.ConnectRequest]:
-        while True:
-            command = await outgoing.get()
-            if command is None:
-                return
-            yield command
+    ) -> None:
+        """Send the queued commands down the stream; None half-closes it. Ends quietly when the
+        stream has ended (the reader reports why)."""
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            while True:
+                command = await outgoing.get()
+                if command is None:
+                    await call.done_writing()
+                    return
+                await call.write(command)
 
     def _on_snapshot(self, snapshot: dataplane_pb2.DataPlaneSnapshot) -> None:
         self.info = snapshot.info

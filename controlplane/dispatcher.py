@@ -105,6 +105,7 @@ class Dispatcher:
             backoff_s=self.config.reconnect_backoff_s,
             backoff_max_s=self.config.reconnect_backoff_max_s,
             tls=self.config.dataplane_tls,
+            token=self.config.dataplane_token,
         )
         self.connections[address] = link
         link.start()

@@ -1,11 +1,17 @@
-"""Assemble and run a control plane: dispatcher, gRPC GenerationService, HTTP port."""
+"""Assemble and run a control plane: dispatcher, gRPC GenerationService, HTTP port.
+
+The ports are checked before anything else and bound without SO_REUSEPORT: a second control
+plane on a taken port fails at once with one line (pagedserve/common/lifecycle.py).
+`Liveness` says whether this process can still serve (the HTTP `/live` probe).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +23,7 @@ from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
 from controlplane.servicer import GenerationServicer
 from controlplane.tokenizer import Tokenizer
+from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, bind_error, check_port_free
 from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
@@ -27,6 +34,57 @@ log = get_logger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _HEALTH_POLL_S = 0.5
+_HEARTBEAT_S = 1.0
+
+
+class Liveness:
+    """Whether the process can still serve, for a liveness probe (HTTP `/live`; the app finds
+    it as `app.state.liveness`). Not live once something declared the process dead (`fail`,
+    e.g. `serve` gave up restarting its data plane), once a task the control plane cannot
+    work without has ended, or while the event loop's heartbeat is older than `stall_s` (a
+    loop blocked that long; one that never comes back answers no probe at all).
+
+    Readiness is another matter: with no data plane connected `/health` says 503 while `/live`
+    stays 200, since restarting this process would not bring a data plane back.
+    """
+
+    def __init__(self, stall_s: float = 30.0) -> None:
+        self.stall_s = stall_s
+        self._interval_s = min(_HEARTBEAT_S, stall_s / 4)
+        self._failure: str | None = None
+        self._beat = time.monotonic()
+        self._vital: list[tuple[str, asyncio.Task[None]]] = []
+
+    def fail(self, reason: str) -> None:
+        """Declare the process unable to serve for good."""
+        if self._failure is None:
+            self._failure = reason
+            log.error("not_live", reason=reason)
+
+    def watch(self, name: str, task: asyncio.Task[None]) -> None:
+        """`task` runs for the control plane's whole life: its end means the process is broken."""
+        self._vital.append((name, task))
+
+    def problem(self) -> str | None:
+        """Why the process cannot serve, or None while it can."""
+        if self._failure is not None:
+            return self._failure
+        for name, task in self._vital:
+            if task.done():
+                return f"{name} stopped"
+        stalled = time.monotonic() - self._beat
+        if stalled > self.stall_s:
+            return f"the event loop was blocked for {stalled:.0f} s"
+        return None
+
+    @property
+    def live(self) -> bool:
+        return self.problem() is None
+
+    async def heartbeat(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(self._interval_s)
 
 
 @dataclass
@@ -38,13 +96,21 @@ class ControlPlane:
     grpc_port: int
     http: HttpServer | None
     _health_task: asyncio.Task[None]
+    liveness: Liveness = field(default_factory=Liveness)
+    _heartbeat_task: asyncio.Task[None] | None = None
 
     @property
     def http_port(self) -> int | None:
         return None if self.http is None else self.http.port
 
+    def live(self) -> bool:
+        """Whether this process can still serve (see `Liveness`)."""
+        return self.liveness.live
+
     async def stop(self, grace_s: float = 2.0) -> None:
         self._health_task.cancel()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         await self.grpc_server.stop(grace_s)
         if self.http is not None:
             await self.http.stop()
@@ -58,20 +124,18 @@ async def create_server(frontend: Frontend, address: str = "127.0.0.1:0") -> tup
 
 
 async def _start_grpc(
-    frontend: Frontend, address: str, api_keys: tuple[str, ...] = (), tls: ServerTLS | None = None
+    frontend: Frontend, address: str, keys: ApiKeys | None = None, tls: ServerTLS | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     interceptors = []
-    if api_keys:
+    if keys is not None:
         reject = lambda: frontend.metrics.failure("UNAUTHENTICATED")  # noqa: E731
-        interceptors.append(GrpcAuthInterceptor(ApiKeys(api_keys), on_reject=reject))
-    server = grpc.aio.server(interceptors=interceptors)
+        interceptors.append(GrpcAuthInterceptor(keys, on_reject=reject))
+    server = grpc.aio.server(interceptors=interceptors, options=[NO_REUSEPORT])
+    port = add_port(server, address, tls.credentials() if tls else None, flag="--grpc-port")
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
-    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the control plane to {address}")
     await server.start()
     return server, port, health_servicer
 
@@ -97,32 +161,53 @@ async def _track_health(dispatcher: Dispatcher, health_servicer: health.aio.Heal
 async def start_control_plane(
     config: ControlPlaneConfig, host: str = "127.0.0.1", grpc_port: int = 0, http_port: int | None = 0
 ) -> ControlPlane:
-    """Connect to the data planes and serve gRPC (and HTTP unless `http_port` is None)."""
+    """Connect to the data planes and serve gRPC (and HTTP unless `http_port` is None).
+    A port that is taken raises PortInUseError before anything is loaded."""
+    check_port_free(host, grpc_port, "--grpc-port")
+    if http_port is not None:
+        check_port_free(host, http_port, "--http-port")
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
+    keys = ApiKeys(config.api_keys, config.api_key_tenants) if config.api_keys else None
     dispatcher = Dispatcher(config)
-    await dispatcher.start()
     frontend = Frontend(dispatcher, tokenizer, config.model, served_model_names=config.served_model_names)
-    server, port, health_servicer = await _start_grpc(
-        frontend, f"{host}:{grpc_port}", config.api_keys, config.tls
-    )
-    health_task = asyncio.create_task(_track_health(dispatcher, health_servicer))
+    server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
+    liveness = Liveness()
     http = None
     if http_port is not None:
-        http = HttpServer(
-            create_app(frontend, ApiKeys(config.api_keys) if config.api_keys else None),
-            host,
-            http_port,
-            config.tls,
-        )
+        app = create_app(frontend, keys)
+        app.state.liveness = liveness
+        try:
+            http = HttpServer(app, host, http_port, config.tls)
+        except OSError as exc:
+            await server.stop(None)
+            raise bind_error(host, http_port, exc, "--http-port") from None
         await http.start()
-    return ControlPlane(dispatcher, server, port, http, health_task)
+    await dispatcher.start()
+    health_task = asyncio.create_task(_track_health(dispatcher, health_servicer), name="health")
+    liveness.watch("the health tracker", health_task)
+    heartbeat = asyncio.create_task(liveness.heartbeat(), name="heartbeat")
+    liveness.watch("the event-loop heartbeat", heartbeat)
+    return ControlPlane(dispatcher, server, port, http, health_task, liveness, heartbeat)
 
 
-async def run_until_signalled(control_plane: ControlPlane) -> None:
-    stop = asyncio.Event()
+def stop_signals() -> asyncio.Future[int]:
+    """A future that SIGINT or SIGTERM completes with the signal's number (handlers on the
+    running loop; a second signal finds the future done and changes nothing)."""
     loop = asyncio.get_running_loop()
+    stopped: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(sig: int) -> None:
+        if not stopped.done():
+            stopped.set_result(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stopped
+
+
+async def run_until_signalled(
+    control_plane: ControlPlane, stopped: asyncio.Future[int] | None = None
+) -> None:
+    await (stopped if stopped is not None else stop_signals())
     log.info("controlplane_stopping")
     await control_plane.stop()

@@ -7,12 +7,12 @@ Heavy modules are imported when a command runs, so `--help` never imports torch.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
 from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 from pagedserve.common import settings
+from pagedserve.common.lifecycle import cli_command, exit_with_parent
 
 # --help shows every default (settings declare theirs once, in dataplane/config.py).
 HELP_FORMAT = settings.HelpFormatter
@@ -51,6 +51,7 @@ def make_sampling(args: argparse.Namespace) -> Any:
     )
 
 
+@cli_command
 def cmd_generate(args: argparse.Namespace) -> int:
     params = make_sampling(args)
     llm = make_llm(args)
@@ -64,6 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@cli_command
 def cmd_chat(args: argparse.Namespace) -> int:
     params = make_sampling(args)
     llm = make_llm(args)
@@ -120,6 +122,7 @@ def add_dataplane_parsers(sub: Any) -> None:
         help="the whole DataPlaneConfig as JSON (what `pagedserve serve` hands its child); "
         "replaces every other data-plane and engine flag",
     )
+    dp.add_argument("--exit-with-parent", type=int, default=None, metavar="PID", help=argparse.SUPPRESS)
     dp.set_defaults(func=cmd_dataplane)
 
 
@@ -129,14 +132,17 @@ def dataplane_config_from_args(args: argparse.Namespace) -> DataPlaneConfig:
     return settings.from_arguments(DataPlaneConfig, args)
 
 
+@cli_command
 def cmd_dataplane(args: argparse.Namespace) -> int:
-    from dataplane.server.server import build_engine_loop, serve
+    from dataplane.server.server import run
     from pagedserve.common.telemetry import configure_tracing
-    from pagedserve.common.tls import server_tls
+    from pagedserve.common.tls import read_token_file, server_tls
 
+    if args.exit_with_parent is not None:  # `serve`'s child: SIGTERM when `serve` dies
+        exit_with_parent(args.exit_with_parent)
     config = dataplane_config_from_args(args)
-    configure_tracing("pagedserve-dataplane")
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-    engine_loop = build_engine_loop(config.engine, config.dataplane_id)
-    asyncio.run(serve(engine_loop, f"{config.host}:{config.port}", metrics_port=config.metrics_port, tls=tls))
+    token = read_token_file(config.dataplane_token_file) if config.dataplane_token_file else None
+    configure_tracing("pagedserve-dataplane")
+    run(config, tls, token)
     return 0

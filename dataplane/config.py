@@ -14,6 +14,7 @@ from typing import Any
 from kernels.names import BACKENDS
 from pagedserve.common import settings
 from pagedserve.common.block_hash import DEFAULT_HASH_SEED
+from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
 from pagedserve.common.settings import format_bytes, parse_bytes, setting
 
@@ -177,6 +178,10 @@ class DataPlaneConfig:
 
     `pagedserve dataplane` derives its flags from these fields; `pagedserve serve` hands its
     data-plane child this whole config as JSON (`--config-json`), never a rebuilt argv.
+
+    Whoever reaches the port can run the model, so off loopback a control plane must prove
+    itself: with a client certificate (`tls_client_ca_file`, mutual TLS) or the shared token
+    (`dataplane_token_file`); `allow_insecure_dataplane` waives that on a trusted network.
     """
 
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
@@ -188,4 +193,24 @@ class DataPlaneConfig:
     tls_client_ca_file: str | None = setting(
         None, "require control planes to present a cert from this CA (mTLS)"
     )
+    dataplane_token_file: str | None = setting(
+        None, "require control planes to send the shared token in this file (their --dataplane-token-file)"
+    )
+    allow_insecure_dataplane: bool = setting(
+        False,
+        "serve control planes without mTLS or a token on a non-loopback address (trusted networks only)",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_insecure_dataplane, bool):
+            raise ValueError(
+                f"allow_insecure_dataplane must be a bool, got {self.allow_insecure_dataplane!r}"
+            )
+        authenticated = self.tls_client_ca_file is not None or self.dataplane_token_file is not None
+        if not authenticated and not self.allow_insecure_dataplane and not is_loopback(self.host):
+            raise ValueError(
+                f"the data plane would let anyone who reaches {self.host}:{self.port} run the model: "
+                "require control planes to authenticate with --tls-client-ca-file (mutual TLS) or "
+                "--dataplane-token-file (a shared token), or pass --allow-insecure-dataplane on a trusted network"
+            )

@@ -1,4 +1,4 @@
-"""`pagedserve dataplane`: load the engine, start its loop thread, serve DataPlaneService."""
+"""`pagedserve dataplane`: bind the port, load the engine, start its loop thread, serve DataPlaneService."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import socket
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dataplane.config import EngineConfig
+from dataplane.config import DataPlaneConfig, EngineConfig
+from dataplane.server.auth import DataPlaneTokenInterceptor
 from dataplane.server.engine_api import DataPlaneIdentity
 from dataplane.server.engine_loop import EngineLoop
 from dataplane.server.servicer import DataPlaneServicer
 from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
+from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, check_port_free
 from pagedserve.common.log import get_logger
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
@@ -49,37 +51,78 @@ def build_engine_loop(config: EngineConfig, dataplane_id: str | None = None) -> 
     return EngineLoop(engine, identity)
 
 
-async def create_server(
-    engine_loop: EngineLoop, address: str = "127.0.0.1:0", tls: ServerTLS | None = None
+async def bind_server(
+    address: str, tls: ServerTLS | None = None, token: str | None = None, flag: str | None = None
 ) -> tuple[grpc.aio.Server, int]:
-    """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port.
-    With `tls` (and its client CA) control planes must connect over mutual TLS."""
-    server = grpc.aio.server(options=LINK_SERVER_OPTIONS)
+    """A gRPC server already listening on `address` (without SO_REUSEPORT: a taken port is an
+    error here, before any model loads), not yet serving; returns it and its port. With `tls`
+    (and its client CA) control planes must connect over mutual TLS; with `token` they must
+    send it. Serve it with `start_server` once the engine is loaded (connections wait until
+    then)."""
+    interceptors = [DataPlaneTokenInterceptor(token)] if token is not None else []
+    server = grpc.aio.server(options=[*LINK_SERVER_OPTIONS, NO_REUSEPORT], interceptors=interceptors)
+    port = add_port(server, address, tls.credentials() if tls else None, flag)
+    return server, port
+
+
+async def start_server(server: grpc.aio.Server, engine_loop: EngineLoop) -> None:
+    """Serve DataPlaneService (plus health and reflection) for `engine_loop` on a bound server."""
     dataplane_pb2_grpc.add_DataPlaneServiceServicer_to_server(DataPlaneServicer(engine_loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
-    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the data plane to {address}")
     if not engine_loop.alive:
         engine_loop.start()
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def create_server(
+    engine_loop: EngineLoop,
+    address: str = "127.0.0.1:0",
+    tls: ServerTLS | None = None,
+    token: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for `engine_loop` (started too) on `address`; returns it and its port."""
+    server, port = await bind_server(address, tls, token)
+    await start_server(server, engine_loop)
     return server, port
+
+
+def run(config: DataPlaneConfig, tls: ServerTLS | None = None, token: str | None = None) -> None:
+    """`pagedserve dataplane`: bind the ports, then load the model, then serve until SIGINT or
+    SIGTERM. The model loads in the main thread with no event loop running, so Ctrl-C during
+    the load is a plain KeyboardInterrupt (the command exits 130) and SIGTERM ends the process
+    at once."""
+    from pagedserve.common.models.store import resolve_model_path
+
+    with asyncio.Runner() as runner:
+        server, port = runner.run(bind_server(f"{config.host}:{config.port}", tls, token, flag="--port"))
+        try:
+            if config.metrics_port:
+                check_port_free(config.host, config.metrics_port, "--metrics-port")
+            model = config.engine.model
+            resolve_model_path(model.model, model.model_home)  # not pulled: say so before importing torch
+            print(f"pagedserve dataplane loading {model.model} (port {port} bound)", flush=True)
+            engine_loop = build_engine_loop(config.engine, config.dataplane_id)
+        except BaseException:
+            runner.run(server.stop(None))
+            raise
+        runner.run(serve(engine_loop, server, port, config.host, config.metrics_port))
 
 
 async def serve(
     engine_loop: EngineLoop,
-    address: str,
+    server: grpc.aio.Server,
+    port: int,
+    host: str = "127.0.0.1",
     metrics_port: int | None = None,
-    tls: ServerTLS | None = None,
     grace_s: float = 5.0,
 ) -> None:
-    """Run until SIGINT/SIGTERM, then stop accepting, end the streams and stop the loop."""
-    server, port = await create_server(engine_loop, address, tls)
-    host = address.rsplit(":", 1)[0]
+    """Serve on a bound `server` until SIGINT/SIGTERM, then stop accepting, end the streams and
+    stop the loop."""
+    await start_server(server, engine_loop)
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -99,3 +142,5 @@ async def serve(
     engine_loop.stop()
     for task in (waiter, stopper):
         task.cancel()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)

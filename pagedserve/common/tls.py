@@ -1,11 +1,21 @@
-"""TLS credentials from PEM files, for both planes' gRPC servers and channels."""
+"""Security of the gRPC ports, for both planes: TLS credentials from PEM files, the shared
+token control planes present to data planes (`--dataplane-token-file`), and the handler that
+refuses a call in place of the one it was meant for."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+
+# The metadata key of the data-plane token on the link (a control plane sends it on every call).
+DATAPLANE_TOKEN_METADATA = "x-pagedserve-dataplane-token"
+MIN_TOKEN_LENGTH = 16
 
 
 def _read(path: str | None) -> bytes | None:
@@ -65,3 +75,63 @@ def server_tls(
         if path is not None and not Path(path).is_file():
             raise ValueError(f"tls: no such file {path}")
     return ServerTLS(cert_file, key_file, client_ca_file)
+
+
+def read_token_file(path: str) -> str:
+    """The shared data-plane token in `path` (surrounding whitespace stripped); ValueError
+    naming the file when it is missing, empty or too short to be a secret."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"dataplane token: no such file {path}")
+    token = file.read_text().strip()
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+        raise ValueError(
+            f"dataplane token: {path} must hold one token of at least {MIN_TOKEN_LENGTH} characters "
+            "without spaces (e.g. the output of `openssl rand -hex 32`)"
+        )
+    return token
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying `token` (none without one)."""
+    return () if token is None else ((DATAPLANE_TOKEN_METADATA, token),)
+
+
+def token_matches(expected: str, values: Sequence[str]) -> bool:
+    """Exactly one token value was sent and it equals `expected` (compared in constant time)."""
+    if len(values) != 1:
+        return False
+    return hmac.compare_digest(
+        hashlib.sha256(values[0].encode()).digest(), hashlib.sha256(expected.encode()).digest()
+    )
+
+
+def metadata_values(metadata: Sequence[tuple[str, Any]] | None, key: str) -> list[str]:
+    """Every value of `key` in call metadata (a key sent twice has two)."""
+    return [str(v) for k, v in metadata or () if k == key]
+
+
+def deny_like(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends every call with `code`: what a server
+    interceptor returns to refuse a call (the request is never handed to the service)."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+        yield  # pragma: no cover (makes this an async generator, like the handler it replaces)
+
+    request_streaming = bool(handler.request_streaming)
+    if handler.response_streaming:
+        make: Callable[..., grpc.RpcMethodHandler] = (
+            grpc.stream_stream_rpc_method_handler
+            if request_streaming
+            else grpc.unary_stream_rpc_method_handler
+        )
+        return make(deny_stream, handler.request_deserializer, handler.response_serializer)
+    make = grpc.stream_unary_rpc_method_handler if request_streaming else grpc.unary_unary_rpc_method_handler
+    return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]

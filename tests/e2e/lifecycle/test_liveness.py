@@ -1,0 +1,71 @@
+"""`/live`, the liveness probe: 200 while the control plane can serve, 503 (with the reason)
+once it cannot: `serve` gave up on its data plane, a task it cannot work without ended, or
+its event loop stalled. Readiness (`/health`) is the data planes' business, not this."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.server import Liveness
+from tests.e2e.harness import ServerThread, engine_config
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def test_liveness_reasons() -> None:
+    async def run() -> None:
+        liveness = Liveness(stall_s=0.2)
+        heartbeat = asyncio.create_task(liveness.heartbeat())
+        vital = asyncio.create_task(asyncio.sleep(3600))
+        liveness.watch("the vital task", vital)
+        await asyncio.sleep(0)
+        assert liveness.live and liveness.problem() is None
+        time.sleep(0.3)  # the loop blocked: the heartbeat is late
+        assert "blocked" in (liveness.problem() or "")
+        await asyncio.sleep(0.05)
+        assert liveness.live  # it came back
+        vital.cancel()
+        await asyncio.wait({vital})
+        assert liveness.problem() == "the vital task stopped"
+        liveness.fail("the data plane kept dying")
+        liveness.fail("a later reason does not replace the first")
+        assert liveness.problem() == "the data plane kept dying"
+        heartbeat.cancel()
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(engine_config(tiny, num_blocks=8, max_model_len=256), tiny)
+    yield srv
+    srv.close()
+
+
+def get(url: str) -> tuple[int, dict[str, str]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_live_fails_once_the_process_cannot_serve(server: ServerThread) -> None:
+    assert server.controlplane.live()
+    assert get(f"{server.http_url}/live")[0] == 200
+    server.controlplane.liveness.fail("the data plane died 6 times within 300 s: giving up")
+    assert not server.controlplane.live()
+    status, body = get(f"{server.http_url}/live")
+    assert status == 503 and "giving up" in body["reason"]
