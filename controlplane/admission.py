@@ -3,8 +3,10 @@
 A request is placed at once when nobody is waiting and some data plane's budget covers it;
 otherwise it queues (first come, first served: a large request at the head is not starved
 by smaller ones behind it). `poke()` retries the queue whenever budgets change (a data plane
-reported, a request finished). A full queue refuses with RESOURCE_EXHAUSTED and a retry hint;
-a request still waiting at its deadline fails with DEADLINE_EXCEEDED.
+reported, a request finished) and whenever a request leaves it unplaced (deadline, cancel, a
+client that went away), so the next one is examined at once rather than at its own deadline.
+A full queue refuses with RESOURCE_EXHAUSTED and a retry hint; a request still waiting at its
+deadline fails with DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class AdmissionQueue(Generic[T]):
             if not waiter.future.done():
                 waiter.future.cancel()
                 self._remove(waiter)
+                self.poke()  # it may have held up the head of the queue: re-examine the rest
             elif not admitted and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self._release(waiter.future.result())  # placed, but the caller went away
         placed = waiter.future.result()

@@ -15,15 +15,22 @@ HTTP_STATUS = {
 
 
 class ServiceError(Exception):
-    """A request failed with `code` (a gRPC status name) and a message for the client."""
+    """A request failed with `code` (a gRPC status name) and a message for the client.
 
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+    `param`: the request field the message is about, as the client named it (the OpenAI error
+    JSON reports it; gRPC messages name the field in their text).
+    """
+
+    def __init__(
+        self, code: str, message: str, retry_after_s: float | None = None, param: str | None = None
+    ) -> None:
         if code not in HTTP_STATUS:
             raise ValueError(f"unknown status code {code!r}")
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param
         self.counted = False  # set once a failure metric has recorded it
 
     @property
@@ -31,5 +38,10 @@ class ServiceError(Exception):
         return HTTP_STATUS[self.code]
 
 
-def invalid_argument(message: str) -> ServiceError:
-    return ServiceError("INVALID_ARGUMENT", message)
+def invalid_argument(message: str, param: str | None = None) -> ServiceError:
+    return ServiceError("INVALID_ARGUMENT", message, param=param)
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """`text` shortened for an error message: a client's value is never echoed unbounded."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -11,30 +11,53 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
+from controlplane.auth import request_tenant, tenant_salt
 from controlplane.detokenizer import IncrementalDetokenizer
 from controlplane.dispatcher import Admitted, Dispatcher
-from controlplane.errors import ServiceError, invalid_argument
+from controlplane.errors import ServiceError, clip, invalid_argument
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.placement import NO_DATAPLANE
-from controlplane.request import GenerationRequest
+from controlplane.request import GenerationRequest, new_request_id
 from controlplane.tokenizer import Tokenizer
+from pagedserve.common.admission_rules import beyond_context
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
+from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
 
-MAX_STOP_STRINGS = 16
+# Limits of one request, the same over gRPC and HTTP: whatever a client sends, the work and the
+# memory one request can cause are bounded before any per-request state is built.
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters per stop string (the detokenizer holds back that many)
+MAX_PROMPT_CHARS = 1 << 20  # characters of a text prompt, or of a chat's contents in all
+MAX_NAME_CHARS = 256  # a model name, a client's request id, a cache salt
+MAX_PROMPTS = 256  # prompts in one HTTP completions request
+MAX_CHOICES = 1024  # completions in one HTTP completions request (prompts × n)
+# n (and best_of): at most sampling_params.MAX_NUM_SAMPLES (128), enforced by SamplingParams.
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def check_text(value: str, field_name: str, limit: int) -> None:
+    """A client's string: at most `limit` characters and valid Unicode (no lone surrogate,
+    which JSON can carry but no tokenizer or protobuf accepts); INVALID_ARGUMENT otherwise."""
+    if len(value) > limit:
+        raise invalid_argument(f"{field_name}: at most {limit} characters", field_name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_argument(
+            f"{field_name}: not valid Unicode (a lone surrogate at character {exc.start})", field_name
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -99,11 +122,34 @@ class Frontend:
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
 
     # -- validation -----------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.served_model_names:
+    def check_model(self, model: str | None, field_name: str = "model") -> None:
+        """None (omitted; gRPC sends "" for that) means the served model, as in vLLM."""
+        if model is None:
+            return
+        if not model:
+            raise invalid_argument(
+                f"{field_name} must not be empty (omit it for the served model)", field_name
+            )
+        if len(model) > MAX_NAME_CHARS:  # never echoed: it could fill a gRPC status or a log line
+            raise invalid_argument(f"{field_name}: at most {MAX_NAME_CHARS} characters", field_name)
+        if model not in self.served_model_names:
             served = ", ".join(repr(n) for n in self.served_model_names)
             raise ServiceError(
-                "NOT_FOUND", f"model: {model!r} is not served here (this server serves {served})"
+                "NOT_FOUND",
+                f"{field_name}: {model!r} is not served here (this server serves {served})",
+                param=field_name,
+            )
+
+    def check_batch(self, num_prompts: int, n: int, field_name: str = "prompt") -> None:
+        """One HTTP completions call may carry several prompts: at most MAX_PROMPTS, and at
+        most MAX_CHOICES completions in all (prompts × n), checked before any is validated."""
+        if num_prompts > MAX_PROMPTS:
+            raise invalid_argument(f"{field_name}: at most {MAX_PROMPTS} prompts per request", field_name)
+        if num_prompts > 1 and num_prompts * n > MAX_CHOICES:  # one prompt: n's own bound
+            raise invalid_argument(
+                f"n: {num_prompts} prompts × n={n} asks for {num_prompts * n} completions, "
+                f"at most {MAX_CHOICES} per request",
+                "n",
             )
 
     def vocab_size(self) -> int | None:
@@ -147,34 +193,59 @@ class Frontend:
 
     def encode_text(self, text: str, field_name: str = "prompt.text") -> list[int]:
         if not text:
-            raise invalid_argument(f"{field_name} must not be empty")
+            raise invalid_argument(f"{field_name} must not be empty", field_name)
+        check_text(text, field_name, MAX_PROMPT_CHARS)
         try:
             return self.tokenizer.encode(text)
-        except ValueError as exc:
-            raise invalid_argument(f"{field_name}: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise invalid_argument(f"{field_name}: {exc}", field_name) from None
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], field_name: str = "prompt.chat.messages"
+        self,
+        messages: Sequence[dict[str, str]],
+        field_name: str = "prompt.chat.messages",
+        add_generation_prompt: bool = True,
     ) -> list[int]:
+        text = self.render_chat(messages, field_name, add_generation_prompt)
+        try:
+            return self.tokenizer.encode(text)
+        except (ValueError, TypeError) as exc:
+            raise invalid_argument(f"{field_name}: {exc}", field_name) from None
+
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        field_name: str = "prompt.chat.messages",
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The chat rendered with the model's template (generation prompt appended)."""
         if not messages:
-            raise invalid_argument(f"{field_name} must not be empty")
+            raise invalid_argument(f"{field_name} must not be empty", field_name)
+        total = 0
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
-                raise invalid_argument(f"{field_name}[{i}].role must be one of {', '.join(CHAT_ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise invalid_argument(f"{field_name}[{i}].content must be a string")
+                name = f"{field_name}[{i}].role"
+                raise invalid_argument(f"{name} must be one of {', '.join(CHAT_ROLES)}", name)
+            content = m.get("content")
+            if not isinstance(content, str):
+                name = f"{field_name}[{i}].content"
+                raise invalid_argument(f"{name} must be a string", name)
+            check_text(content, f"{field_name}[{i}].content", MAX_PROMPT_CHARS)
+            total += len(content)
+        if total > MAX_PROMPT_CHARS:
+            raise invalid_argument(f"{field_name}: at most {MAX_PROMPT_CHARS} characters in all", field_name)
         try:
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
-        except ValueError as exc:
-            raise invalid_argument(f"{field_name}: {exc}") from None
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+        except (ValueError, TypeError) as exc:
+            raise invalid_argument(f"{field_name}: {exc}", field_name) from None
 
     def check_token_ids(self, ids: Sequence[int], field_name: str = "prompt.token_ids") -> list[int]:
         vocab = self.vocab_size()
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise invalid_argument(f"{field_name} must be in [0, {vocab}), got {bad[:5]}")
+            raise invalid_argument(f"{field_name} must be in [0, {vocab}), got {bad[:5]}", field_name)
         if not ids:
-            raise invalid_argument(f"{field_name} must not be empty")
+            raise invalid_argument(f"{field_name} must not be empty", field_name)
         return list(ids)
 
     def validate(
@@ -187,34 +258,72 @@ class Frontend:
         cache_salt: str | None = None,
         deadline: float | None = None,
         field_prefix: str = "sampling_params.",
+        field_names: Mapping[str, str] | None = None,
+        request_id_field: str = "request_id",
     ) -> GenerationRequest:
         """The one validation of a request, whichever API it came through.
 
         `sampling`: the sampling fields the client set, named as SamplingParams names them
         (an unset max_tokens means the rest of the context); `stop`: its stop strings.
-        Raises INVALID_ARGUMENT naming the bad field, prefixed with `field_prefix` (the gRPC
-        message nests them under `sampling_params`, an OpenAI body does not).
+        Raises INVALID_ARGUMENT naming the bad field as the client named it: prefixed with
+        `field_prefix` (the gRPC message nests them under `sampling_params`, an OpenAI body
+        does not) and renamed by `field_names` (e.g. max_tokens -> max_completion_tokens).
+
+        Every value is range-checked on its Python value, against what the engine accepts
+        and what its wire field holds, before anything is converted or built for it (the
+        per-sample state is made only for a validated `n`). `request_id` is the client's
+        label (`request_id_field` names where it came from); the request is keyed by a fresh
+        server id.
         """
+        names = field_names or {}
+
+        def field(name: str) -> str:
+            return f"{field_prefix}{names.get(name, name)}"
+
+        if request_id is not None:
+            check_text(request_id, request_id_field, MAX_NAME_CHARS)
+        if cache_salt is not None:
+            check_text(cache_salt, "cache_salt", MAX_NAME_CHARS)
+        # The authenticated tenant (API keys on) namespaces the salt: no tenant can ever share
+        # another's cached blocks, whatever salt it sends.
+        salt = tenant_salt(request_tenant(), cache_salt)
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise invalid_argument(
+                f"{field('stop')}: at most {MAX_STOP_STRINGS} non-empty strings", field("stop")
+            )
+        for i, s in enumerate(stop):
+            check_text(s, f"{field('stop')}[{i}]", MAX_STOP_STRING_CHARS)
         values = dict(sampling)
-        if values.get("max_tokens") is None:
+        explicit_max_tokens = values.get("max_tokens") is not None
+        if not explicit_max_tokens:
             values["max_tokens"] = self.default_max_tokens(len(prompt_token_ids))
         try:
             params = sampling_params_from_fields(values)
+        except InvalidField as exc:  # (a reason echoes the value: clipped, an int may have 4000 digits)
+            raise invalid_argument(f"{field(exc.field)} {clip(exc.reason, 200)}", field(exc.field)) from None
         except ValueError as exc:
             raise invalid_argument(f"{field_prefix}{exc}") from None
-        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-            raise invalid_argument(f"{field_prefix}stop: at most {MAX_STOP_STRINGS} non-empty strings")
-        if request_id is not None and len(request_id) > 256:
-            raise invalid_argument("request_id: at most 256 characters")
+        vocab = self.vocab_size()
+        if params.logit_bias and vocab is not None:
+            bad = [t for t, _ in params.logit_bias if t >= vocab]
+            if bad:
+                name = field("logit_bias")
+                raise invalid_argument(f"{name} keys must be token ids in [0, {vocab}), got {bad[:5]}", name)
         if not prompt_token_ids:
             raise invalid_argument("prompt: tokenizes to no tokens")
+        context = self.max_model_len()
+        if explicit_max_tokens and context is not None:
+            too_large = beyond_context(len(prompt_token_ids), params.max_tokens, context, field("max_tokens"))
+            if too_large is not None:
+                raise invalid_argument(too_large, field("max_tokens"))
         return GenerationRequest(
-            request_id=request_id or f"req-{uuid.uuid4().hex}",
+            request_id=new_request_id(),
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
             stop=tuple(stop),
-            cache_salt=cache_salt or None,
+            cache_salt=salt,
             deadline=deadline,
+            client_request_id=request_id or "",
         )
 
     # -- the stream -----------------------------------------------------------------------------
@@ -230,7 +339,8 @@ class Frontend:
         """
         start = time.monotonic() if start is None else start
         attributes: dict[str, str | int] = {
-            "pagedserve.request_id": gen.request_id,
+            "pagedserve.request_id": gen.label,
+            "pagedserve.internal_request_id": gen.request_id,
             "pagedserve.prompt_tokens": gen.num_prompt_tokens,
             "pagedserve.max_tokens": gen.max_tokens,
             "pagedserve.num_samples": gen.num_samples,
@@ -252,7 +362,8 @@ class Frontend:
                     span.set_attribute(f"pagedserve.completion.{event.index}.tokens", event.completion_tokens)
                     log.info(
                         "request_finished",
-                        request_id=gen.request_id,
+                        request_id=gen.label,
+                        internal_request_id=gen.request_id,
                         index=event.index,
                         finish_reason=event.finish_reason,
                         prompt_tokens=event.prompt_tokens,
@@ -266,7 +377,14 @@ class Frontend:
         except ServiceError as exc:
             self.record_failure(exc)
             span.set_status(Status(StatusCode.ERROR, exc.code))
-            log.info("request_failed", request_id=gen.request_id, code=exc.code, reason=exc.message, **ids)
+            log.info(
+                "request_failed",
+                request_id=gen.label,
+                internal_request_id=gen.request_id,
+                code=exc.code,
+                reason=exc.message,
+                **ids,
+            )
             raise
         finally:
             span.end()

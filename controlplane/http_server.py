@@ -1,7 +1,9 @@
 """The control plane's HTTP port: health probes and the OpenAI-compatible API (and /metrics).
 
 uvicorn runs inside the control plane's own event loop (beside the grpc.aio server), on a
-socket bound before start so an ephemeral port (0) is known to the caller.
+socket bound before start so an ephemeral port (0) is known to the caller. A request body is
+at most MAX_BODY_BYTES (4 MiB): a larger one is refused with 413, in OpenAI's error JSON,
+before any of it reaches a route, and none of it is kept (`BodyLimit`).
 """
 
 from __future__ import annotations
@@ -16,34 +18,130 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
 from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
-from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers
+from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers, openai_error
 from pagedserve.common.tls import ServerTLS
+
+MAX_BODY_BYTES = 4 << 20
+"""The largest request body the HTTP API reads (4 MiB); larger ones get 413."""
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 10.0
+"""How much of a refused body is still read (and dropped) so its client gets the 413."""
+
+
+class BodyLimit:
+    """ASGI middleware: refuses a request body over `max_bytes` with 413 (OpenAI error JSON).
+
+    The body is read (up to the limit) before the app runs and then replayed to it, so a route
+    never sees part of an oversize body; after the body, `receive` is the server's own (a later
+    disconnect still reaches the app). A refused body is never kept: what the client still
+    sends of it is read and dropped first, up to `drain_bytes` and `drain_s` (nginx's
+    "lingering close"), so that a client that writes its whole body before reading gets the
+    413 instead of a reset connection. A declared Content-Length beyond that is refused at once.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int = MAX_BODY_BYTES,
+        drain_bytes: int = DRAIN_BYTES,
+        drain_s: float = DRAIN_S,
+    ) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes
+        self.drain_s = drain_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            if declared.isdigit() and int(declared) <= self.drain_bytes:
+                await self._drain(receive)
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before the end
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                chunks.clear()
+                if message.get("more_body", False):
+                    await self._drain(receive, size)
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _drain(self, receive: Receive, read: int = 0) -> None:
+        """Read and drop the rest of a refused body, within the drain bounds."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_s):
+                while read <= self.drain_bytes:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        return
+                    read += len(message.get("body", b""))
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = openai_error(
+            413, f"the request body is larger than {self.max_bytes} bytes ({self.max_bytes >> 20} MiB)"
+        )
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
 
 
 def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
-    """Health and liveness probes, /metrics, and the OpenAI-compatible API (behind the API
-    keys when there are any)."""
+    """Health and liveness probes, /metrics, and the OpenAI-compatible API (with API keys,
+    everything but the probes and /metrics is behind them: `auth.http_path_needs_key`)."""
     dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, frontend)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     if api_keys is not None:
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next: Any) -> Any:
-            if request.url.path.startswith("/v1/") and not api_keys.check_header(
-                request.headers.get("authorization")
-            ):
-                error = ServiceError("UNAUTHENTICATED", UNAUTHENTICATED_MESSAGE)
+            """Every path but the probes and /metrics needs exactly one valid key; the request
+            then runs as the key's tenant (its cache salt is namespaced by it)."""
+            if not http_path_needs_key(request.url.path):
+                return await call_next(request)
+            values = request.headers.getlist("authorization")
+            tenant = api_keys.authenticate(values)
+            if tenant is None:
+                error = ServiceError("UNAUTHENTICATED", refusal_message(values))
                 frontend.record_failure(error)
                 response = error_response(error)
                 response.headers["www-authenticate"] = "Bearer"
                 return response
-            return await call_next(request)
+            with authenticated_as(tenant):  # (call_next's task starts inside: it inherits it)
+                return await call_next(request)
 
     app.include_router(OpenAIRoutes(frontend).router)
 
@@ -63,9 +161,14 @@ def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200 if dispatcher.healthy else 503)
 
     @app.get("/live")
-    async def live() -> dict[str, str]:
-        """200 as long as the process serves HTTP (a liveness probe)."""
-        return {"status": "ok"}
+    async def live(request: Request) -> JSONResponse:
+        """200 while the process can serve, else 503 with the reason (a liveness probe). What
+        can fail it is `app.state.liveness` (controlplane.server's `Liveness`), when set."""
+        liveness = getattr(request.app.state, "liveness", None)
+        problem = liveness.problem() if liveness is not None else None
+        if problem is not None:
+            return JSONResponse({"status": "not live", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     return app
 

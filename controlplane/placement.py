@@ -81,7 +81,8 @@ def plan_placement(
     """Where `request` runs now, why it never can, or that it must wait.
 
     Only healthy, non-draining data planes outside `exclude` count. One that can never run the
-    request (`admission_rules.refusal`) is skipped; if every one is, the request is refused
+    request (`admission_rules.refusal`, or a reservation larger than its whole pool:
+    `reservation_refusal`) is skipped; if every one is, the request is refused
     with the reason of the roomiest (longest context, then largest pool), which for a uniform
     fleet is everyone's reason. Among the rest the router picks the best that has the blocks
     now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample.
@@ -94,6 +95,10 @@ def plan_placement(
     refused: list[tuple[LinkSnapshot, str]] = []
     for s in usable:
         reason = refusal(prompt, request.max_tokens, s.block_size, s.num_blocks, s.max_model_len)
+        if reason is None:
+            reason = reservation_refusal(
+                prompt, request.num_samples, s.block_size, s.num_blocks, decode_reserve_blocks
+            )
         if reason is not None:
             refused.append((s, reason))
             continue
@@ -119,6 +124,27 @@ def plan_placement(
     if best is None:
         return WAIT
     return Placement(best.dataplane, best.need_blocks, best.cached_blocks)
+
+
+def reservation_refusal(
+    prompt_tokens: int, num_samples: int, block_size: int, num_blocks: int, decode_reserve_blocks: int
+) -> str | None:
+    """Why the reservation of a request (all its samples) can never be made on a pool of
+    `num_blocks`, or None if it can.
+
+    A request reserves its prompt's blocks plus `decode_reserve_blocks` per sample. The test
+    assumes nothing cached (a cached prefix can be evicted at any time), so a request is either
+    always refused here or admitted once the pool has room: admission never queues a request
+    that waits for blocks which cannot exist (n = 10000 on a 64-block pool).
+    """
+    prompt_blocks = cdiv(prompt_tokens, block_size)
+    need = prompt_blocks + decode_reserve_blocks * num_samples
+    if need <= num_blocks:
+        return None
+    return (
+        f"the request's {num_samples} sample(s) reserve {need} KV blocks ({prompt_blocks} for the prompt "
+        f"+ {decode_reserve_blocks} per sample) but the whole pool has only {num_blocks}; lower n"
+    )
 
 
 def retry_on_other(

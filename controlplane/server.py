@@ -21,14 +21,14 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.dispatcher import Dispatcher
 from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
-from controlplane.servicer import GenerationServicer
+from controlplane.servicer import GenerationServicer, add_generation_service
 from controlplane.tokenizer import Tokenizer
 from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, bind_error, check_port_free
 from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
-from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.pagedserve.v1 import generation_pb2
 
 log = get_logger(__name__)
 
@@ -132,7 +132,7 @@ async def _start_grpc(
         interceptors.append(GrpcAuthInterceptor(keys, on_reject=reject))
     server = grpc.aio.server(interceptors=interceptors, options=[NO_REUSEPORT])
     port = add_port(server, address, tls.credentials() if tls else None, flag="--grpc-port")
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
+    add_generation_service(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])

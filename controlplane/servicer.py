@@ -1,11 +1,18 @@
-"""`GenerationService` over grpc.aio: the wire format around `Frontend`. No torch."""
+"""`GenerationService` over grpc.aio: the wire format around `Frontend`. No torch.
+
+Register it with `add_generation_service`: the handlers parse their own requests, so a payload
+that is not the method's message is INVALID_ARGUMENT (grpcio's deserializer would end the
+call UNKNOWN, as if the server had failed).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend
@@ -42,7 +49,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         start = time.monotonic()
         remaining = context.time_remaining()
         try:
-            self.frontend.check_model(request.model)
+            self.frontend.check_model(request.model or None)  # proto3: "" is unset
             gen = self.frontend.validate(
                 self._prompt_ids(request),
                 sampling_fields_from_proto(request.sampling_params),
@@ -51,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 cache_salt=request.cache_salt or None,
                 deadline=None if remaining is None else start + remaining,
             )
-            rid = gen.request_id
+            rid = gen.label  # the client's id echoed (the server keys the request by its own)
             parent = extract(context.invocation_metadata() or ())
             async for event in self.frontend.stream(gen, start, parent):
                 if isinstance(event, CompletionDone):
@@ -93,7 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         context: grpc.aio.ServicerContext[generation_pb2.TokenizeRequest, generation_pb2.TokenizeResponse],
     ) -> generation_pb2.TokenizeResponse:
         try:
-            self.frontend.check_model(request.model)
+            self.frontend.check_model(request.model or None)
             return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request))
         except ServiceError as exc:
             await abort_with(context, exc)
@@ -107,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         ],
     ) -> generation_pb2.DetokenizeResponse:
         try:
-            self.frontend.check_model(request.model)
+            self.frontend.check_model(request.model or None)
             ids = (
                 self.frontend.check_token_ids(list(request.token_ids), "token_ids")
                 if request.token_ids
@@ -142,3 +149,66 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: ServiceError) -> No
         context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:g}"),))
     log.info("request_refused", code=exc.code, reason=exc.message)
     await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+_MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
+    "Generate": (generation_pb2.GenerateRequest, generation_pb2.GenerateResponse),
+    "Tokenize": (generation_pb2.TokenizeRequest, generation_pb2.TokenizeResponse),
+    "Detokenize": (generation_pb2.DetokenizeRequest, generation_pb2.DetokenizeResponse),
+    "ListModels": (generation_pb2.ListModelsRequest, generation_pb2.ListModelsResponse),
+}
+
+
+async def _parse(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError:
+        log.info("request_refused", code="INVALID_ARGUMENT", reason="undecodable payload")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {request_type.DESCRIPTOR.full_name} message",
+        )
+
+
+def _unary(
+    method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], request_type: type[Message]
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await method(await _parse(raw, request_type, context), context)
+
+    return handler
+
+
+def _streaming(
+    method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], request_type: type[Message]
+) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for response in method(await _parse(raw, request_type, context), context):
+            yield response
+
+    return handler
+
+
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Serve `servicer` on `server` (instead of the generated
+    `add_GenerationServiceServicer_to_server`): requests arrive as bytes and each handler
+    parses its own, refusing an undecodable payload with INVALID_ARGUMENT."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in SERVICE.methods:
+        request_type, response_type = _MESSAGES[method.name]
+        implementation = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(implementation, request_type),
+                request_deserializer=None,
+                response_serializer=response_type.SerializeToString,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(implementation, request_type),
+                request_deserializer=None,
+                response_serializer=response_type.SerializeToString,
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)

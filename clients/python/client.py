@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -131,14 +131,17 @@ def build_request(
     ignore_eos: bool = False,
     n: int | None = None,
     logprobs: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
     request_id: str = "",
     cache_salt: str = "",
     model: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages."""
+    """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits."""
     params = common_pb2.SamplingParams(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
     )
+    params.logit_bias.update(logit_bias or {})
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", temperature),

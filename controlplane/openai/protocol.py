@@ -1,39 +1,112 @@
-"""Request bodies of the OpenAI API we accept (pydantic). Unknown fields are ignored, and the
-vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`cache_salt`) are honoured, so `extra_body={...}` from the official client works."""
+"""Request bodies of the OpenAI API we accept (pydantic), and the parameters we refuse.
+
+The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
+`cache_salt`) are honoured, so `extra_body={...}` from the official client works; `model` may
+be omitted (the served model). A parameter that would change the output but that we do not
+implement (tools, structured output, beam search, ...) is refused with 400 naming it
+(`unsupported()`), never silently ignored; other unknown fields (`user`, `store`, `metadata`,
+...) are ignored. Values are range-checked by `Frontend.validate`, not here.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _falsy(value: Any) -> bool:
+    return not value
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _true_or_unset(value: Any) -> bool:
+    return value is None or value is True
+
+
+# Parameters of OpenAI's API (or vLLM's extras) that change the output and that we do not
+# implement: refused unless they carry their harmless value (the predicate says which).
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _falsy,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": _falsy,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": _unset,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prompt_logprobs": _unset,
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+    "structured_outputs": _unset,
+    "min_tokens": _falsy,
+    "bad_words": _falsy,
+    "allowed_token_ids": _unset,
+    "include_stop_str_in_output": _falsy,
+    "skip_special_tokens": _true_or_unset,
+    "spaces_between_special_tokens": _true_or_unset,
+    "use_beam_search": _falsy,
+    "length_penalty": lambda v: v is None or v == 1,
+    "truncate_prompt_tokens": _unset,
+    "return_tokens_as_token_ids": _falsy,
+    "chat_template": _unset,
+    "chat_template_kwargs": _falsy,
+    "add_generation_prompt": _true_or_unset,
+    "continue_final_message": _falsy,
+    "documents": _falsy,
+}
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, so `unsupported()` can see them
 
-    model: str
+    model: str | None = None  # omitted: the served model (as vLLM)
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM-compatible extras
     top_k: int | None = None
     min_p: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+
+    @property
+    def num_choices(self) -> int:
+        """`n`, 1 when omitted or null (its range is checked with the other sampling fields)."""
+        return 1 if self.n is None else self.n
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first parameter we refuse, or None."""
+        extra = self.model_extra or {}
+        for name, harmless in UNSUPPORTED.items():
+            if name in extra and not harmless(extra[name]):
+                return name, f"{name}: not supported by this server"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            name = "stream_options.continuous_usage_stats"
+            return name, f"{name}: not supported by this server (include_usage is)"
+        return None
 
 
 class CompletionRequest(_SamplingFields):
@@ -41,33 +114,90 @@ class CompletionRequest(_SamplingFields):
     # Unset: the rest of the model's context, as on every other route (OpenAI's own default is 16).
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo: not supported by this server"
+        if self.suffix:
+            return "suffix", "suffix: not supported by this server"
+        if self.best_of is not None and self.best_of != self.num_choices:
+            return "best_of", "best_of: only best_of == n is supported"
+        return super().unsupported()
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
+
+    def unsupported(self, field: str) -> tuple[str, str] | None:
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if part.type != "text":
+                    name = f"{field}.content[{j}].type"
+                    return name, f"{name}: only text content is supported, got {part.type[:32]!r}"
+        for key in ("tool_calls", "function_call"):
+            if (self.model_extra or {}).get(key):
+                name = f"{field}.{key}"
+                return name, f"{name}: not supported by this server"
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for i, message in enumerate(self.messages):
+            refused = message.unsupported(f"messages[{i}]")
+            if refused is not None:
+                return refused
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs: needs logprobs to be true"
+        extra = self.model_extra or {}
+        if extra.get("echo"):  # vLLM's chat extra
+            return "echo", "echo: not supported by this server"
+        return super().unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text `prompt` or chat `messages` (exactly one)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,9 +1,13 @@
 """The OpenAI-compatible routes, over the same `Frontend` as the gRPC API. No torch.
 
-Streaming is server-sent events (`data: {chunk}` ... `data: [DONE]`), with a final usage
-chunk when `stream_options.include_usage` is set. Errors use OpenAI's error JSON with the
-status the gRPC code maps to (400 bad field, 401, 404 model, 429 queue full, 503 no data
-plane). A client that disconnects aborts its request (and frees its KV blocks).
+`/v1/models` (and `/v1/models/{id}`), `/v1/completions`, `/v1/chat/completions`, and vLLM's
+`/tokenize`, `/detokenize` and `/version`. Streaming is server-sent events (`data: {chunk}`
+... `data: [DONE]`), with a final usage chunk when `stream_options.include_usage` is set.
+Every error, including a body that is not JSON, a route that does not exist or a wrong method,
+is OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` with `param` naming
+the field the message is about, and the status the gRPC code maps to (400 bad field, 401,
+404, 405, 413, 429 queue full, 503 no data plane). A client that disconnects, while its
+request waits for admission or while it runs, aborts it (and frees its KV blocks).
 """
 
 from __future__ import annotations
@@ -14,62 +18,170 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controlplane.errors import ServiceError, invalid_argument
+from controlplane.errors import ServiceError, clip, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
-from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
+from controlplane.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from controlplane.request import GenerationRequest
+from pagedserve import __version__
+from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
 
-_DISCONNECT_POLL_S = 0.5
+log = get_logger(__name__)
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
 }
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+# Pydantic's names for the members of a union field (they appear in an error's location).
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_body(status: int, message: str, param: str | None, code: str) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def openai_error(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error that exists only over HTTP (404 route, 405, 413), in OpenAI's error JSON."""
+    code = _HTTP_CODES.get(status, "internal" if status >= 500 else "invalid_request")
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
     status = exc.http_status
-    body = {
-        "error": {
-            "message": exc.message,
-            "type": _ERROR_TYPES.get(status, "server_error"),
-            "param": param,
-            "code": exc.code.lower(),
-        }
-    }
+    body = error_body(status, exc.message, param or exc.param, exc.code.lower())
     headers = {"retry-after": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _location(loc: Sequence[Any]) -> tuple[str | None, bool]:
+    """A pydantic error location as the client names the field (`messages[0].role`), and
+    whether it ran into a union (the part after that names one alternative's guess only)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part or "-" in part:
+            return (clip(out, 128) if out else None), True
+        else:
+            out += f".{part}" if out else part
+    return (clip(out, 128) if out else None), False
+
+
+def describe_validation_error(
+    errors: Sequence[Any], content_type: str = "application/json"
+) -> tuple[str, str | None]:
+    """(message, param) for FastAPI's errors about a request body sent as `content_type`."""
+    if not errors:
+        return "the request is not valid", None
+    first = errors[0]
+    kind = first.get("type")
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if kind == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "decode error")
+        return f"the request body is not valid JSON: {reason}", None
+    if not loc:
+        if "json" not in content_type.lower():  # FastAPI parses JSON only when told it is JSON
+            got = clip(content_type, 48) if content_type else "none"
+            return (
+                f"the request body must be JSON, sent with content-type: application/json (got {got})",
+                None,
+            )
+        if kind == "missing":
+            return "the request body is missing: send a JSON object", None
+        return "the request body must be a JSON object", None
+    param, union = _location(loc)
+    if union:  # no member of a union field matched: the first member's complaint misleads
+        return f"{param}: not any of the accepted forms ({first.get('msg', 'invalid value')})", param
+    return f"{param}: {first.get('msg', 'invalid value')}", param
 
 
 def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = (
-            f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request"))
-        )
-        error = invalid_argument(message)
+        message, param = describe_validation_error(exc.errors(), request.headers.get("content-type", ""))
+        error = invalid_argument(message, param)
         frontend.record_failure(error)
-        return error_response(error, param=loc or None)
+        return error_response(error)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         frontend.record_failure(exc)
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = clip(request.url.path, 128)
+        if exc.status_code == 404:
+            message = f"no such route: {request.method} {path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {path}"
+        else:
+            message = str(exc.detail)
+        return openai_error(exc.status_code, message, headers=dict(exc.headers or {}) or None)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("http_internal_error", path=clip(request.url.path, 128))
+        return openai_error(500, "internal server error")
+
+
+async def until_disconnected(http: Request) -> None:
+    """Returns when the client has gone away. The body has been read by then, so the only
+    message left to receive is the disconnect (a request's own cancellation ends it too)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(http: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (with `work` cancelled) as soon as the client disconnects:
+    a request waiting in the admission queue leaves it at once, one running is aborted."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(until_disconnected(http))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # the client left (or this handler is being cancelled)
+        await asyncio.gather(watcher, task, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()  # re-raises a ServiceError
 
 
 @dataclass
@@ -84,21 +196,65 @@ class OpenAIRoutes:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
         self.router = APIRouter()
-        self.router.add_api_route("/v1/models", self.models, methods=["GET"])
-        self.router.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
-        self.router.add_api_route(
-            "/v1/chat/completions", self.chat_completions, methods=["POST"], response_model=None
-        )
+        route = self.router.add_api_route
+        route("/v1/models", self.models, methods=["GET"])
+        route("/v1/models/{model:path}", self.model, methods=["GET"])
+        route("/v1/completions", self.completions, methods=["POST"], response_model=None)
+        route("/v1/chat/completions", self.chat_completions, methods=["POST"], response_model=None)
+        route("/tokenize", self.tokenize, methods=["POST"])
+        route("/detokenize", self.detokenize, methods=["POST"])
+        route("/version", self.version, methods=["GET"])
 
-    # -- /v1/models -----------------------------------------------------------------------------
-    async def models(self) -> dict[str, Any]:
+    # -- /v1/models, /version -------------------------------------------------------------------
+    def _cards(self) -> list[dict[str, Any]]:
         cards: list[dict[str, Any]] = []
         for model in self.frontend.model_cards():
             card: dict[str, Any] = {"id": model.id, "object": "model", "created": 0, "owned_by": "pagedserve"}
             if model.max_model_len is not None:
                 card["max_model_len"] = model.max_model_len
             cards.append(card)
-        return {"object": "list", "data": cards}
+        return cards
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": self._cards()}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        self.frontend.check_model(model)
+        return next(card for card in self._cards() if card["id"] == model)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    # -- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """The prompt's token ids exactly as generation would see them (chat messages rendered
+        with the model's template; no special tokens added to a text prompt)."""
+        self.frontend.check_model(body.model)
+        if body.return_token_strs:
+            raise invalid_argument("return_token_strs: not supported by this server", "return_token_strs")
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid_argument("send exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            if body.add_special_tokens:
+                raise invalid_argument(
+                    "add_special_tokens: not supported with messages", "add_special_tokens"
+                )
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = self.frontend.encode_chat(messages, "messages", bool(body.add_generation_prompt))
+        else:
+            if body.add_special_tokens:
+                raise invalid_argument(
+                    "add_special_tokens: this server never adds special tokens to a prompt; "
+                    "omit it or send false",
+                    "add_special_tokens",
+                )
+            tokens = self.frontend.encode_text(body.prompt or "", "prompt")
+        return {"count": len(tokens), "max_model_len": self.frontend.max_model_len(), "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        self.frontend.check_model(body.model)
+        ids = self.frontend.check_token_ids(body.tokens, "tokens") if body.tokens else []
+        return {"prompt": self.frontend.tokenizer.decode(ids)}
 
     # -- shared -----------------------------------------------------------------------------------
     @staticmethod
@@ -106,10 +262,11 @@ class OpenAIRoutes:
         body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
     ) -> dict[str, object]:
         """The sampling fields the body sets, named as SamplingParams names them (for
-        `Frontend.validate`; an unset max_tokens means the rest of the context)."""
+        `Frontend.validate`, which range-checks them; an unset max_tokens means the rest of
+        the context). Only what JSON cannot say directly is converted here: logit_bias keys."""
         values: dict[str, object] = {
-            "n": body.n,
-            "ignore_eos": body.ignore_eos,
+            "n": body.num_choices,
+            "ignore_eos": bool(body.ignore_eos),
             "stop_token_ids": tuple(body.stop_token_ids or ()),
         }
         for name in (
@@ -125,6 +282,8 @@ class OpenAIRoutes:
             value = getattr(body, name)
             if value is not None:
                 values[name] = value
+        if body.logit_bias:
+            values["logit_bias"] = _logit_bias(body.logit_bias)
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
         if logprobs is not None:
@@ -137,25 +296,35 @@ class OpenAIRoutes:
         body: CompletionRequest | ChatCompletionRequest,
         sampling: dict[str, object],
         http: Request,
+        field_names: dict[str, str] | None = None,
     ) -> list[GenerationRequest]:
-        self.frontend.check_model(body.model)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        base = http.headers.get("x-request-id") or uuid.uuid4().hex
+        label = http.headers.get("x-request-id")
         return [
             self.frontend.validate(
                 prompt,
                 sampling,
                 stop,
-                request_id=base if len(prompts) == 1 else f"{base}-{i}",
+                request_id=label if label is None or len(prompts) == 1 else f"{label}-{i}",
                 cache_salt=body.cache_salt,
                 field_prefix="",
+                field_names=field_names,
+                request_id_field="x-request-id",
             )
             for i, prompt in enumerate(prompts)
         ]
 
+    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What is checked before any prompt is tokenized: the model, refused parameters."""
+        self.frontend.check_model(body.model)
+        refused = body.unsupported()
+        if refused is not None:
+            param, message = refused
+            raise invalid_argument(message, param)
+
     async def _merged(
         self, gens: list[GenerationRequest], n: int, http: Request
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Events of several prompts' streams, choice index = prompt index × n + sample."""
         parent = extract(http.headers.items())
         if len(gens) == 1:
@@ -199,20 +368,32 @@ class OpenAIRoutes:
         render_final: Any,
         render_usage_chunk: Any,
     ) -> Response:
-        """Run the requests; stream SSE chunks or answer one JSON body, as the client asked."""
-        events = self._merged(gens, body.n, http)
+        """Run the requests; stream SSE chunks or answer one JSON body, as the client asked.
+        Until the answer starts, a client that disconnects cancels the request at once (out
+        of the admission queue if it waits there: it is never admitted, never runs)."""
+        events = self._merged(gens, body.num_choices, http)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = await _first(events)  # admission errors still get a proper status code
+
+            # Wait for the first event here: admission errors still get a proper status code.
+            async def first_event() -> tuple[StreamEvent | None]:
+                return (await _first(events),)
+
+            got = await unless_disconnected(http, first_event())
+            if got is None:  # the client left while its request queued or prefilled
+                await events.aclose()
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(
-                _sse(first, events, render_chunk, render_usage_chunk if include_usage else None),
+                _sse(got[0], events, render_chunk, render_usage_chunk if include_usage else None),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
         choices: dict[int, _Choice] = {}
+        finished = False
 
         async def collect() -> None:
-            async with contextlib.aclosing(events):  # type: ignore[type-var]
+            nonlocal finished
+            async with contextlib.aclosing(events):
                 async for event in events:
                     c = choices.setdefault(event.index, _Choice())
                     if isinstance(event, TextDelta):
@@ -221,29 +402,20 @@ class OpenAIRoutes:
                         c.logprobs.extend(event.logprobs)
                     else:
                         c.done = event
+            finished = True
 
-        task = asyncio.create_task(collect())
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await http.is_disconnected():
-                task.cancel()  # the client left: abort the request, free its blocks
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return Response(status_code=499)
-        task.result()  # re-raises a ServiceError
+        await unless_disconnected(http, collect())  # re-raises a ServiceError
+        if not finished:  # the client left: the request was aborted, its blocks freed
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(render_final(dict(sorted(choices.items()))))
 
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
-        if body.echo:
-            raise invalid_argument("echo: not supported")
-        if body.suffix:
-            raise invalid_argument("suffix: not supported")
-        if body.best_of is not None and body.best_of != body.n:
-            raise invalid_argument("best_of: only best_of == n is supported")
+        self._check(body)
+        self.frontend.check_batch(_num_prompts(body.prompt), body.num_choices)
         prompts = self._completion_prompts(body.prompt)
         gens = self._requests(prompts, body, self._sampling(body, body.max_tokens, body.logprobs), http)
-        rid, created = f"cmpl-{gens[0].request_id}", int(time.time())
+        rid, created = f"cmpl-{_response_id(http)}", int(time.time())
         decode = self._token_text
         wants_logprobs = body.logprobs is not None
 
@@ -303,10 +475,10 @@ class OpenAIRoutes:
                         "finish_reason": _finish(c.done) if c.done else None,
                     }
                 )
-            return base(out, _usage([c.done for c in choices.values() if c.done], body.n))
+            return base(out, _usage([c.done for c in choices.values() if c.done], body.num_choices))
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
-            return base([], _usage(done, body.n))
+            return base([], _usage(done, body.num_choices))
 
         return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
@@ -323,14 +495,17 @@ class OpenAIRoutes:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self._check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = self.frontend.encode_chat(messages, "messages")
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise invalid_argument("top_logprobs must be in [0, 20]")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        gens = self._requests([prompt], body, self._sampling(body, max_tokens, logprobs), http)
-        rid, created = f"chatcmpl-{gens[0].request_id}", int(time.time())
+        names = {"logprobs": "top_logprobs"}
+        max_tokens = body.max_tokens
+        if body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+            names["max_tokens"] = "max_completion_tokens"
+        gens = self._requests([prompt], body, self._sampling(body, max_tokens, logprobs), http, names)
+        rid, created = f"chatcmpl-{_response_id(http)}", int(time.time())
         decode = self._token_text
 
         def chat_logprobs(
@@ -398,15 +573,41 @@ class OpenAIRoutes:
                 }
                 for index, c in choices.items()
             ]
-            return base(out, "chat.completion", _usage([c.done for c in choices.values() if c.done], body.n))
+            return base(
+                out, "chat.completion", _usage([c.done for c in choices.values() if c.done], body.num_choices)
+            )
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
-            return base([], "chat.completion.chunk", _usage(done, body.n))
+            return base([], "chat.completion.chunk", _usage(done, body.num_choices))
 
         return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (JSON keys are strings) keyed by token id; values are checked with
+    the other sampling fields."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key.strip()
+        if not (token.isascii() and token.isdigit() and len(token) <= 10):
+            raise invalid_argument(f"logit_bias keys must be token ids, got {clip(key, 16)!r}", "logit_bias")
+        out[int(token)] = value
+    return out
+
+
+def _num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+def _response_id(http: Request) -> str:
+    """The response's id: the client's x-request-id if it sent one (validated with the
+    request), else a fresh one; never the server's internal request id."""
+    return http.headers.get("x-request-id") or uuid.uuid4().hex
 
 
 def _finish(done: CompletionDone) -> str:
@@ -454,7 +655,8 @@ async def _sse(
                     done.append(event)
                 yield f"data: {json.dumps(render(event))}\n\n"
     except ServiceError as exc:  # after the headers went out: report it in the stream
-        yield f"data: {json.dumps({'error': {'message': exc.message, 'type': _ERROR_TYPES.get(exc.http_status, 'server_error'), 'code': exc.code.lower()}})}\n\n"
+        error = error_body(exc.http_status, exc.message, exc.param, exc.code.lower())
+        yield f"data: {json.dumps(error)}\n\n"
     if render_usage is not None:
         yield f"data: {json.dumps(render_usage(done))}\n\n"
     yield "data: [DONE]\n\n"

@@ -37,6 +37,28 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits [N, V] (a new tensor), before penalties and
+    sampling, so greedy rows see it too. Ids beyond the vocabulary (the control plane refuses
+    them; the offline API may not) are ignored."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    logits = logits.clone()
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    return logits
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply temperature, top_k, top_p and min_p row by row; returns probabilities [N, V]."""
     # logits: [N, V] float32
@@ -72,15 +94,19 @@ def sample(
     """One token per row. Greedy rows take the argmax; the others draw with their own generator,
     so a seeded request gets the same tokens whatever else shares its batch.
 
-    `histories[i]` = (prompt ids, output ids) of row i; needed only for rows with penalties.
+    Each row's logit_bias, then its penalties, apply first (greedy rows included); logprobs
+    stay those of the model's raw distribution. `histories[i]` = (prompt ids, output ids) of
+    row i; needed only for rows with penalties.
     """
     # logits: [N, vocab]
     raw = logits
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, params)
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     if penalised:
         if histories is None:
             raise ValueError("penalties need the token histories")
-        logits = logits.clone()
+        logits = logits.clone() if logits is raw else logits
         for i in penalised:
             logits[i] = apply_penalties(logits[i], params[i], *histories[i])
     tokens: list[int] = logits.argmax(dim=-1).tolist()

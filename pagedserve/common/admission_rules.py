@@ -2,7 +2,8 @@
 
 The control plane applies it per data plane before admitting a request, the scheduler when the
 request is submitted, so a client gets the same answer whichever layer sees the request first
-(and the control plane never queues a request its data planes would refuse).
+(and the control plane never queues a request its data planes would refuse). `beyond_context`
+is the API edge's stricter rule for a max_tokens the client set (vLLM's 400).
 """
 
 from __future__ import annotations
@@ -15,6 +16,33 @@ def max_total_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) ->
     return min(prompt_tokens + max_tokens, max_model_len)
 
 
+def prompt_too_long(prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt can never run in a context of `max_model_len`, or None if it can."""
+    if prompt_tokens >= max_model_len:
+        return (
+            f"prompt has {prompt_tokens} tokens, but max_model_len is {max_model_len} "
+            "(the prompt must leave room for at least one generated token)"
+        )
+    return None
+
+
+def beyond_context(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> str | None:
+    """Why an explicit max_tokens (named `field` as the client named it) does not fit the
+    context after the prompt, or None if it does. The API edge refuses such a request as vLLM
+    does, rather than let it run to the end of the context; the engine itself (offline API,
+    scheduler) caps a sequence at max_model_len instead.
+    """
+    if prompt_tokens < max_model_len and prompt_tokens + max_tokens > max_model_len:
+        return (
+            f"{field} is too large: {max_tokens}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_tokens})"
+        )
+    return None
+
+
 def refusal(
     prompt_tokens: int, max_tokens: int, block_size: int, num_blocks: int, max_model_len: int
 ) -> str | None:
@@ -23,11 +51,9 @@ def refusal(
     Per sample: a request's samples each hold their own blocks and a data plane runs them one
     after another when its pool is short, so more samples only ever wait longer.
     """
-    if prompt_tokens >= max_model_len:
-        return (
-            f"prompt has {prompt_tokens} tokens, but max_model_len is {max_model_len} "
-            "(the prompt must leave room for at least one generated token)"
-        )
+    too_long = prompt_too_long(prompt_tokens, max_model_len)
+    if too_long is not None:
+        return too_long
     need = cdiv(max_total_tokens(prompt_tokens, max_tokens, max_model_len), block_size)
     if need > num_blocks:
         return (

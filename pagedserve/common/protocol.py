@@ -14,7 +14,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import fields
 
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import InvalidField, SamplingParams
 from protos.pagedserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (
@@ -58,41 +58,75 @@ FINISH_REASON_NAMES = {
 FINISH_REASON_BY_NAME = {name: value for value, name in FINISH_REASON_NAMES.items()}
 
 
-def wire_float(value: float) -> float:
-    """`value` as the data plane reads it back: through the wire's float32, rounded to 6 decimals.
+def _float32(value: float) -> float:
+    single: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    return single
 
-    float32 turns 0.7 into 0.699999988; rounding restores what the client wrote. Applying this
-    at the edge too makes the control plane validate the very value the data plane will use.
+
+def wire_float(value: float) -> float:
+    """`value` as the data plane reads it back: through the wire's float32, then the shortest
+    decimal that float32 maps to the same value.
+
+    float32 turns 0.7 into 0.699999988; the shortest decimal restores what the client wrote
+    (0.7), and tiny values keep their magnitude (1e-9 stays 1e-9, it is not rounded to 0).
+    The result maps to itself, so applying this at the edge makes the control plane validate
+    the very value the data plane will use.
     """
     try:
-        single: float = struct.unpack("<f", struct.pack("<f", value))[0]
+        single = _float32(value)
     except OverflowError:  # beyond float32's range: the wire carries an infinity
-        single = math.copysign(math.inf, value)
-    return round(single, 6)
+        return math.copysign(math.inf, value)
+    if not math.isfinite(single) or single == 0.0:
+        return single
+    for digits in range(1, 10):  # 9 significant digits always identify a float32
+        shortest = float(f"{single:.{digits}g}")
+        if _float32(shortest) == single:
+            return shortest
+    return single
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return math.inf if value > 0 else -math.inf
 
 
 def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
     """SamplingParams from the fields a client set (named as SamplingParams names them; unset
-    ones keep its defaults); raises ValueError naming the bad field.
+    ones keep its defaults); raises `InvalidField` (a ValueError) naming the bad field.
 
-    Floats are taken at wire precision and integers must fit their wire type, so that
+    Floats are taken at wire precision and integers must fit their wire type (checked on the
+    Python values, before any wire message is built), so that
     `sampling_params_from_proto(sampling_params_to_proto(p)) == p` for the result.
     """
     kwargs = dict(values)
+    unknown = sorted(set(kwargs) - _PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown sampling fields: {', '.join(unknown)}")
     for name in _FLOAT_FIELDS:
         value = kwargs.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool):
-            kwargs[name] = wire_float(float(value))
-    for name, top in _WIRE_MAX.items():
-        value = kwargs.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > top:
-            raise ValueError(f"{name} must be at most {top}, got {value}")
+            kwargs[name] = wire_float(_as_float(value))
+    bias = kwargs.get("logit_bias")
+    if isinstance(bias, Mapping):
+        kwargs["logit_bias"] = {
+            k: wire_float(_as_float(v)) if isinstance(v, int | float) and not isinstance(v, bool) else v
+            for k, v in bias.items()
+        }
     stop_ids = kwargs.get("stop_token_ids", ())
-    if isinstance(stop_ids, list | tuple):
-        if any(isinstance(t, int) and t > _UINT32_MAX for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be at most {_UINT32_MAX}")
+    if isinstance(stop_ids, list):
         kwargs["stop_token_ids"] = tuple(stop_ids)
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    params = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    for name, top in _WIRE_MAX.items():
+        value = getattr(params, name)
+        if value is not None and value > top:
+            raise InvalidField(name, f"must be at most {top}, got {value}")
+    if any(t > _UINT32_MAX for t in params.stop_token_ids):
+        raise InvalidField("stop_token_ids", f"must be at most {_UINT32_MAX}")
+    if any(t > _UINT32_MAX for t, _ in params.logit_bias):
+        raise InvalidField("logit_bias", f"keys must be at most {_UINT32_MAX}")
+    return params
 
 
 def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, object]:
@@ -105,6 +139,8 @@ def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, obje
             values[name] = getattr(msg, name)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["ignore_eos"] = msg.ignore_eos
+    if msg.logit_bias:
+        values["logit_bias"] = dict(msg.logit_bias)
     return values
 
 
@@ -131,6 +167,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         repetition_penalty=params.repetition_penalty,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+MAX_NUM_SAMPLES = 128
+"""The most completions one prompt may ask for (`n`, and `best_of`): each costs its own KV
+blocks, engine sequence and detokenizer, so one request cannot ask for unbounded work."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""The most token ids one request may bias (OpenAI's limit)."""
+MAX_LOGIT_BIAS = 100.0
+"""A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
+MAX_LOGPROBS = 20
+
+
+class InvalidField(ValueError):
+    """A sampling parameter out of range: `field` (as SamplingParams names it) and the reason.
+    The message reads "<field> <reason>", e.g. "top_p must be in (0, 1], got 1.5"."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} {reason}")
+        self.field = name
+        self.reason = reason
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -10,7 +39,9 @@ class SamplingParams:
     """How to pick each next token and when to stop. Names follow vLLM's SamplingParams.
 
     `temperature == 0` means greedy. `seed` makes a sampled request reproducible on its own,
-    whatever else shares its batch. Invalid values raise ValueError naming the field.
+    whatever else shares its batch. `logit_bias` (token id -> bias, a mapping or pairs) is
+    added to the logits before sampling; it is kept as sorted (id, bias) pairs. Invalid values
+    raise `InvalidField` (a ValueError) naming the field.
     """
 
     max_tokens: int = 16
@@ -27,47 +58,54 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # CTRL/HF semantics, over prompt and generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidField("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise InvalidField(name, f"must be a number, got {getattr(self, name)!r}")
+        if not _is_number(self.repetition_penalty):
+            raise InvalidField("repetition_penalty", f"must be a number, got {self.repetition_penalty!r}")
         if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidField("temperature", f"must be >= 0, got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            raise InvalidField("temperature", f"must be finite, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise InvalidField("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidField("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-        ):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise InvalidField("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise InvalidField("seed", f"must be a non-negative integer, got {self.seed!r}")
         for name in ("n", "best_of", "logprobs"):
             value = getattr(self, name)
             if value is None and name != "n":
                 continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < (0 if name == "logprobs" else 1)
-            ):
-                raise ValueError(
-                    f"{name} must be an integer >= {0 if name == 'logprobs' else 1}, got {value!r}"
-                )
+            low = 0 if name == "logprobs" else 1
+            if not _is_int(value) or value < low:
+                raise InvalidField(name, f"must be an integer >= {low}, got {value!r}")
+            if name != "logprobs" and value > MAX_NUM_SAMPLES:
+                raise InvalidField(name, f"must be at most {MAX_NUM_SAMPLES}, got {value}")
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
-        if self.logprobs is not None and self.logprobs > 20:
-            raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
+            raise InvalidField("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise InvalidField("logprobs", f"must be at most {MAX_LOGPROBS}, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise InvalidField(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+            raise InvalidField("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise InvalidField("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         stop_ids = tuple(self.stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not _is_int(t) or t < 0 for t in stop_ids):
+            shown = repr(self.stop_token_ids) if len(stop_ids) <= 8 else f"{list(stop_ids[:8])!r}..."
+            raise InvalidField("stop_token_ids", f"must be non-negative integers, got {shown}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -85,3 +123,29 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A logit bias (a mapping or (id, bias) pairs) as sorted pairs; raises InvalidField."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise InvalidField("logit_bias", "must map token ids to biases")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidField(
+            "logit_bias", f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(pairs)}"
+        )
+    out: dict[int, float] = {}
+    for token, bias in pairs:
+        if not _is_int(token) or token < 0:
+            raise InvalidField("logit_bias", f"keys must be non-negative token ids, got {token!r}")
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+            raise InvalidField(
+                "logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+            )
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))

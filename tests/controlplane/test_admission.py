@@ -158,3 +158,60 @@ def test_a_placement_error_fails_the_waiter() -> None:
             await task
 
     asyncio.run(run())
+
+
+# -- a request leaving the queue wakes it (issue 12) ------------------------------------------
+
+
+async def _leaves_then_next_is_placed(leave: str) -> float:
+    """A big request at the head blocks a small one that fits (FIFO); when the big one leaves
+    (`leave`: its deadline passes, or its caller is cancelled), the small one must be placed
+    at once, not at its own deadline. Returns how long the small one waited."""
+    pool = Pool(10)
+    q = make_queue(pool, timeout=30.0)
+    await q.admit(pool.placer("running", 6))  # 4 blocks left
+    big = asyncio.create_task(q.admit(pool.placer("big", 8), timeout_s=0.2 if leave == "deadline" else None))
+    await until_waiting(q, 1)
+    small = asyncio.create_task(q.admit(pool.placer("small", 2)))
+    await until_waiting(q, 2)
+    started = time.monotonic()
+    if leave == "cancel":
+        await asyncio.sleep(0.2)
+        big.cancel()
+    placed, _ = await asyncio.wait_for(small, 5.0)  # nothing else ever pokes the queue
+    assert placed == "small" and pool.budget.holds("small") and not pool.budget.holds("big")
+    with pytest.raises((ServiceError, asyncio.CancelledError)):
+        await big
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("leave", ["deadline", "cancel"])
+def test_a_request_leaving_the_queue_wakes_it_so_the_next_is_placed_at_once(leave: str) -> None:
+    waited = asyncio.run(_leaves_then_next_is_placed(leave))
+    assert waited < 1.0, waited  # the small one's own deadline is 30 s
+
+
+def test_the_head_refused_while_queued_is_skipped_for_the_next() -> None:
+    async def run() -> None:
+        pool = Pool(4)
+        q = make_queue(pool)
+        await q.admit(pool.placer("a", 4))
+        refuse = False
+
+        def head() -> str | None:
+            if refuse:
+                raise ServiceError("INVALID_ARGUMENT", "can never fit any more")
+            return None
+
+        first = asyncio.create_task(q.admit(head))
+        await until_waiting(q, 1)
+        second = asyncio.create_task(q.admit(pool.placer("b", 1)))
+        await until_waiting(q, 2)
+        refuse = True
+        pool.budget.release("a")
+        q.poke()
+        with pytest.raises(ServiceError, match="never fit"):
+            await first
+        assert (await second)[0] == "b"
+
+    asyncio.run(run())

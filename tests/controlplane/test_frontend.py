@@ -202,12 +202,147 @@ def test_without_any_data_plane_an_unset_max_tokens_is_unavailable() -> None:
 def test_the_wire_message_carries_exactly_the_validated_params() -> None:
     fe = frontend(FakeDispatcher([[[HELLO]]]))
     sampling = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "seed": 5, "n": 2, "logprobs": 3}
-    sampling |= {"presence_penalty": 0.1234567, "stop_token_ids": [4], "ignore_eos": True}
+    sampling |= {"presence_penalty": 0.100000001, "stop_token_ids": [4], "ignore_eos": True}
     gen = fe.validate([HELLO, COMMA], sampling, ["?"], request_id="r4", cache_salt="salt")
     assert gen.sampling_params.temperature == 0.7
-    assert gen.sampling_params.presence_penalty == 0.123457  # at wire precision from the start
+    assert gen.sampling_params.presence_penalty == 0.1  # at wire precision (float32) from the start
     command = gen.to_proto({"traceparent": "00-1-2-01"})
     assert sampling_params_from_proto(command.sampling_params) == gen.sampling_params
     assert list(command.sampling_params.stop) == []  # stop strings are matched in the control plane
-    assert (command.request_id, list(command.prompt_token_ids), command.cache_salt) == ("r4", [1, 2], "salt")
+    assert (list(command.prompt_token_ids), command.cache_salt) == ([1, 2], "salt")
+    # The data plane gets the server's id; the client's is only a label.
+    assert command.request_id == gen.request_id != "r4" and gen.client_request_id == gen.label == "r4"
     assert dict(command.trace_context) == {"traceparent": "00-1-2-01"}
+
+
+# -- limits at the edge (issue 12) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        ({"max_tokens": -1}, "max_tokens must be an integer >= 1, got -1"),
+        ({"max_tokens": 2**32}, f"max_tokens must be at most {2**32 - 1}, got {2**32}"),
+        ({"top_k": 2**31}, f"top_k must be at most {2**31 - 1}, got {2**31}"),
+        ({"n": -1}, "n must be an integer >= 1, got -1"),
+        ({"n": 2**40}, f"n must be at most 128, got {2**40}"),
+        ({"n": 2**32 - 1}, f"n must be at most 128, got {2**32 - 1}"),
+        ({"seed": 2**63}, f"seed must be at most {2**63 - 1}, got {2**63}"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative integers, got (-1,)"),
+        ({"stop_token_ids": [2**32]}, f"stop_token_ids must be at most {2**32 - 1}"),
+        ({"temperature": 10**400}, "temperature must be finite, got inf"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias values must be in [-100, 100], got 101.0"),
+        ({"logit_bias": {9: 1.0}}, "logit_bias keys must be token ids in [0, 9), got [9]"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias must have at most 300 entries, got 301"),
+    ],
+)
+def test_every_numeric_field_is_range_checked_before_conversion(
+    sampling: dict[str, Any], message: str
+) -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    with pytest.raises(ServiceError) as err:
+        fe.validate([HELLO], sampling, field_prefix="")
+    assert (err.value.code, err.value.message) == ("INVALID_ARGUMENT", message)
+    assert err.value.param == message.split(" ")[0]
+
+
+def test_n_is_bounded_before_any_per_sample_state_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+    monkeypatch.setattr("controlplane.frontend.IncrementalDetokenizer", lambda *a: built.append(a))
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    with pytest.raises(ServiceError, match=r"^sampling_params\.n must be at most 128, got 4294967295$"):
+        fe.validate([HELLO], {"n": 2**32 - 1})
+    assert built == []
+
+
+def test_a_renamed_field_is_named_as_the_client_named_it() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    names = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
+    with pytest.raises(ServiceError) as err:
+        fe.validate([HELLO], {"max_tokens": 0}, field_prefix="", field_names=names)
+    assert err.value.message == "max_completion_tokens must be an integer >= 1, got 0"
+    assert err.value.param == "max_completion_tokens"
+    with pytest.raises(ServiceError) as err:
+        fe.validate([HELLO], {"max_tokens": 1, "logprobs": 21}, field_prefix="", field_names=names)
+    assert (err.value.message, err.value.param) == ("top_logprobs must be at most 20, got 21", "top_logprobs")
+
+
+def test_a_tiny_top_p_survives_the_wire_rounding() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    gen = fe.validate([HELLO], {"max_tokens": 1, "top_p": 1e-9})
+    assert gen.sampling_params.top_p == 1e-9
+    assert sampling_params_from_proto(gen.to_proto().sampling_params) == gen.sampling_params
+
+
+def test_max_tokens_beyond_the_context_is_refused_as_vllm_does() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))  # context 64
+    with pytest.raises(ServiceError) as err:
+        fe.validate([HELLO] * 10, {"max_tokens": 55})
+    assert err.value.message == (
+        "sampling_params.max_tokens is too large: 55. This model's maximum context length is 64 "
+        "tokens and your request has 10 input tokens (55 > 64 - 10)"
+    )
+    assert fe.validate([HELLO] * 10, {"max_tokens": 54}).max_tokens == 54  # exactly the context
+    with pytest.raises(ServiceError, match=r"^max_completion_tokens is too large: 2147483647\."):
+        fe.validate(
+            [HELLO],
+            {"max_tokens": 2**31 - 1},
+            field_prefix="",
+            field_names={"max_tokens": "max_completion_tokens"},
+        )
+
+
+def test_strings_are_bounded_and_must_be_valid_unicode() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    with pytest.raises(ServiceError) as err:
+        fe.encode_text("Say \ud800.", "prompt")
+    assert (err.value.message, err.value.param) == (
+        "prompt: not valid Unicode (a lone surrogate at character 4)",
+        "prompt",
+    )
+    with pytest.raises(ServiceError, match=r"^messages\[1\]\.content: not valid Unicode"):
+        fe.encode_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}], "messages")
+    with pytest.raises(ServiceError, match=r"^prompt: at most 1048576 characters$"):
+        fe.encode_text("x" * (2**20 + 1), "prompt")
+    with pytest.raises(ServiceError, match=r"^stop\[0\]: at most 256 characters$"):
+        fe.validate([HELLO], {}, ["x" * 257], field_prefix="")
+    with pytest.raises(ServiceError, match=r"^cache_salt: not valid Unicode"):
+        fe.validate([HELLO], {}, cache_salt="\ud800")
+
+
+def test_the_model_name_is_checked_and_never_echoed_unbounded() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    fe.check_model(None)  # omitted: the served model
+    fe.check_model("tiny")
+    with pytest.raises(ServiceError) as err:
+        fe.check_model("")
+    assert (err.value.code, err.value.param) == ("INVALID_ARGUMENT", "model")
+    with pytest.raises(ServiceError) as err:
+        fe.check_model("m" * 10_000)
+    assert err.value.message == "model: at most 256 characters"
+    with pytest.raises(ServiceError) as err:
+        fe.check_model("gpt-4")
+    assert (err.value.code, err.value.message) == (
+        "NOT_FOUND",
+        "model: 'gpt-4' is not served here (this server serves 'tiny')",
+    )
+
+
+def test_client_request_ids_are_labels_and_the_server_keys_by_its_own() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    a = fe.validate([HELLO], {"max_tokens": 1}, request_id="same#id/x")
+    b = fe.validate([HELLO], {"max_tokens": 1}, request_id="same#id/x")
+    assert a.label == b.label == "same#id/x"
+    assert a.request_id != b.request_id
+    assert all(set(g.request_id) <= set("0123456789abcdef") for g in (a, b))
+    anonymous = fe.validate([HELLO], {"max_tokens": 1})
+    assert anonymous.client_request_id == "" and anonymous.label == anonymous.request_id
+
+
+def test_a_completions_batch_is_bounded() -> None:
+    fe = frontend(FakeDispatcher([[[HELLO]]]))
+    fe.check_batch(256, 4)
+    with pytest.raises(ServiceError, match=r"^prompt: at most 256 prompts per request$"):
+        fe.check_batch(257, 1)
+    with pytest.raises(ServiceError, match=r"^n: 9 prompts × n=128 asks for 1152 completions, at most 1024"):
+        fe.check_batch(9, 128)

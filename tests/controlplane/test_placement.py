@@ -22,6 +22,7 @@ from controlplane.placement import (
     Placement,
     Refusal,
     plan_placement,
+    reservation_refusal,
     retry_on_other,
 )
 from controlplane.request import GenerationRequest
@@ -220,3 +221,26 @@ def test_the_dispatcher_waits_or_raises_as_planned() -> None:
     with pytest.raises(ServiceError) as err:
         dispatcher._place(too_long, frozenset(), prompt_hashes(too_long))
     assert (err.value.code, err.value.message) == ("INVALID_ARGUMENT", TOO_LONG.format(n=2000, m=1024))
+
+
+# -- a reservation that can never be made (issue 12) ------------------------------------------
+
+
+def test_n_samples_whose_reservation_exceeds_the_whole_pool_are_refused_at_once() -> None:
+    # 40 tokens: 3 prompt blocks + 2 per sample; 31 samples reserve 65 > 64 blocks. Before,
+    # this waited (WAIT) until its deadline however empty the pool was.
+    refused = plan(req(40, n=31), snap(), reserve=2)
+    assert refused == Refusal(
+        "INVALID_ARGUMENT",
+        "the request's 31 sample(s) reserve 65 KV blocks (3 for the prompt + 2 per sample) "
+        "but the whole pool has only 64; lower n",
+    )
+    assert plan(req(40, n=30), snap(), reserve=2) == Placement("a", 63, 0)  # 63 fits an idle pool
+
+
+def test_the_reservation_rule_ignores_the_cache_so_it_never_depends_on_eviction() -> None:
+    # Cached prefix blocks reduce what is reserved now, not whether it can ever be reserved.
+    cached = snap(prompt_blocks=2, cached_blocks=2)
+    assert isinstance(plan(req(40, n=31), cached, reserve=2), Refusal)
+    assert reservation_refusal(40, 30, block_size=16, num_blocks=64, decode_reserve_blocks=2) is None
+    assert reservation_refusal(40, 10, block_size=16, num_blocks=64, decode_reserve_blocks=0) is None
