@@ -50,6 +50,12 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
         "--dataplane-tls-cert-file", default=None, help="client certificate for mTLS to data planes"
     )
     s.add_argument("--dataplane-tls-key-file", default=None, help="its private key")
+    s.add_argument(
+        "--dataplane-tls-server-name",
+        default=None,
+        help="the DNS name the data planes' certificates must carry, checked in place of the "
+        "address dialled (with --dataplane-dns, data planes are dialled by IP address)",
+    )
 
 
 def add_controlplane_args(p: argparse.ArgumentParser, *, own_dataplane: bool = False) -> None:
@@ -68,10 +74,16 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
     from pagedserve.common.tls import ClientTLS, server_tls
 
     dataplane_tls = None
+    server_name = getattr(args, "dataplane_tls_server_name", None)
     if args.dataplane_tls_ca_file or args.dataplane_tls_cert_file:
         dataplane_tls = ClientTLS(
-            args.dataplane_tls_ca_file, args.dataplane_tls_cert_file, args.dataplane_tls_key_file
+            args.dataplane_tls_ca_file,
+            args.dataplane_tls_cert_file,
+            args.dataplane_tls_key_file,
+            server_name=server_name,
         )
+    elif server_name is not None:
+        raise ValueError("--dataplane-tls-server-name needs TLS to the data planes (--dataplane-tls-ca-file)")
     values = {**vars(args), **overrides}
     values["api_keys"], values["api_key_tenants"] = load_keys(args.api_key, args.api_key_file)
     values["tls"] = server_tls(args.tls_cert_file, args.tls_key_file)

@@ -33,12 +33,17 @@ class RoutingWeights:
 @dataclass(frozen=True)
 class ControlPlaneConfig:
     """`dataplanes` are host:port addresses; `dataplane_dns` (host:port) is re-resolved every
-    `dns_refresh_s` and every address it yields joins the set (the Helm headless Service).
+    `dns_refresh_s` and every address it yields joins the set (the Helm headless Service); an
+    address that leaves it takes no new requests and keeps its link until its streams end (at
+    most `dataplane_drain_timeout_s`), then the link closes.
 
     Admission: at most `max_queue_len` requests wait for KV budget, each at most
     `queue_timeout_s` (or its gRPC deadline, if sooner). A request reserves the blocks its
     prompt needs (minus those the chosen data plane already caches) plus
     `decode_reserve_blocks` for its first generated tokens.
+
+    Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, new requests are refused UNAVAILABLE,
+    and running ones have `shutdown_grace_s` to finish before the process exits.
     """
 
     model: str = setting(DEFAULT_MODEL, "model name or folder (for its tokenizer)")
@@ -48,6 +53,16 @@ class ControlPlaneConfig:
     )
     dataplane_dns: str | None = setting(None, "discover data planes by DNS: NAME:PORT")
     dns_refresh_s: float = setting(10.0, "seconds between DNS lookups", cli=False)
+    dataplane_drain_timeout_s: float = setting(
+        300.0,
+        "seconds a data plane that left DNS may finish its streams before its link is closed",
+        flag="--dataplane-drain-timeout",
+    )
+    shutdown_grace_s: float = setting(
+        30.0,
+        "on SIGTERM: seconds running streams may take to finish (new requests are refused)",
+        flag="--shutdown-grace",
+    )
     max_queue_len: int = setting(1024, "requests that may wait for KV budget")
     queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV budget", flag="--queue-timeout")
     decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt")
@@ -83,6 +98,9 @@ class ControlPlaneConfig:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         if self.decode_reserve_blocks < 0:
             raise ValueError(f"decode_reserve_blocks must be >= 0, got {self.decode_reserve_blocks}")
+        for name in ("dataplane_drain_timeout_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         unknown = sorted({key for key, _ in self.api_key_tenants} - set(self.api_keys))
         if unknown:
             raise ValueError(f"api_key_tenants: {len(unknown)} key(s) not in api_keys")

@@ -75,13 +75,13 @@ class DataPlaneConnection:
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._closed = False
+        self._close_reason = "the control plane is shutting down"
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         if self.tls is not None:
-            self._channel = grpc.aio.secure_channel(
-                self.address, self.tls.credentials(), options=LINK_CHANNEL_OPTIONS
-            )
+            options = [*LINK_CHANNEL_OPTIONS, *self.tls.channel_options()]
+            self._channel = grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
         else:
             self._channel = grpc.aio.insecure_channel(self.address, options=LINK_CHANNEL_OPTIONS)
         self._task = asyncio.create_task(self._run(), name=f"dataplane-link-{self.address}")
@@ -91,8 +91,16 @@ class DataPlaneConnection:
             await asyncio.wait_for(self._connected.wait(), timeout_s)
         return self.healthy
 
-    async def close(self) -> None:
+    @property
+    def closing(self) -> bool:
+        """close() was called: the link takes no more requests."""
+        return self._closed
+
+    async def close(self, reason: str = "the control plane is shutting down") -> None:
+        """End the link: requests still in flight get `Lost` with `reason`."""
         self._closed = True
+        self._close_reason = reason
+        self.healthy = False  # at once: nothing is placed here any more
         if self._outgoing is not None:
             self._outgoing.put_nowait(None)  # half-close: the data plane aborts our requests
         if self._task is not None:
@@ -157,7 +165,7 @@ class DataPlaneConnection:
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except asyncio.CancelledError:
-                self._lost("the control plane is shutting down")
+                self._lost(self._close_reason)
                 raise
             finally:
                 writer.cancel()

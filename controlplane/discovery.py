@@ -1,9 +1,17 @@
-"""Data-plane discovery by DNS: a headless Service name resolves to one address per pod."""
+"""Data-plane discovery by DNS: a headless Service name resolves to one address per pod.
+
+The dispatcher asks a `Resolver` for the current set on every refresh; the default is the real
+lookup (`resolve_dataplanes`). Tests inject their own to "scale" without a DNS server.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Awaitable, Callable
+
+Resolver = Callable[[str], Awaitable[list[str]]]
+"""`NAME:PORT` -> the `HOST:PORT` addresses it stands for now (raise OSError when unknown)."""
 
 
 async def resolve_dataplanes(name_and_port: str) -> list[str]:

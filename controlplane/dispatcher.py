@@ -5,6 +5,13 @@ Transport-neutral: the gRPC servicer and the OpenAI HTTP front end hand it a val
 (where a request runs, whether it may move after a failure) are pure functions in
 `controlplane.placement`; this class snapshots the links for them and carries them out. All
 state here is soft: the data-plane links rebuild it from snapshots and events after a restart.
+
+The set of data planes: the static `--dataplane` addresses plus what `--dataplane-dns`
+resolves to, re-resolved every `dns_refresh_s` through an injectable `Resolver`. A new address
+joins on the next refresh; one that leaves retires: placement skips it at once, its link stays
+up until its requests in flight end (at most `dataplane_drain_timeout_s`), then closes. If it
+comes back meanwhile it is back in rotation on the same link. `stop_accepting` (shutdown)
+refuses new generations while those in progress go on; `wait_finished` waits for them.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 from controlplane.admission import AdmissionQueue
 from controlplane.config import ControlPlaneConfig
 from controlplane.dataplane_client import DataPlaneConnection, Lost
-from controlplane.discovery import resolve_dataplanes
+from controlplane.discovery import Resolver, resolve_dataplanes
 from controlplane.errors import ServiceError
 from controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
 from controlplane.prefix_index import PrefixIndex
@@ -31,6 +38,9 @@ from protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
+
+_RETIRE_POLL_S = 0.05
+_SHUTTING_DOWN = "the control plane is shutting down; retry the request"
 
 PromptHashes = Callable[[int, str], list[bytes]]
 """The chained block hashes of a request's prompt for a (block_size, hash seed)."""
@@ -70,14 +80,22 @@ GenerationEvent = Admitted | dataplane_pb2.TokenDelta | dataplane_pb2.RequestFin
 
 
 class Dispatcher:
-    def __init__(self, config: ControlPlaneConfig) -> None:
+    def __init__(self, config: ControlPlaneConfig, resolver: Resolver = resolve_dataplanes) -> None:
+        """`resolver` turns `config.dataplane_dns` into addresses (default: the DNS lookup)."""
         self.config = config
+        self.resolver = resolver
         self.index = PrefixIndex()
         self.connections: dict[str, DataPlaneConnection] = {}
         self.admission: AdmissionQueue[Reservation] = AdmissionQueue(
             config.max_queue_len, config.queue_timeout_s, release=self._release_reservation
         )
         self._discovery: asyncio.Task[None] | None = None
+        self._retiring: dict[str, asyncio.Task[None]] = {}  # address -> its drain-then-close task
+        self._retire_tasks: set[asyncio.Task[None]] = set()  # those, until done (closing included)
+        self._accepting = True
+        self._in_progress = 0  # generate() calls under way
+        self._finished = asyncio.Event()  # set while none is
+        self._finished.set()
         self.changed = asyncio.Event()  # set whenever a data-plane link reports (health, stats)
 
     # -- data-plane set -------------------------------------------------------------------------
@@ -89,11 +107,41 @@ class Dispatcher:
             self._discovery = asyncio.create_task(self._discover(), name="dataplane-dns")
 
     async def stop(self) -> None:
+        self._accepting = False
         if self._discovery is not None:
             self._discovery.cancel()
+        for task in self._retiring.values():
+            task.cancel()  # (still draining: its link is closed with the others below)
+        await asyncio.gather(*self._retire_tasks, return_exceptions=True)
+        self._retiring.clear()
         self.admission.fail_all(ServiceError("UNAVAILABLE", "the control plane is shutting down"))
         await asyncio.gather(*(c.close() for c in self.connections.values()))
         self.connections.clear()
+
+    # -- shutdown -------------------------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        """False once shutting down: new generations are refused UNAVAILABLE."""
+        return self._accepting
+
+    @property
+    def in_progress(self) -> int:
+        """Generations under way (queued for budget or streaming)."""
+        return self._in_progress
+
+    def stop_accepting(self) -> None:
+        """Refuse new generations from now on (UNAVAILABLE); those under way go on. Health
+        turns NOT_SERVING (`healthy` is empty from now on)."""
+        if self._accepting:
+            self._accepting = False
+            log.info("controlplane_draining", in_progress=self._in_progress)
+            self._on_link_change()
+
+    async def wait_finished(self, timeout_s: float) -> bool:
+        """True once no generation is under way, False if some still are after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._finished.wait(), timeout_s)
+        return self._in_progress == 0
 
     def add_dataplane(self, address: str) -> None:
         if address in self.connections:
@@ -116,10 +164,61 @@ class Dispatcher:
         self.changed.set()
 
     async def remove_dataplane(self, address: str) -> None:
+        """Close the link to `address` now (requests in flight there are lost)."""
+        task = self._retiring.pop(address, None)
+        if task is not None:
+            task.cancel()
         link = self.connections.pop(address, None)
         if link is not None:
             await link.close()
             log.info("dataplane_removed", address=address)
+
+    @property
+    def retiring(self) -> frozenset[str]:
+        """Addresses that left discovery and are finishing their requests in flight."""
+        return frozenset(self._retiring)
+
+    def retire_dataplane(self, address: str) -> None:
+        """`address` left discovery: place nothing more there, close its link once its
+        requests in flight have ended (or after `dataplane_drain_timeout_s`)."""
+        link = self.connections.get(address)
+        if link is None or address in self._retiring or link.closing:
+            return
+        task = asyncio.create_task(self._retire(link), name=f"dataplane-retire-{address}")
+        self._retiring[address] = task
+        self._retire_tasks.add(task)
+        task.add_done_callback(self._retire_tasks.discard)
+        log.info("dataplane_retiring", address=address, in_flight=len(link.handles))
+        self._on_link_change()
+
+    def _reinstate(self, address: str) -> None:
+        """A retiring address is back in discovery: back in rotation, on the same link."""
+        task = self._retiring.pop(address, None)
+        if task is not None:
+            task.cancel()
+            log.info("dataplane_reinstated", address=address)
+            self._on_link_change()
+
+    async def _retire(self, link: DataPlaneConnection) -> None:
+        timeout_s = self.config.dataplane_drain_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while link.handles and time.monotonic() < deadline:
+            await asyncio.sleep(_RETIRE_POLL_S)
+        # Past this point the link goes, even if the address comes back (it rejoins afresh on a
+        # later refresh): it is no longer "retiring", and close() marks it unusable at once.
+        self._retiring.pop(link.address, None)
+        cut = len(link.handles)
+        reason = f"it left discovery and its requests outlived the drain timeout ({timeout_s:g} s)"
+        try:
+            await link.close(reason)
+        finally:
+            if self.connections.get(link.address) is link:
+                del self.connections[link.address]
+            if cut:
+                log.warning("dataplane_removed", address=link.address, cut=cut, reason=reason)
+            else:
+                log.info("dataplane_removed", address=link.address, drained=True)
+            self._on_link_change()
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once at least one data plane is connected (or False after `timeout_s`)."""
@@ -133,21 +232,37 @@ class Dispatcher:
     async def _discover(self) -> None:
         while True:
             await asyncio.sleep(self.config.dns_refresh_s)
-            with contextlib.suppress(OSError):
+            try:
                 await self._refresh_dns()
+            except OSError as exc:  # the name does not resolve now: keep the set as it is
+                log.warning("dns_refresh_failed", name=self.config.dataplane_dns, error=str(exc))
+            except Exception:
+                log.exception("dns_refresh_failed", name=self.config.dataplane_dns)
 
     async def _refresh_dns(self) -> None:
+        """Join what discovery added, retire what it removed, reinstate what came back."""
         assert self.config.dataplane_dns is not None
-        found = set(await resolve_dataplanes(self.config.dataplane_dns))
+        found = set(await self.resolver(self.config.dataplane_dns))
         static = set(self.config.dataplanes)
-        for address in found - set(self.connections):
-            self.add_dataplane(address)
-        for address in set(self.connections) - found - static:
-            await self.remove_dataplane(address)
+        for address in sorted(found):
+            if address in self._retiring:
+                self._reinstate(address)
+            elif address not in self.connections:
+                self.add_dataplane(address)
+        for address in sorted(set(self.connections) - found - static):
+            self.retire_dataplane(address)
 
     @property
     def healthy(self) -> list[DataPlaneConnection]:
-        return [c for c in self.connections.values() if c.healthy and c.info is not None]
+        """The links new requests may go to: connected, configured, not draining, not retiring
+        (none once the control plane is shutting down)."""
+        if not self._accepting:
+            return []
+        return [
+            c
+            for c in self.connections.values()
+            if c.healthy and c.info is not None and c.address not in self._retiring
+        ]
 
     # -- placement ------------------------------------------------------------------------------
     def snapshots(self, hashes: PromptHashes) -> list[LinkSnapshot]:
@@ -155,8 +270,8 @@ class Dispatcher:
         out = []
         for link in self.connections.values():
             info = link.info
-            if info is None:
-                continue
+            if info is None or link.address in self._retiring or link.closing:
+                continue  # (a retiring data plane finishes its requests but takes no new one)
             cacheable = info.enable_prefix_caching and link.healthy
             prompt = hashes(info.block_size, info.prefix_hash_seed) if cacheable else []
             out.append(
@@ -207,6 +322,22 @@ class Dispatcher:
         """Admit, route and run `request`; yields Admitted, then deltas and finishes (one per
         sample). Raises ServiceError. Closing the generator early aborts the request.
         `trace_context`: the W3C context of the request's span (the data plane's spans join it)."""
+        if not self._accepting:
+            raise ServiceError("UNAVAILABLE", _SHUTTING_DOWN)
+        self._in_progress += 1
+        self._finished.clear()
+        try:
+            async with contextlib.aclosing(self._generate(request, trace_context)) as events:
+                async for event in events:  # (closing this generator closes that one: abort)
+                    yield event
+        finally:
+            self._in_progress -= 1
+            if self._in_progress == 0:
+                self._finished.set()
+
+    async def _generate(
+        self, request: GenerationRequest, trace_context: Mapping[str, str] | None
+    ) -> AsyncGenerator[GenerationEvent, None]:
         command = request.to_proto(trace_context)  # the wire message, made once for every attempt
         hashes = prompt_hashes(request)
         exclude: frozenset[str] = frozenset()

@@ -3,6 +3,11 @@
 The ports are checked before anything else and bound without SO_REUSEPORT: a second control
 plane on a taken port fails at once with one line (pagedserve/common/lifecycle.py).
 `Liveness` says whether this process can still serve (the HTTP `/live` probe).
+
+SIGTERM (or SIGINT) stops it gracefully (`ControlPlane.shutdown`): gRPC health turns
+NOT_SERVING and `/health` 503 at once (both keep answering), new requests are refused
+UNAVAILABLE (retryable), the streams under way get `shutdown_grace_s` to finish, then the ports
+close and the process exits. A second signal cuts the grace short.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane.auth import ApiKeys, GrpcAuthInterceptor
 from controlplane.config import ControlPlaneConfig
+from controlplane.discovery import Resolver, resolve_dataplanes
 from controlplane.dispatcher import Dispatcher
 from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
@@ -98,6 +105,7 @@ class ControlPlane:
     _health_task: asyncio.Task[None]
     liveness: Liveness = field(default_factory=Liveness)
     _heartbeat_task: asyncio.Task[None] | None = None
+    health: health.aio.HealthServicer | None = None
 
     @property
     def http_port(self) -> int | None:
@@ -106,6 +114,25 @@ class ControlPlane:
     def live(self) -> bool:
         """Whether this process can still serve (see `Liveness`)."""
         return self.liveness.live
+
+    async def shutdown(self, grace_s: float, hurry: asyncio.Future[Any] | None = None) -> bool:
+        """Stop gracefully: NOT_SERVING (gRPC health, and `/health` 503) and new requests
+        refused UNAVAILABLE at once; the generations under way get up to `grace_s` to finish
+        (or until `hurry` completes); then `stop`. True when none had to be cut."""
+        self.dispatcher.stop_accepting()
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        waiting = self.dispatcher.in_progress
+        log.info("controlplane_stopping", in_progress=waiting, grace_s=grace_s)
+        finished = asyncio.ensure_future(self.dispatcher.wait_finished(grace_s))
+        waiters: set[asyncio.Future[Any]] = {finished} if hurry is None else {finished, hurry}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finished.cancel()
+        done = self.dispatcher.in_progress == 0
+        if not done:
+            log.warning("shutdown_grace_over", cut=self.dispatcher.in_progress, grace_s=grace_s)
+        await self.stop(grace_s=1.0 if done else 0.0)
+        return done
 
     async def stop(self, grace_s: float = 2.0) -> None:
         self._health_task.cancel()
@@ -159,16 +186,21 @@ async def _track_health(dispatcher: Dispatcher, health_servicer: health.aio.Heal
 
 
 async def start_control_plane(
-    config: ControlPlaneConfig, host: str = "127.0.0.1", grpc_port: int = 0, http_port: int | None = 0
+    config: ControlPlaneConfig,
+    host: str = "127.0.0.1",
+    grpc_port: int = 0,
+    http_port: int | None = 0,
+    resolver: Resolver = resolve_dataplanes,
 ) -> ControlPlane:
     """Connect to the data planes and serve gRPC (and HTTP unless `http_port` is None).
-    A port that is taken raises PortInUseError before anything is loaded."""
+    A port that is taken raises PortInUseError before anything is loaded. `resolver` looks
+    up `config.dataplane_dns` (default: DNS)."""
     check_port_free(host, grpc_port, "--grpc-port")
     if http_port is not None:
         check_port_free(host, http_port, "--http-port")
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     keys = ApiKeys(config.api_keys, config.api_key_tenants) if config.api_keys else None
-    dispatcher = Dispatcher(config)
+    dispatcher = Dispatcher(config, resolver=resolver)
     frontend = Frontend(dispatcher, tokenizer, config.model, served_model_names=config.served_model_names)
     server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
     liveness = Liveness()
@@ -187,7 +219,7 @@ async def start_control_plane(
     liveness.watch("the health tracker", health_task)
     heartbeat = asyncio.create_task(liveness.heartbeat(), name="heartbeat")
     liveness.watch("the event-loop heartbeat", heartbeat)
-    return ControlPlane(dispatcher, server, port, http, health_task, liveness, heartbeat)
+    return ControlPlane(dispatcher, server, port, http, health_task, liveness, heartbeat, health_servicer)
 
 
 def stop_signals() -> asyncio.Future[int]:
@@ -208,6 +240,8 @@ def stop_signals() -> asyncio.Future[int]:
 async def run_until_signalled(
     control_plane: ControlPlane, stopped: asyncio.Future[int] | None = None
 ) -> None:
+    """Serve until SIGINT/SIGTERM (`stopped`), then shut down gracefully within the config's
+    `shutdown_grace_s`; a second signal ends the grace at once."""
     await (stopped if stopped is not None else stop_signals())
-    log.info("controlplane_stopping")
-    await control_plane.stop()
+    hurry = stop_signals()  # fresh handlers: the next signal
+    await control_plane.shutdown(control_plane.dispatcher.config.shutdown_grace_s, hurry)

@@ -48,6 +48,9 @@ class EngineLoop:
         self._num_aborted = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._exit_lock = threading.Lock()
+        self._exited = False
+        self._on_exit: list[Callable[[], None]] = []
         self.fatal_error: BaseException | None = None
         cache_info = {
             "block_size": str(identity.block_size),
@@ -69,6 +72,15 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the loop thread) when the loop ends, stopped or failed; at once
+        (here) when it already has. For health reporting: a dead loop serves nothing."""
+        with self._exit_lock:
+            if not self._exited:
+                self._on_exit.append(callback)
+                return
+        callback()
 
     # -- commands (any thread) -------------------------------------------------------------------
     def connect(self, sink: Sink) -> str:
@@ -115,6 +127,14 @@ class EngineLoop:
         finally:
             self._stopped.set()
             self._streams.close_all()
+            with self._exit_lock:
+                self._exited = True
+                callbacks, self._on_exit = self._on_exit, []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("engine_loop_exit_callback_failed")
 
     def _apply_commands(self, block: bool) -> None:
         try:

@@ -1,8 +1,14 @@
-"""`pagedserve dataplane`: bind the port, load the engine, start its loop thread, serve DataPlaneService."""
+"""`pagedserve dataplane`: bind the port, load the engine, start its loop thread, serve DataPlaneService.
+
+gRPC health (`grpc.health.v1`, the Kubernetes probes) is SERVING while the engine loop runs and
+NOT_SERVING for good once it has ended (a step failed, or the loop was stopped): a data plane
+whose loop died answers calls but can run nothing, so its liveness probe must fail.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -76,6 +82,30 @@ async def start_server(server: grpc.aio.Server, engine_loop: EngineLoop) -> None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    report_engine_health(engine_loop, health_servicer)
+
+
+_health_updates: set[asyncio.Future[None]] = set()  # (kept referenced until done)
+
+
+def report_engine_health(engine_loop: EngineLoop, health_servicer: health.aio.HealthServicer) -> None:
+    """Turn `health_servicer` NOT_SERVING (every service, for good) when `engine_loop` ends."""
+    loop = asyncio.get_running_loop()
+
+    def not_serving() -> None:
+        if engine_loop.fatal_error is not None:
+            log.error("not_serving", reason=f"the engine loop failed: {engine_loop.fatal_error!r}")
+        else:
+            log.info("not_serving", reason="the engine loop stopped")
+        update = asyncio.ensure_future(health_servicer.enter_graceful_shutdown())
+        _health_updates.add(update)
+        update.add_done_callback(_health_updates.discard)
+
+    def on_exit() -> None:  # (the loop thread)
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody asks any more
+            loop.call_soon_threadsafe(not_serving)
+
+    engine_loop.on_exit(on_exit)
 
 
 async def create_server(
