@@ -117,6 +117,7 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
     stopped = stop_signals()
     supervisor = Supervisor(child_command(child), supervision)
     supervisor.start()
+    shut_down = False  # cp.shutdown() ends with cp.stop()
     try:
         while not (cp.dispatcher.healthy or stopped.done() or supervisor.gave_up.is_set()):
             await asyncio.sleep(_READY_POLL_S)
@@ -135,10 +136,16 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
             print_error(supervisor.failure)
             return EXIT_ERROR
         _log().info("serve_stopping", signal=signal.Signals(stopped.result()).name)
+        if ready:
+            # As `pagedserve controlplane`: NOT_SERVING, new work refused, streams under way get
+            # the shutdown grace (a second signal ends it) while the data plane still runs.
+            shut_down = True
+            await cp.shutdown(config.shutdown_grace_s, stop_signals())
         return 0 if ready else 128 + stopped.result()
     finally:
         # Control plane first (its streams end, its links half-close), then the child.
-        await cp.stop()
+        if not shut_down:
+            await cp.stop()
         await supervisor.stop()
 
 
