@@ -23,6 +23,10 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
 ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+# swap_space left unset: the seed's 4 GiB of host memory next to a GPU.
+DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,14 @@ class CacheConfig:
     chained hash seeded by `prefix_hash_seed` (docs/prefix-hash.md); a control plane that
     computes hashes must use the same seed. `enable_kv_events` records the pool's KV events
     for whoever streams them to an external prefix index (it must drain them every step).
+
+    `swap_space` (GiB of host memory per data plane) sizes the host-side block pool that
+    preemption by swap copies a victim's blocks into. Left unset it is the seed's 4 GiB next
+    to a GPU, but on the CPU a quarter of the device pool's bytes (512MiB at the default
+    kv_cache_memory): there both pools are host memory, so every byte of swap space would
+    serve better as device pool (no copies at all), and a small host pool only has to absorb
+    the victims of a pressure spike. `num_cpu_blocks_override` pins the host pool's block
+    count instead (tests); with preemption_mode "recompute" no host pool is allocated.
 
     `kv_cache_dtype` "auto" stores K/V in the model's dtype; "fp8_e4m3" / "fp8_e5m2" store
     1 byte per element with per-layer K and V scales, read from `kv_scales_path` (JSON, see
@@ -55,6 +67,14 @@ class CacheConfig:
         choices=KV_CACHE_DTYPES,
     )
     num_gpu_blocks_override: int | None = setting(None, "pin the KV pool's block count")
+    swap_space: float | None = setting(
+        None,
+        "host memory in GiB per data plane for swapped-out KV blocks (default: 4 on a GPU; on the CPU, "
+        "where both pools are host memory, a quarter of the device KV pool)",
+    )
+    num_cpu_blocks_override: int | None = setting(
+        None, "pin the host (swap) pool's block count (overrides swap_space; 0: no swapping)"
+    )
     enable_prefix_caching: bool = setting(True, "reuse cached prompt blocks")
     prefix_hash_seed: str = setting(DEFAULT_HASH_SEED, "seed of the chained block hashes")
     enable_kv_events: bool = setting(
@@ -86,6 +106,14 @@ class CacheConfig:
             raise ValueError("kv_scales_path needs an FP8 kv_cache_dtype (fp8_e4m3 or fp8_e5m2)")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.swap_space is not None and (
+            isinstance(self.swap_space, bool)
+            or not isinstance(self.swap_space, int | float)
+            or not 0.0 <= self.swap_space < float("inf")
+        ):
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
+            raise ValueError(f"num_cpu_blocks_override must be >= 0, got {self.num_cpu_blocks_override}")
         for name in ("enable_prefix_caching", "enable_kv_events", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -99,11 +127,29 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits. `max_model_len` None means: take the model's own limit."""
+    """Continuous-batching limits. `max_model_len` None means: take the model's own limit.
+
+    When the device KV pool runs out the scheduler preempts the most recently admitted
+    running sequence: by swap (its blocks copied to the host pool, progress kept) or by
+    recompute (its blocks freed, recomputed later from its tokens and cached prefix blocks).
+    `preemption_mode` "auto" picks per victim whichever its estimated cost makes cheaper;
+    "swap" swaps whenever the host pool has room (else recomputes); "recompute" never swaps.
+    New work and swapped-out work resume only while `watermark` of the device blocks stay
+    free afterwards, so that an admission does not immediately cause a preemption.
+    """
 
     max_num_seqs: int = setting(64, "most sequences in one batch")
     max_num_batched_tokens: int = setting(2048, "most tokens (prefill and decode) in one step")
     max_model_len: int | None = setting(None, "longest prompt plus output (default: the model's limit)")
+    preemption_mode: str = setting(
+        "auto",
+        "how to preempt when the KV pool runs out: swap to host memory, recompute later, or auto "
+        "(per victim, whichever is estimated cheaper)",
+        choices=PREEMPTION_MODES,
+    )
+    watermark: float = setting(
+        0.01, "fraction of the KV blocks kept free when admitting or resuming work (0: none)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -112,6 +158,16 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if (
+            isinstance(self.watermark, bool)
+            or not isinstance(self.watermark, int | float)
+            or not 0.0 <= self.watermark < 1.0
+        ):
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks wait in the host pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -43,6 +44,10 @@ class Request:
     a salt and one without) never share a block. `num_cached_tokens` is how many prompt
     tokens the prefix cache served at first admission; `block_hashes` are the chained
     hashes of its full blocks, filled in by the KV cache manager.
+
+    While preempted by swap (status SWAPPED) the request holds no device blocks: its
+    `host_block_table` lists the host-pool blocks its KV was copied into, one per block of
+    its computed tokens, and `num_computed_tokens` is kept; swapping back in empties it.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.host_block_table: list[int] = []
         self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []
         self.num_cached_tokens = 0
@@ -109,5 +115,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}"
+            + (f", host_blocks={self.host_block_table})" if self.host_block_table else ")")
         )

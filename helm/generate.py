@@ -73,6 +73,8 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "max_queue_len": {"minimum": 0},
     "queue_timeout_s": {"exclusiveMinimum": 0},
     "decode_reserve_blocks": {"minimum": 0},
+    "dataplane_drain_timeout_s": {"minimum": 0},
+    "shutdown_grace_s": {"minimum": 0},
     "prefix_weight": {"minimum": 0},
     "usage_weight": {"minimum": 0},
     "load_weight": {"minimum": 0},

@@ -140,10 +140,13 @@ def swap_blocks(
     src_ids, dst_ids = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
     for src, dst in zip(src_caches, dst_caches, strict=True):
         staged = _gather_blocks(src, src_ids, src_triton)
-        # Pinned staging lets the host -> device direction run asynchronously.
+        # Pinned staging lets the host -> device direction run asynchronously (stream-ordered
+        # before the device's next kernel). Device -> host stays blocking: a non-blocking copy
+        # to the CPU returns before the data lands, and the host-side scatter would read it early.
         if src.device.type == "cpu" and dst.device.type == "cuda":
             staged = staged.pin_memory()
-        _scatter_blocks(dst, dst_ids, staged.to(dst.device, non_blocking=True), dst_triton)
+        moved = staged.to(dst.device, non_blocking=dst.device.type == "cuda")
+        _scatter_blocks(dst, dst_ids, moved, dst_triton)
 
 
 def _side_uses_triton(impl: Backend | None, device: torch.device) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dataplane.config import EngineConfig
+from dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
 from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
 from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
 from dataplane.kvcache.budget import (
@@ -73,18 +73,35 @@ class LLMEngine:
         )
         block_size = config.cache.block_size
         self.pool = BlockPool(self.budget.num_blocks, enable_kv_events=config.cache.enable_kv_events)
+        num_host_blocks = self._plan_host_blocks(shape)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        if self.host_pool is None and config.scheduler.preemption_mode == "swap":
+            raise ValueError(
+                "preemption_mode='swap' needs a host pool: swap_space (or num_cpu_blocks_override) "
+                f"leaves no room for a block of {shape.bytes_per_block(block_size)} bytes"
+            )
+        log.info(
+            "swap_space_planned",
+            preemption_mode=config.scheduler.preemption_mode,
+            host_blocks=num_host_blocks,
+            host_bytes=num_host_blocks * shape.bytes_per_block(block_size),
+        )
         self.kv_cache = KVCacheManager(
             self.pool,
             block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_seed=config.cache.prefix_hash_seed,
+            host_pool=self.host_pool,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_model_len=self.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            preemption_mode=config.scheduler.preemption_mode,
+            watermark=config.scheduler.watermark,
         )
+        self.swap_seconds = 0.0
         self.runner = ModelRunner(
             model,
             self.budget.num_blocks,
@@ -94,6 +111,7 @@ class LLMEngine:
             seed=config.model.seed,
             attention_backend=config.model.attention_backend,
             kv_scales=self.kv_scales,
+            num_host_blocks=num_host_blocks,
         )
         self._ids = itertools.count()
         # Parallel sampling: siblings of a primary request wait here until the primary has
@@ -178,6 +196,23 @@ class LLMEngine:
             memory = cache.kv_cache_memory
         return plan_kv_cache(shape, cache.block_size, memory)
 
+    def _plan_host_blocks(self, shape: KVCacheShape) -> int:
+        """Blocks of the host (swap) pool: none when preemption never swaps; else pinned by
+        num_cpu_blocks_override, else swap_space GiB, else the default (CacheConfig): 4 GiB
+        next to a GPU, a quarter of the device pool's bytes on the CPU."""
+        cache = self.config.cache
+        if self.config.scheduler.preemption_mode == "recompute":
+            return 0
+        if cache.num_cpu_blocks_override is not None:
+            return cache.num_cpu_blocks_override
+        if cache.swap_space is not None:
+            memory = int(cache.swap_space * 2**30)
+        elif torch.device(self.config.model.device).type == "cuda":
+            memory = int(DEFAULT_GPU_SWAP_SPACE_GIB * 2**30)
+        else:
+            memory = self.budget.kv_memory_bytes // 4
+        return memory // shape.bytes_per_block(cache.block_size)
+
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -260,8 +295,14 @@ class LLMEngine:
         return samples[0]
 
     def step(self) -> StepResult:
-        """Schedule, run the model once on the flattened batch, sample, retire finished requests."""
+        """Schedule, make the step's swap copies (out, then in), run the model once on the
+        flattened batch, sample, retire finished requests."""
         out = self.scheduler.schedule()
+        if out.swap_out or out.swap_in:
+            # Before the forward: swapped-out blocks may be rewritten by it, swapped-in ones read.
+            start = time.perf_counter()
+            self.runner.swap(out.swap_out, out.swap_in)
+            self.swap_seconds += time.perf_counter() - start
         if out.is_empty:
             return StepResult({}, [], 0, len(out.preempted))
         sampled = self.runner.execute(out)
@@ -282,6 +323,8 @@ class LLMEngine:
             # Idle is the one moment every block must be free: verify it (O(num_blocks)).
             self.check_integrity()
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
+            if self.host_pool is not None:
+                assert self.host_pool.num_free_blocks == self.host_pool.num_blocks, "host blocks leaked"
         return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted))
 
     def _admit_siblings(self) -> None:
@@ -306,6 +349,14 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache=replace(self.kv_cache.prefix_cache_stats),
+            num_swapped=self.scheduler.num_swapped,
+            num_preemptions_swap=self.scheduler.num_swap_preemptions,
+            num_preemptions_recompute=self.scheduler.num_recompute_preemptions,
+            blocks_swapped_out=self.scheduler.num_blocks_swapped_out,
+            blocks_swapped_in=self.scheduler.num_blocks_swapped_in,
+            swap_seconds=self.swap_seconds,
+            host_total_blocks=0 if self.host_pool is None else self.host_pool.num_blocks,
+            host_free_blocks=0 if self.host_pool is None else self.host_pool.num_free_blocks,
         )
 
     def take_kv_events(self) -> list[KVEventRecord]:

@@ -30,13 +30,29 @@ class EngineStats:
     token_usage: float  # fraction of the pool's token slots holding computed tokens
     num_running: int
     num_waiting: int
-    num_preemptions: int
+    num_preemptions: int  # cumulative, both modes
     prefix_cache: PrefixCacheStats  # a copy: later admissions do not change it
+    # Preemption by swap and the host (swap) pool; zero where there is no host pool.
+    num_swapped: int = 0  # requests swapped out now
+    num_preemptions_swap: int = 0  # cumulative, by mode
+    num_preemptions_recompute: int = 0
+    blocks_swapped_out: int = 0  # cumulative: device -> host block copies
+    blocks_swapped_in: int = 0  # cumulative: host -> device block copies
+    swap_seconds: float = 0.0  # cumulative wall time spent copying swapped blocks
+    host_total_blocks: int = 0
+    host_free_blocks: int = 0
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request, in [0, 1]."""
         return (self.total_blocks - self.free_blocks) / self.total_blocks
+
+    @property
+    def host_usage(self) -> float:
+        """Fraction of the host pool's blocks holding swapped-out KV, in [0, 1] (0 without one)."""
+        if not self.host_total_blocks:
+            return 0.0
+        return (self.host_total_blocks - self.host_free_blocks) / self.host_total_blocks
 
 
 def sample_request_id(request_id: str, index: int) -> str:

@@ -1,4 +1,5 @@
-"""Maps requests' logical blocks onto the pool's physical blocks, with prefix caching. Imports no torch."""
+"""Maps requests' logical blocks onto the pool's physical blocks, with prefix caching, and swaps
+them to a host-side pool and back. Imports no torch."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ class KVCacheManager:
     `get_computed_blocks` finds a new request's cached leading blocks (changing nothing),
     `allocate_slots(..., new_computed_blocks=...)` commits them, and `cache_blocks` files
     each block that a step filled under its chained hash.
+
+    With a `host_pool` (the same block accounting over the swap space: its own free list,
+    never a prefix cache) a running request can be preempted by swap: `swap_out` moves its
+    block table to host blocks and `swap_in` back to device blocks, each returning the
+    (source, destination) block copies the model runner must make before the step's forward,
+    the swap-outs of a step before its swap-ins. This manager only does the accounting.
     """
 
     def __init__(
@@ -62,10 +69,14 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         hash_seed: str = DEFAULT_HASH_SEED,
+        host_pool: BlockPool | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if host_pool is not None and host_pool is pool:
+            raise ValueError("the host pool must be a pool of its own")
         self.pool = pool
+        self.host_pool = host_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
@@ -74,6 +85,8 @@ class KVCacheManager:
         # Requests holding blocks, and how many of each one's leading blocks are cached.
         self._held: dict[str, Request] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Requests swapped out: holding host blocks, no device blocks.
+        self._swapped: dict[str, Request] = {}
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -132,16 +145,36 @@ class KVCacheManager:
         """
         if request.block_table:
             raise ValueError(f"{request} already holds blocks")
-        if not self.enable_prefix_caching:
-            return [], 0
+        hit = self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        return hit, len(hit) * self.block_size
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """The device blocks caching the request's leading full blocks, at most `max_blocks`."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
         hashes = self.block_hashes(request)
         hit: list[int] = []
-        for index in range((request.num_tokens - 1) // self.block_size):
+        for index in range(min(max_blocks, len(hashes))):
             block = self.pool.get_cached_block(hashes[index])
             if block is None or block.block_key != self._block_key(request, index):
                 break
             hit.append(block.block_id)
-        return hit, len(hit) * self.block_size
+        return hit
+
+    def num_shared_prefix_blocks(self, request: Request) -> int:
+        """How many of the running request's leading blocks are cached and also held by another
+        request: they would survive its preemption, so a recompute would find them (at most
+        the blocks `get_computed_blocks` may return)."""
+        if not self.enable_prefix_caching:
+            return 0
+        limit = min(len(request.block_table), (request.num_tokens - 1) // self.block_size)
+        n = 0
+        for block_id in request.block_table[:limit]:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is None or block.ref_cnt < 2:
+                break
+            n += 1
+        return n
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Note that `request` has `num_computed_tokens` computed tokens, their KV written:
@@ -173,7 +206,12 @@ class KVCacheManager:
 
     # -- allocation --------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        *,
+        reserve: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more computed tokens of `request`.
 
@@ -182,15 +220,18 @@ class KVCacheManager:
         `num_computed_tokens` moves past them. Returns the newly allocated block ids
         (possibly empty), or None, changing nothing, when the pool has too few free blocks;
         hits on unreferenced cached blocks count against the free blocks too, since
-        referencing them takes them out of the free queue.
+        referencing them takes them out of the free queue. `reserve` free blocks must remain
+        afterwards (the scheduler's watermark).
         """
+        if request.host_block_table:
+            raise ValueError(f"{request} is swapped out: swap it in first")
         if new_computed_blocks and (request.block_table or request.num_computed_tokens):
             raise ValueError(f"prefix-cache hits for {request}, which has already started")
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         needed = max(0, self.num_blocks_for(total) - len(request.block_table) - len(new_computed_blocks))
         evictable_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if needed + evictable_hits > self.pool.num_free_blocks:
+        if needed + evictable_hits + reserve > self.pool.num_free_blocks:
             return None
 
         admitted = not request.block_table
@@ -226,7 +267,7 @@ class KVCacheManager:
             stats.short_prompt_requests += 1
 
     def free(self, request: Request) -> None:
-        """Release every block of `request`; its block table becomes empty.
+        """Release every block of `request`, device and host; both its tables become empty.
 
         Freed in reverse so the tail of a chain is evicted before its head: a cached block
         is only useful while its parents are.
@@ -235,6 +276,77 @@ class KVCacheManager:
         request.block_table = []
         self._held.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        if request.host_block_table:
+            assert self.host_pool is not None
+            self.host_pool.free(reversed(request.host_block_table))
+            request.host_block_table = []
+        self._swapped.pop(request.request_id, None)
+
+    # -- swapping ----------------------------------------------------------------------------
+    @property
+    def num_free_host_blocks(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move every block of the running `request` to the host pool; return the
+        (device block, host block) copies to make, or None, changing nothing, when the host
+        pool has too few free blocks (or there is none).
+
+        Its device blocks are freed at once (reversed, like `free`; cached ones stay
+        hittable), so the copies must run before anything writes into them: before the
+        step's forward. Its computed tokens are kept.
+        """
+        if self.host_pool is None or not request.block_table:
+            return None
+        if request.host_block_table:
+            raise ValueError(f"{request} is already swapped out")
+        taken = self.host_pool.allocate(len(request.block_table))
+        if taken is None:
+            return None
+        host_ids = [b.block_id for b in taken]
+        pairs = list(zip(request.block_table, host_ids, strict=True))
+        self.pool.free(reversed(request.block_table))
+        request.block_table = []
+        request.host_block_table = host_ids
+        self._held.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        self._swapped[request.request_id] = request
+        return pairs
+
+    def swap_in(
+        self, request: Request, num_new_tokens: int, *, reserve: int = 0
+    ) -> list[tuple[int, int]] | None:
+        """Give the swapped-out `request` device blocks for its computed tokens plus
+        `num_new_tokens` more; return the (host block, device block) copies to make, or None,
+        changing nothing, when the device pool cannot spare them (keeping `reserve` free).
+
+        Leading full blocks still in the prefix cache are shared rather than copied (a
+        sibling or an identical prompt kept them). The host blocks are freed at once: the
+        copies must run before the next swap-out can reuse them (before the next schedule).
+        """
+        if request.block_table or not request.host_block_table:
+            raise ValueError(f"{request} is not swapped out")
+        computed = request.num_computed_tokens
+        num_host = len(request.host_block_table)
+        hits = self._cached_prefix(request, min(computed // self.block_size, num_host))
+        needed = self.num_blocks_for(computed + num_new_tokens) - len(hits)
+        evictable_hits = sum(1 for b in hits if self.pool.blocks[b].ref_cnt == 0)
+        if needed + evictable_hits + reserve > self.pool.num_free_blocks:
+            return None
+        # Reference the hits before allocating, or allocation could evict them.
+        self.pool.touch(hits)
+        blocks = self.pool.allocate(needed)
+        assert blocks is not None, "free blocks were counted above"
+        request.block_table = hits + [b.block_id for b in blocks]
+        pairs = [(request.host_block_table[i], request.block_table[i]) for i in range(len(hits), num_host)]
+        assert self.host_pool is not None
+        self.host_pool.free(reversed(request.host_block_table))
+        request.host_block_table = []
+        del self._swapped[request.request_id]
+        self._held[request.request_id] = request
+        if hits:
+            self._num_cached_blocks[request.request_id] = len(hits)
+        return pairs
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -244,4 +356,21 @@ class KVCacheManager:
             assert n <= len(request.block_table), f"{request} has {n} cached blocks"
         for request in self._held.values():
             assert request.block_table, f"{request} is held without blocks"
+            assert not request.host_block_table, f"{request} holds device and host blocks"
             assert request.num_computed_tokens <= len(request.block_table) * self.block_size
+        if self.host_pool is None:
+            assert not self._swapped, "requests swapped out without a host pool"
+            return
+        self.host_pool.check_integrity()
+        assert self.host_pool.num_cached_blocks == 0, "the host pool caches no prefixes"
+        held = 0
+        for request_id, request in self._swapped.items():
+            assert request_id not in self._held, f"{request} is swapped out and held"
+            assert request.host_block_table and not request.block_table, f"{request} is not swapped out"
+            assert request.num_computed_tokens <= len(request.host_block_table) * self.block_size
+            for block_id in request.host_block_table:
+                assert self.host_pool.blocks[block_id].ref_cnt == 1, f"host block {block_id} is shared"
+            held += len(request.host_block_table)
+        assert held == self.host_pool.num_used_blocks, (
+            f"swapped-out requests hold {held} host blocks but {self.host_pool.num_used_blocks} are in use"
+        )

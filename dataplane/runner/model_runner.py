@@ -12,7 +12,7 @@ from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from dataplane.runner.kv_scales import KVScales
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
-from kernels import build_attention_metadata
+from kernels import build_attention_metadata, swap_blocks
 from kernels.backend import resolve_backend
 from kernels.fp8 import is_fp8
 
@@ -22,6 +22,9 @@ class ModelRunner:
 
     kv_dtype is the pool's element type: the model's dtype, or an FP8 dtype, which needs
     kv_scales (one K and one V scale per layer).
+
+    With `num_host_blocks` it also owns the host pool's tensors (the same layout on the CPU,
+    pinned next to a GPU), which `swap` copies blocks into and out of.
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class ModelRunner:
         *,
         attention_backend: str | None = None,
         kv_scales: KVScales | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -64,6 +68,17 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+        # The host pool: never read before a swap-out wrote it, so left uninitialised (on the
+        # CPU its pages are only committed as swap-outs touch them).
+        host_shape = (num_host_blocks, block_size, self.num_kv_heads, self.head_dim)
+        pin = self.device.type == "cuda"
+        self.host_kv_caches = [
+            (
+                torch.empty(host_shape, dtype=kv_dtype, pin_memory=pin),
+                torch.empty(host_shape, dtype=kv_dtype, pin_memory=pin),
+            )
+            for _ in range(self.num_layers if num_host_blocks else 0)
+        ]
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -78,6 +93,23 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Make a step's block copies with the kernels' swap op: (device, host) pairs out,
+        then (host, device) pairs in. Returns once they are done (on a GPU: synchronised)."""
+        if not swap_out and not swap_in:
+            return
+        if not self.host_kv_caches:
+            raise RuntimeError("swap requested but the runner has no host pool")
+        device = [c for kv in self.kv_caches for c in kv]
+        host = [c for kv in self.host_kv_caches for c in kv]
+        if swap_out:
+            swap_blocks(device, host, swap_out, impl=self.backends.cache)
+        if swap_in:
+            swap_blocks(host, device, swap_in, impl=self.backends.cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

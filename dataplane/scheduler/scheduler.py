@@ -2,10 +2,30 @@
 
 Each step every request's computed tokens catch up towards its total tokens, within a
 token budget: a whole prompt, a chunk of one, one decode token or a recompute after
-preemption are the same operation. Running requests go first (oldest first); waiting
-ones join, first come first served, while blocks, the budget and `max_num_seqs` allow.
-When a running request cannot get a block, the most recently admitted running request
-is preempted by recompute: its blocks are freed and it waits at the head of the queue.
+preemption are the same operation. Running requests go first (oldest first); then
+swapped-out ones resume, then waiting ones join, first come first served, while blocks,
+the budget and `max_num_seqs` allow. Resuming and admitting keep a watermark of the device
+blocks free (unless nothing runs), so that they do not cause a preemption the next step.
+
+When a running request cannot get a block, the most recently admitted running request is
+preempted, until the request fits (possibly by preempting itself when it is the newest):
+
+- by swap: its blocks are copied to the host pool, its progress kept; it waits in the
+  swapped queue and is copied back in before it runs again, ahead of any waiting request;
+- by recompute: its blocks are freed and it waits at the head of the waiting queue; it
+  recomputes its tokens, less the leading blocks the prefix cache still holds.
+
+`preemption_mode` "recompute" never swaps, "swap" always does while the host pool has room
+for the victim, and "auto" picks per victim by estimated cost, in tokens' worth of work:
+recomputing costs its computed tokens not held by another request in the prefix cache;
+swapping costs a fixed overhead plus each block moved out and back in (less those shared
+ones, which the swap-in finds cached) at `swap_cost_per_token` of a recompute per token.
+Without a host pool every preemption recomputes. Nothing is resumed or admitted in a step
+that preempted, so a step's swap-outs and swap-ins never meet.
+
+The scheduler moves no data: each SchedulerOutput lists the block copies of its swap-outs
+(device -> host) and swap-ins (host -> device), which the engine must make, swap-outs
+first, before the step's forward and before the next `schedule()`.
 
 A request joining the batch (new, or resumed after preemption) first takes the cached
 blocks that start its tokens and computes only the rest; the blocks each step fills are
@@ -14,12 +34,21 @@ cached when the step's output comes back, once their KV is written.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from dataplane.kvcache import KVCacheManager
+from dataplane.config import PREEMPTION_MODES
+from dataplane.kvcache import KVCacheManager, cdiv
 from dataplane.request import Request, RequestStatus
 from pagedserve.common import admission_rules
+
+# The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
+# one way between the pools costs about a quarter of recomputing it (a PCIe copy against a
+# prefill's matmuls), and each swap pays a fixed overhead (the transfers' set-up, a step's
+# worth of bookkeeping) that makes recomputing a victim of a few tokens the cheaper choice.
+SWAP_COST_PER_TOKEN = 0.25
+SWAP_OVERHEAD_TOKENS = 8.0
 
 
 @dataclass
@@ -36,8 +65,17 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. `preempted` lists every victim in preemption order, `swapped_out` those
+    of them preempted by swap; `swapped_in` the requests resumed from the host pool (also in
+    `scheduled`). `swap_out` holds (device block, host block) and `swap_in` (host block,
+    device block) copies, to be made swap-outs first, before the step's forward."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,17 +87,46 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """`preemption_mode` and `watermark` as in SchedulerConfig (dataplane/config.py); swapping
+    needs the KV cache manager's host pool. The cost model's two constants are arguments so
+    tests and benchmarks can move the balance."""
+
     def __init__(
-        self, kv_cache: KVCacheManager, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        preemption_mode: str = "auto",
+        watermark: float = 0.0,
+        swap_cost_per_token: float = SWAP_COST_PER_TOKEN,
+        swap_overhead_tokens: float = SWAP_OVERHEAD_TOKENS,
     ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and kv_cache.host_pool is None:
+            raise ValueError("preemption_mode='swap' needs a host pool (swap_space > 0)")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.watermark_blocks = math.ceil(watermark * kv_cache.num_total_blocks)
+        self.swap_cost_per_token = swap_cost_per_token
+        self.swap_overhead_tokens = swap_overhead_tokens
         self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Cumulative counters (EngineStats).
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
 
     # -- submission --------------------------------------------------------------------------
     def max_total_tokens(self, request: Request) -> int:
@@ -95,8 +162,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -105,12 +171,34 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admitting right after a preemption would only evict someone again next step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        # Resuming or admitting right after a preemption would only evict someone again next
+        # step (and keeps a step's swap-outs and swap-ins apart).
+        if out.preempted:
+            return out
+        # Swapped-out requests resume first, at the head of the queue in admission order.
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pairs = self.kv_cache.swap_in(request, num_new, reserve=self._reserve())
+            if pairs is None:
+                break
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.swapped_in.append(request)
+            out.swap_in.extend(pairs)
+            self.num_blocks_swapped_in += len(pairs)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        # New arrivals (and requests preempted by recompute) wait behind swapped-out work.
+        while not self.swapped and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_new, new_computed_blocks=hit_blocks) is None:
+            allocated = self.kv_cache.allocate_slots(
+                request, num_new, new_computed_blocks=hit_blocks, reserve=self._reserve()
+            )
+            if allocated is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -119,12 +207,52 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _preempt(self, request: Request) -> None:
+    def _reserve(self) -> int:
+        """Free device blocks an admission or a resume must leave: the watermark, unless
+        nothing runs (then nothing could be preempted, and a request that fits alone must)."""
+        return self.watermark_blocks if self.running else 0
+
+    # -- preemption --------------------------------------------------------------------------
+    def recompute_cost(self, request: Request) -> float:
+        """Tokens a recompute of the running `request` would compute again: its computed
+        tokens less the leading blocks another request keeps in the prefix cache."""
+        shared = self.kv_cache.num_shared_prefix_blocks(request)
+        return float(max(0, request.num_computed_tokens - shared * self.kv_cache.block_size))
+
+    def swap_cost(self, request: Request) -> float:
+        """A swap of the running `request`, in tokens' worth of recompute: the fixed overhead
+        plus its blocks moved out and back in, less the shared ones the swap-in finds cached."""
+        blocks = len(request.block_table)
+        moved = 2 * blocks - self.kv_cache.num_shared_prefix_blocks(request)
+        return self.swap_overhead_tokens + moved * self.kv_cache.block_size * self.swap_cost_per_token
+
+    def preempts_by_swap(self, request: Request) -> bool:
+        """Whether preempting the running `request` now would swap it (else recompute)."""
+        if self.preemption_mode == "recompute" or not request.block_table:
+            return False
+        if len(request.block_table) > self.kv_cache.num_free_host_blocks:
+            return False  # the host pool is full: recompute rather than fail
+        if self.preemption_mode == "swap":
+            return True
+        return self.swap_cost(request) < self.recompute_cost(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        pairs = self.kv_cache.swap_out(request) if self.preempts_by_swap(request) else None
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        if pairs is not None:
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            out.swapped_out.append(request)
+            out.swap_out.extend(pairs)
+            self.num_swap_preemptions += 1
+            self.num_blocks_swapped_out += len(pairs)
+            return
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_recompute_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -175,6 +303,8 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
@@ -190,6 +320,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -204,4 +338,28 @@ class Scheduler:
             assert pool.blocks[block_id].ref_cnt == n, f"{pool.blocks[block_id]} is in {n} block tables"
         for r in self.waiting:
             assert not r.block_table and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
+            assert not r.host_block_table, f"waiting {r} holds host blocks"
+            assert r.status is RequestStatus.WAITING, f"{r} is in the waiting queue"
+        for r in self.running:
+            assert not r.host_block_table, f"running {r} holds host blocks"
+            assert r.status is RequestStatus.RUNNING, f"{r} is in the running list"
+        host = self.kv_cache.host_pool
+        host_holders = Counter(b for r in self.swapped for b in r.host_block_table)
+        assert len(host_holders) == sum(len(r.host_block_table) for r in self.swapped), (
+            "a host block is shared"
+        )
+        assert len(host_holders) == (0 if host is None else host.num_used_blocks), (
+            f"swapped-out requests hold {len(host_holders)} host blocks, the host pool has "
+            f"{0 if host is None else host.num_used_blocks} in use"
+        )
+        for r in self.swapped:
+            assert r.status is RequestStatus.SWAPPED, f"{r} is in the swapped queue"
+            assert not r.block_table, f"swapped-out {r} holds device blocks"
+            assert len(r.host_block_table) == cdiv(r.num_computed_tokens, self.kv_cache.block_size), (
+                f"swapped-out {r} holds the wrong number of host blocks"
+            )
+        queued = [*self.running, *self.waiting, *self.swapped]
+        assert len({id(r) for r in queued}) == len(queued), "a request is queued twice"
+        assert {r.request_id: r for r in queued} == self.requests, "queues and requests disagree"
         assert len(self.running) <= self.max_num_seqs
+        assert self.num_preemptions == self.num_swap_preemptions + self.num_recompute_preemptions

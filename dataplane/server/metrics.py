@@ -64,7 +64,38 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", prefix.hits)
         yield counter(
-            "num_preemptions", "Requests preempted (blocks freed, recomputed later).", stats.num_preemptions
+            "num_preemptions", "Requests preempted (swapped out or recomputed later).", stats.num_preemptions
+        )
+        by_mode = CounterMetricFamily(
+            PREFIX + "num_preemptions_by_mode",
+            "Requests preempted, by how: swap (blocks copied to the host pool) or recompute.",
+            labels=["mode"],
+        )
+        by_mode.add_metric(["swap"], stats.num_preemptions_swap)
+        by_mode.add_metric(["recompute"], stats.num_preemptions_recompute)
+        yield by_mode
+        yield counter(
+            "kv_blocks_swapped_out",
+            "KV blocks copied from the device pool to the host pool.",
+            stats.blocks_swapped_out,
+        )
+        yield counter(
+            "kv_blocks_swapped_in",
+            "KV blocks copied from the host pool back to the device pool.",
+            stats.blocks_swapped_in,
+        )
+        yield counter("kv_swap_seconds", "Time spent copying swapped KV blocks.", stats.swap_seconds)
+        yield gauge(
+            "num_requests_swapped", "Requests preempted by swap, waiting to resume.", stats.num_swapped
+        )
+        yield gauge(
+            "cpu_kv_cache_usage_perc",
+            "Fraction of the host (swap) pool's blocks holding swapped-out KV (1 = full).",
+            stats.host_usage,
+        )
+        yield gauge("cpu_kv_cache_total_blocks", "Blocks of the host (swap) pool.", stats.host_total_blocks)
+        yield gauge(
+            "cpu_kv_cache_free_blocks", "Free blocks of the host (swap) pool.", stats.host_free_blocks
         )
         yield counter("num_aborted_requests", "Requests aborted before they finished.", self.aborted())
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")

@@ -34,7 +34,8 @@ def helm() -> Any:
 
 
 # The value sets CI renders: the defaults, the four (CPU-only, two GPU data planes,
-# TLS + API keys + HPA + ServiceMonitor, an existing PVC for models) and a trusted network.
+# TLS + API keys + HPA + ServiceMonitor, an existing PVC for models), a trusted network, and
+# mutual TLS to data planes found by DNS (dialled by IP: checked against a server name).
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "cpu-only": {
@@ -90,6 +91,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "headersSecret": {"name": "otel-auth", "key": "headers"},
             "resourceAttributes": "deployment.environment=prod",
         },
+    },
+    "tls-dns": {
+        "tls": {
+            "dataplane": {
+                "enabled": True,
+                "serverSecretName": "pagedserve-dataplane-tls",
+                "clientSecretName": "pagedserve-controlplane-client-tls",
+            },
+        },
+        "dataplane": {"replicas": 3},
     },
     "trusted-network": {
         "dataplaneAuth": {"token": {"enabled": False}, "allowInsecure": True},

@@ -50,6 +50,14 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--num-gpu-blocks-override=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "swapSpace" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--swap-space=%v" $v | toJson }}
+{{- end }}
+{{- $v = index $s "numCpuBlocksOverride" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--num-cpu-blocks-override=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- $v = index $s "enablePrefixCaching" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ ternary "--enable-prefix-caching" "--no-enable-prefix-caching" $v | toJson }}
@@ -78,12 +86,28 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-model-len=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "preemptionMode" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--preemption-mode=%v" $v | toJson }}
+{{- end }}
+{{- $v = index $s "watermark" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--watermark=%v" $v | toJson }}
+{{- end }}
 {{- end }}
 
 {{/* controlplane.settings: controlplane/config.py ControlPlaneConfig */}}
 {{- define "pagedserve.controlplaneSettingsArgs" -}}
 {{- $s := ((((.Values).controlplane | default dict)).settings | default dict) -}}
 {{- $v := 0 -}}
+{{- $v = index $s "dataplaneDrainTimeoutS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--dataplane-drain-timeout=%v" $v | toJson }}
+{{- end }}
+{{- $v = index $s "shutdownGraceS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--shutdown-grace=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "maxQueueLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-queue-len=%d" (int64 $v) | toJson }}
