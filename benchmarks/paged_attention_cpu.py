@@ -1,6 +1,7 @@
 """CPU microbenchmark of the paged KV ops at SmolLM2 shapes (one layer call each).
 
     .venv/bin/python benchmarks/paged_attention_cpu.py [--threads 2] [--repeats 30] [--cold-build]
+        [--decode-only] [--no-fp8]
 
 Decode: 64 sequences, context lengths uniform in [50, 400], one new token each (and 16
 sequences of 1000-4000 tokens).
@@ -10,6 +11,10 @@ fp32 only) and impl="torch" (gathers + SDPA); prefill takes SDPA either way. Eac
 compared with SDPA on K/V that are already contiguous and padded (the "no paging" bound:
 no gather, no block tables). Timings are medians (and minima) over interleaved repeats,
 since the machine may be shared.
+
+FP8 (fp32 runs, unless --no-fp8): the decode cases also time the C++ kernel over the same
+batch's cache quantized to fp8_e4m3 and fp8_e5m2 (1 byte per element instead of 4, widened
+in the kernel), next to impl=cpp over the fp32 cache. --decode-only skips the prefill cases.
 
 The C++ extension is built (or found in torch's extension cache) first and its load time
 printed; --cold-build builds it from scratch in a fresh temporary extension directory.
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
 from kernels.backend import AttentionImpl
 from kernels.cpu_ext import load_cpu_kernels
+from kernels.fp8 import FP8_DTYPES, fp8_max, quantize_fp8
 from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -107,6 +113,27 @@ class Case:
     def attend(self, impl: AttentionImpl) -> torch.Tensor:
         return paged_attention(self.query, self.key_cache, self.value_cache, self.meta, self.scale, impl=impl)
 
+    def fp8_caches(self, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """This case's (fp32) cache quantized with one per-tensor scale: keys, values, scale."""
+        dtype = FP8_DTYPES[kv_cache_dtype]
+        scale = float(self.key_cache.abs().max()) / fp8_max(dtype)
+        return quantize_fp8(self.key_cache, scale, dtype), quantize_fp8(self.value_cache, scale, dtype), scale
+
+    def attend_fp8(
+        self, caches: tuple[torch.Tensor, torch.Tensor, float], impl: AttentionImpl
+    ) -> torch.Tensor:
+        key_cache, value_cache, kv_scale = caches
+        return paged_attention(
+            self.query,
+            key_cache,
+            value_cache,
+            self.meta,
+            self.scale,
+            k_scale=kv_scale,
+            v_scale=kv_scale,
+            impl=impl,
+        )
+
     def dense(self) -> torch.Tensor:
         if self.fresh:
             return F.scaled_dot_product_attention(
@@ -149,6 +176,10 @@ def main() -> None:
     parser.add_argument(
         "--cold-build", action="store_true", help="build the C++ extension from scratch in a temp dir"
     )
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
+    parser.add_argument(
+        "--no-fp8", action="store_true", help="skip the C++ kernel over FP8 copies of the decode caches"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -176,9 +207,13 @@ def main() -> None:
         "decode 16 x ctx 1000-4000": Case(
             [1] * 16, [rng.randint(1000, 4000) for _ in range(16)], dtype, *grouping, rng
         ),
-        "prefill 4 x 300": Case([300] * 4, [300] * 4, dtype, *grouping, rng),
-        "chunked prefill 4 x (200 cached + 100 new)": Case([100] * 4, [300] * 4, dtype, *grouping, rng),
     }
+    if not args.decode_only:
+        cases["prefill 4 x 300"] = Case([300] * 4, [300] * 4, dtype, *grouping, rng)
+        cases["chunked prefill 4 x (200 cached + 100 new)"] = Case(
+            [100] * 4, [300] * 4, dtype, *grouping, rng
+        )
+    fp8_formats = [] if args.no_fp8 or dtype != torch.float32 else list(FP8_DTYPES)
     print(
         f"threads={args.threads} dtype={args.dtype} heads={NUM_HEADS}/{NUM_KV_HEADS} head_dim={HEAD_DIM} "
         f"block_size={BLOCK_SIZE} decode groups: <= {args.group_tokens} tokens, <= {args.group_seqs} seqs, "
@@ -193,6 +228,12 @@ def main() -> None:
         fns: dict[str, Callable[[], object]] = {"write_kv_cache": case.write}
         for impl in impls:
             fns[f"paged_attention impl={impl}"] = functools.partial(case.attend, impl)
+        if case.meta.num_decode_tokens and not case.meta.prefills:
+            for kv_cache_dtype in fp8_formats:
+                caches = case.fp8_caches(kv_cache_dtype)
+                fns[f"paged_attention impl=cpp {kv_cache_dtype}"] = functools.partial(
+                    case.attend_fp8, caches, "cpp"
+                )
         fns["SDPA, contiguous padded K/V (bound)"] = case.dense
         res = measure(host, args.repeats) | measure(fns, args.repeats)
         extra = f", {len(case.meta.decode_groups)} decode groups" if case.meta.decode_groups else ""

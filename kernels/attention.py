@@ -7,7 +7,8 @@ against. An FP8 cache is read as fp8 values times the layer's k_scale / v_scale.
 
 Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
 (kernels/cpu/paged_attention.cpp, built by kernels.cpu_ext when kernels.backend resolves
-"cpp"), which reads K/V straight from the paged cache. Otherwise they take the torch path: length-sorted groups,
+"cpp"), which reads K/V straight from the paged cache: fp32, or FP8 widened in the kernel
+with the scales folded in as the Triton kernel folds them. Otherwise they take the torch path: length-sorted groups,
 each gathering its sequences' K/V blocks with one index_select per tensor (whole blocks are
 contiguous in the cache, so this is a memcpy per block) and running one batched SDPA with a
 key-length mask. Prefill chunks always run one SDPA per sequence with the right causal
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionImpl, attention_impl_for
+from kernels.backend import AttentionImpl, attention_impl_for, cpp_cache_dtype
 from kernels.checks import check_attention_inputs
 from kernels.cpu_ext import CpuKernels, load_cpu_kernels
 from kernels.fp8 import is_fp8
@@ -33,10 +34,10 @@ def _decode_kernels(
     """The C++ kernels if this call's decode tokens use them (impl "cpp"), else None (torch path)."""
     if impl != "cpp":
         return None
-    if not (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32):
+    if not (query.device.type == "cpu" and query.dtype == torch.float32 and cpp_cache_dtype(key_cache.dtype)):
         raise ValueError(
-            f"impl='cpp' needs a float32 CPU query and cache, got {query.dtype} / {key_cache.dtype} "
-            f"on {query.device}; use impl=None (by device)"
+            f"impl='cpp' needs a float32 CPU query and a float32 or FP8 cache, got {query.dtype} / "
+            f"{key_cache.dtype} on {query.device}; use impl=None (by device)"
         )
     if meta.num_decode_tokens == 0:
         return None
@@ -62,11 +63,12 @@ def paged_attention(
     cache holds K / k_scale and V / v_scale (scales must be 1.0 for other caches).
 
     impl (kernels.backend) is the concrete path: "torch" (SDPA); "cpp", the C++ decode kernel
-    (ValueError for other dtypes/devices than fp32 on the CPU, RuntimeError if it cannot be
-    built; prefill tokens still take SDPA); "triton", the Triton kernels (CUDA, or the CPU
-    under TRITON_INTERPRET=1). The engine passes the one resolve_backend chose at start-up;
-    None resolves by device on each call (Triton on CUDA; on the CPU "cpp" for fp32 where the
-    kernel builds, building it on the first such call, else "torch").
+    (ValueError unless the query is fp32 on the CPU and the cache fp32 or FP8, RuntimeError if
+    it cannot be built; prefill tokens still take SDPA); "triton", the Triton kernels (CUDA,
+    or the CPU under TRITON_INTERPRET=1). The engine passes the one resolve_backend chose at
+    start-up; None resolves by device on each call (Triton on CUDA; on the CPU "cpp" for an
+    fp32 query over an fp32 or FP8 cache where the kernel builds, building it on the first
+    such call, else "torch").
     """
     check_attention_inputs(query, key_cache, value_cache, meta, k_scale, v_scale)
     impl = attention_impl_for(impl, query.device, query.dtype, key_cache.dtype)
@@ -100,7 +102,8 @@ def paged_attention_torch(
     """The torch reference (inputs already checked); decode_kernels: use the C++ decode kernel.
 
     FP8 K/V are gathered as stored, widened to the query dtype (exact: every FP8 value is a
-    bf16/fp16/fp32 value) and their scales folded into the softmax scale and the output.
+    bf16/fp16/fp32 value) and their scales folded into the softmax scale and the output. The
+    C++ kernel widens FP8 itself and folds the same scales (scale * k_scale, then v_scale).
     """
     kernels = decode_kernels
     fp8 = is_fp8(key_cache.dtype)
@@ -126,6 +129,7 @@ def paged_attention_torch(
             meta.decode_seq_lens,
             meta.decode_token_rows,
             scale,
+            v_scale if fp8 else 1.0,
         )
         if not meta.prefills:
             return out

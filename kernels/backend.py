@@ -5,8 +5,8 @@ One vocabulary:
   None means by device: Triton for CUDA tensors when it is installed and supports the cache
   dtype, else torch.
 - `AttentionImpl` ("torch" | "cpp" | "triton"): a concrete attention path. The torch backend
-  runs "cpp" (the C++ decode kernel, kernels.cpu_ext; prefill stays torch) for fp32 on the
-  CPU when the kernel builds, else "torch". Cache ops have no third path: their concrete
+  runs "cpp" (the C++ decode kernel, kernels.cpu_ext; prefill stays torch) on the CPU for an
+  fp32 model over an fp32 or FP8 (e4m3 / e5m2) cache when the kernel builds, else "torch". Cache ops have no third path: their concrete
   implementations are the two backends.
 - `ResolvedBackends`: the concrete implementation of each op for one engine, from
   `resolve_backend`, called once when the model runner is built. Every layer call receives
@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from kernels.cpu_ext import load_cpu_kernels
+from kernels.fp8 import is_fp8
 from kernels.names import BACKENDS, Backend
 
 AttentionImpl = Literal["torch", "cpp", "triton"]
@@ -99,13 +100,19 @@ def default_backend(device: torch.device, cache_dtype: torch.dtype | None = None
     return "triton" if device.type == "cuda" and triton_installed() and dtype_ok else "torch"
 
 
+def cpp_cache_dtype(cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ decode kernel reads caches of this dtype (with an fp32 query)."""
+    return cache_dtype == torch.float32 or is_fp8(cache_dtype)
+
+
 def _torch_attention(
     device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> AttentionImpl:
-    """The torch backend's attention: the C++ decode kernel for fp32 on the CPU, if it builds
-    (building it here, once, keeps the seconds-long first build out of the first step)."""
-    fp32 = query_dtype == torch.float32 and cache_dtype == torch.float32
-    if device.type == "cpu" and fp32 and load_cpu_kernels() is not None:
+    """The torch backend's attention: the C++ decode kernel for an fp32 query over an fp32 or
+    FP8 cache on the CPU, if it builds (building it here, once, keeps the seconds-long first
+    build out of the first step)."""
+    supported = query_dtype == torch.float32 and cpp_cache_dtype(cache_dtype)
+    if device.type == "cpu" and supported and load_cpu_kernels() is not None:
         return "cpp"
     return "torch"
 

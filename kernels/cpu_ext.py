@@ -40,7 +40,8 @@ class CpuKernels:
     """The loaded extension's ops (see kernels/cpu/paged_attention.cpp for their contracts)."""
 
     # paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-    #                        token_rows, scale) -> None, writes out in place
+    #                        token_rows, scale, v_scale=1.0) -> None, writes out in place;
+    # caches float32 or FP8 (float8_e4m3fn / float8_e5m2; scale then includes k_scale)
     paged_decode_attention: Callable[..., None]
     library_path: str
     cflags: tuple[str, ...]

@@ -158,7 +158,7 @@ def calibrate_kv_scales(model: Any, token_ids: list[int], fp8: torch.dtype, bloc
 
     meta = build_attention_metadata([n], [n], [list(range(num_blocks))], block_size, device)
     # The by-device backend for both ops: a prefill never reaches the C++ decode kernel, so
-    # this skips resolve_backend's build of it (an FP8 engine on the CPU never uses it).
+    # calibration skips resolve_backend's build of it (the engine builds it afterwards).
     backend = default_backend(device, model.dtype)
     step = PagedStep(meta, caches, ResolvedBackends(attention=backend, cache=backend), observer=observe)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)

@@ -1,12 +1,21 @@
 // CPU decode paged attention: one query token per sequence, K/V read in place from the
-// paged cache (no gather copy), fp32.
+// paged cache (no gather copy), fp32 arithmetic over an fp32 or FP8 cache.
 //
 // Op: pagedserve_cpu::paged_decode_attention(out, query, key_cache, value_cache,
-//     block_tables, seq_lens, token_rows, scale) -> ()
+//     block_tables, seq_lens, token_rows, scale, v_scale=1.0) -> ()
 //   out, query:   [T, H, D] float32, head_dim contiguous (out is written in place, only at
 //                 the rows token_rows names)
-//   key_cache, value_cache: [num_blocks, block_size, KVH, D] float32, contiguous
+//   key_cache, value_cache: [num_blocks, block_size, KVH, D] contiguous, both float32, or
+//                 both float8_e4m3fn, or both float8_e5m2 (kernels/fp8.py: the cache holds
+//                 fp8(K / k_scale), fp8(V / v_scale))
 //   block_tables: [S, max_blocks] int32, contiguous; seq_lens: [S] int32; token_rows: [S] int64
+//   scale:        the softmax scale, times k_scale for an FP8 cache (the Triton kernel's
+//                 qk_scale, without its log2(e)); v_scale multiplies the output (1.0 for fp32)
+//
+// FP8 blocks are widened exactly to fp32 (F16C conversions where the CPU has them, else a
+// 256-entry table per format; see widen), one block of one kv head at a time into
+// per-thread scratch (bs x D floats, L1-resident), shared by the G query heads; the fp32 code then runs on the scratch rows. The scales are folded in
+// as the Triton kernel does: k_scale into the query scale, v_scale into 1 / denominator.
 //
 // Work item = (sequence, kv head). The G = H / KVH query heads sharing a kv head are done
 // together, so every K and V row is loaded once for all of them. Softmax is two-pass in
@@ -34,6 +43,11 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__F16C__) && defined(__AVX__) && defined(__SSE4_1__)
+#include <immintrin.h>
+#define PAGEDSERVE_F16C 1
+#endif
 
 namespace {
 
@@ -115,21 +129,97 @@ constexpr int64_t kPrefetchTokens = 32;
 
 // always_inline: GCC's IPA treats a function whose only effect is a prefetch as const and
 // deletes calls to it that are not inlined early (it did, through a lambda: no prefetch left).
-__attribute__((always_inline)) inline void prefetch_rows(const float* rows, int64_t n, int64_t row_stride,
-                                                         int64_t row_len) {
+// rows, row_stride and row_bytes in bytes.
+__attribute__((always_inline)) inline void prefetch_rows(const char* rows, int64_t n, int64_t row_stride,
+                                                         int64_t row_bytes) {
   for (int64_t o = 0; o < n; ++o) {
-    const char* r = reinterpret_cast<const char*>(rows + o * row_stride);
-    for (int64_t byte = 0; byte < row_len * static_cast<int64_t>(sizeof(float)); byte += 64) {
+    const char* r = rows + o * row_stride;
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
       __builtin_prefetch(r + byte, 0, 1);
     }
   }
 }
 
+// FP8 -> fp32 widening tables, every code exact (both formats are subsets of fp32).
+struct Fp8Tables {
+  float e4m3fn[256];
+  float e5m2[256];
+  Fp8Tables() {
+    for (int code = 0; code < 256; ++code) {
+      const float sign = (code & 0x80) ? -1.0f : 1.0f;
+      // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; S.1111.111 is NaN.
+      {
+        const int e = (code >> 3) & 0xF, m = code & 0x7;
+        float v;
+        if (e == 0xF && m == 0x7) {
+          v = std::numeric_limits<float>::quiet_NaN();
+        } else if (e == 0) {
+          v = std::ldexp(static_cast<float>(m), -9);  // subnormal: m / 8 * 2^-6
+        } else {
+          v = std::ldexp(static_cast<float>(8 + m), e - 10);  // (1 + m / 8) * 2^(e - 7)
+        }
+        e4m3fn[code] = sign * v;
+      }
+      // e5m2: fp16's top byte: 5 exponent bits (bias 15), 2 mantissa bits, IEEE inf/NaN.
+      {
+        const int e = (code >> 2) & 0x1F, m = code & 0x3;
+        float v;
+        if (e == 0x1F) {
+          v = m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+        } else if (e == 0) {
+          v = std::ldexp(static_cast<float>(m), -16);  // subnormal: m / 4 * 2^-14
+        } else {
+          v = std::ldexp(static_cast<float>(4 + m), e - 17);  // (1 + m / 4) * 2^(e - 15)
+        }
+        e5m2[code] = sign * v;
+      }
+    }
+  }
+};
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
+enum class Fp8Format { kE4M3, kE5M2 };
+
+// d[0:n] = the fp32 values of FP8 codes s[0:n]. The table alone does ~1 element per cycle
+// (a scalar load each), which made the FP8 kernel slower than fp32 (measured ~4x at long
+// contexts). With F16C, 8 codes at a time go through fp16, exactly: an e5m2 code is the
+// top byte of the fp16 of the same value; an e4m3fn code's low 7 bits shifted left by 7 are
+// the fp16 of its magnitude times 2^-8 (subnormals included, which vcvtph2ps converts
+// exactly), so the result is scaled by 256 and its NaN code (S.1111.111) patched.
+template <Fp8Format kFormat>
+inline void widen(const uint8_t* s, float* d, int64_t n, const float* lut) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_F16C
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i));
+    if constexpr (kFormat == Fp8Format::kE5M2) {
+      const __m128i half = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);  // code << 8
+      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(half));
+    } else {
+      const __m128i w = _mm_cvtepu8_epi16(bytes);
+      const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+      const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+      __m128i half = _mm_or_si128(_mm_slli_epi16(mag, 7), sign);
+      const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+      half = _mm_blendv_epi8(half, _mm_or_si128(sign, _mm_set1_epi16(0x7E00)), nan);
+      _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f)));
+    }
+  }
+#endif
+  for (; i < n; ++i) d[i] = lut[s[i]];
+}
+
 struct Problem {
   float* out;
   const float* query;
-  const float* key_cache;
-  const float* value_cache;
+  const char* key_cache;  // float or FP8 (one byte) elements, see elem_size / lut
+  const char* value_cache;
+  int64_t elem_size;      // bytes per cache element: 4 (fp32) or 1 (FP8)
+  const float* lut;       // FP8 code -> fp32 value; nullptr for an fp32 cache
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int64_t* token_rows;
@@ -141,21 +231,23 @@ struct Problem {
   int64_t group;
   int64_t head_dim;
   int64_t max_seq_len;
-  float scale;
+  float scale;    // softmax scale (times k_scale for FP8)
+  float v_scale;  // output multiplier (1 for fp32)
 };
 
-// Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D] and
-// 1 / softmax denominators [G], where
-// Lpad = max_seq_len rounded up to kW so the softmax loops run on whole vectors.
+// Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D],
+// 1 / softmax denominators [G] and, for an FP8 cache, one widened block [block_size, D],
+// where Lpad = max_seq_len rounded up to kW so the softmax loops run on whole vectors.
 struct Scratch {
   int64_t score_stride;
-  std::vector<float> q, scores, acc, inv;
+  std::vector<float> q, scores, acc, inv, block;
   explicit Scratch(const Problem& p)
       : score_stride((p.max_seq_len + kW - 1) / kW * kW),
         q(p.group * p.head_dim),
         scores(p.group * score_stride),
         acc(p.group * p.head_dim),
-        inv(p.group) {}
+        inv(p.group),
+        block(p.lut != nullptr ? p.block_size * p.head_dim : 0) {}
 };
 
 // Head-dim specialisations: NV = D / kW vectors per row, so a query or accumulator row
@@ -240,24 +332,47 @@ struct Row<0> {
   }
 };
 
-// One sequence's blocks, as seen from one kv head's slice of each row.
+// Cache element types, the kernel's template argument.
+constexpr int kCacheFp32 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2;
+
+// One sequence's blocks, as seen from one kv head's slice of each row. Strides in elements
+// of the cache; elem_size bytes each.
 struct Blocks {
   const int32_t* table;
-  int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim;
+  int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim, elem_size;
+  const float* lut;  // FP8 cache: the widening table; nullptr: fp32
+  float* widened;    // FP8 cache: [block_size, D] scratch
 
-  const float* rows(const float* head, int64_t b) const {
-    return head + static_cast<int64_t>(table[b]) * block_stride;
+  const char* raw_rows(const char* head, int64_t b) const {
+    return head + static_cast<int64_t>(table[b]) * block_stride * elem_size;
+  }
+  // The first n rows of block b as fp32, and the stride between them (elements): the
+  // cache itself for fp32, the widened scratch (stride D) for FP8.
+  template <int kCache>
+  const float* rows(const char* head, int64_t b, int64_t n, int64_t& stride) const {
+    const char* raw = raw_rows(head, b);
+    if constexpr (kCache == kCacheFp32) {
+      stride = row_stride;
+      return reinterpret_cast<const float*>(raw);
+    } else {
+      constexpr Fp8Format format = kCache == kCacheE4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(raw);
+      for (int64_t o = 0; o < n; ++o) widen<format>(src + o * row_stride, widened + o * head_dim, head_dim, lut);
+      stride = head_dim;
+      return widened;
+    }
   }
   // always_inline for the same reason as prefetch_rows.
-  __attribute__((always_inline)) void prefetch(const float* head, int64_t b) const {
+  __attribute__((always_inline)) void prefetch(const char* head, int64_t b) const {
     if (b < num_blocks) {
-      prefetch_rows(rows(head, b), std::min(block_size, seq_len - b * block_size), row_stride, head_dim);
+      prefetch_rows(raw_rows(head, b), std::min(block_size, seq_len - b * block_size), row_stride * elem_size,
+                    head_dim * elem_size);
     }
   }
 };
 
 // One work item: sequence s, kv head h, i.e. query heads [h * G, (h + 1) * G).
-template <int NV>
+template <int NV, int kCache>
 void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
   const int64_t D = p.head_dim;
   const int64_t G = p.group;
@@ -270,9 +385,9 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
   // Elements between consecutive token rows of one kv head, and between blocks.
   const int64_t row_stride = p.num_kv_heads * D;
   const int64_t block_stride = bs * row_stride;
-  const float* k_head = p.key_cache + h * D;
-  const float* v_head = p.value_cache + h * D;
-  const Blocks blocks{table, num_blocks, L, bs, block_stride, row_stride, D};
+  const char* k_head = p.key_cache + h * D * p.elem_size;
+  const char* v_head = p.value_cache + h * D * p.elem_size;
+  const Blocks blocks{table, num_blocks, L, bs, block_stride, row_stride, D, p.elem_size, p.lut, scratch.block.data()};
   const int64_t ss = scratch.score_stride;
   float* q = scratch.q.data();            // [G, D]
   float* scores = scratch.scores.data();  // [G, ss], positions >= L unused
@@ -290,13 +405,14 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
     blocks.prefetch(k_head, b + pf_blocks);
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
-    const float* k_rows = blocks.rows(k_head, b);
+    int64_t rs;
+    const float* k_rows = blocks.rows<kCache>(k_head, b, n, rs);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float* sc = scores + g * ss + pos;
       int64_t o = 0;
-      for (; o + 4 <= n; o += 4) Row<NV>::dot4(qg, k_rows + o * row_stride, row_stride, sc + o, D);
-      for (; o < n; ++o) sc[o] = Row<NV>::dot(qg, k_rows + o * row_stride, D);
+      for (; o + 4 <= n; o += 4) Row<NV>::dot4(qg, k_rows + o * rs, rs, sc + o, D);
+      for (; o < n; ++o) sc[o] = Row<NV>::dot(qg, k_rows + o * rs, D);
     }
   }
 
@@ -319,7 +435,7 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
       sum += e;
     }
     // Padding adds at most exp(-87) ~ 1e-38 per slot: nothing at fp32 resolution.
-    scratch.inv[g] = 1.0f / hsum(sum);
+    scratch.inv[g] = p.v_scale / hsum(sum);
   }
 
   // Pass 2: acc = P @ V, block by block, each head's accumulator row in registers.
@@ -329,9 +445,10 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
     blocks.prefetch(v_head, b + pf_blocks);
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
-    const float* v_rows = blocks.rows(v_head, b);
+    int64_t rs;
+    const float* v_rows = blocks.rows<kCache>(v_head, b, n, rs);
     for (int64_t g = 0; g < G; ++g) {
-      Row<NV>::axpy_rows(acc + g * D, scores + g * ss + pos, v_rows, n, row_stride, D);
+      Row<NV>::axpy_rows(acc + g * D, scores + g * ss + pos, v_rows, n, rs, D);
     }
   }
 
@@ -342,7 +459,7 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
   }
 }
 
-template <int NV>
+template <int NV, int kCache>
 void run(const Problem& p, int64_t num_seqs) {
   const int64_t num_items = num_seqs * p.num_kv_heads;
   std::atomic<int64_t> next{0};
@@ -356,9 +473,23 @@ void run(const Problem& p, int64_t num_seqs) {
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= num_items) break;
-      attend_one<NV>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
+      attend_one<NV, kCache>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
     }
   });
+}
+
+template <int kCache>
+void dispatch_head_dim(const Problem& p, int64_t num_seqs) {
+  switch (p.head_dim) {
+    case 64:
+      run<64 / kW, kCache>(p, num_seqs);
+      break;
+    case 128:
+      run<128 / kW, kCache>(p, num_seqs);
+      break;
+    default:
+      run<0, kCache>(p, num_seqs);
+  }
 }
 
 using torch::stable::Tensor;
@@ -372,7 +503,8 @@ void paged_decode_attention(
     Tensor block_tables,
     Tensor seq_lens,
     Tensor token_rows,
-    double scale) {
+    double scale,
+    double v_scale) {
   STD_TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
   STD_TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, KVH, D]");
   for (int64_t i = 0; i < 4; ++i) {
@@ -383,8 +515,19 @@ void paged_decode_attention(
   }
   for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
     STD_TORCH_CHECK(t->is_cpu(), "paged_decode_attention is a CPU kernel");
+  }
+  for (const Tensor* t : {&out, &query}) {
     STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float, "paged_decode_attention supports float32 only");
   }
+  const ScalarType cache_type = key_cache.scalar_type();
+  STD_TORCH_CHECK(
+      cache_type == ScalarType::Float || cache_type == ScalarType::Float8_e4m3fn ||
+          cache_type == ScalarType::Float8_e5m2,
+      "paged_decode_attention supports float32 only, or a float8_e4m3fn / float8_e5m2 cache");
+  STD_TORCH_CHECK(value_cache.scalar_type() == cache_type, "value_cache dtype != key_cache dtype");
+  const bool fp8 = cache_type != ScalarType::Float;
+  STD_TORCH_CHECK(fp8 || v_scale == 1.0, "v_scale must be 1.0 for a float32 cache");
+  STD_TORCH_CHECK(std::isfinite(v_scale) && std::isfinite(scale), "scale and v_scale must be finite");
   STD_TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   STD_TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
   STD_TORCH_CHECK(
@@ -436,8 +579,12 @@ void paged_decode_attention(
   Problem p{};
   p.out = out.mutable_data_ptr<float>();
   p.query = query.const_data_ptr<float>();
-  p.key_cache = key_cache.const_data_ptr<float>();
-  p.value_cache = value_cache.const_data_ptr<float>();
+  p.key_cache = static_cast<const char*>(key_cache.const_data_ptr());
+  p.value_cache = static_cast<const char*>(value_cache.const_data_ptr());
+  p.elem_size = fp8 ? 1 : static_cast<int64_t>(sizeof(float));
+  p.lut = !fp8                                    ? nullptr
+          : cache_type == ScalarType::Float8_e4m3fn ? fp8_tables().e4m3fn
+                                                    : fp8_tables().e5m2;
   p.block_tables = tables;
   p.seq_lens = lens;
   p.token_rows = rows;
@@ -452,16 +599,14 @@ void paged_decode_attention(
   p.head_dim = head_dim;
   p.max_seq_len = max_seq_len;
   p.scale = static_cast<float>(scale);
+  p.v_scale = static_cast<float>(v_scale);
 
-  switch (head_dim) {
-    case 64:
-      run<64 / kW>(p, num_seqs);
-      break;
-    case 128:
-      run<128 / kW>(p, num_seqs);
-      break;
-    default:
-      run<0>(p, num_seqs);
+  if (!fp8) {
+    dispatch_head_dim<kCacheFp32>(p, num_seqs);
+  } else if (cache_type == ScalarType::Float8_e4m3fn) {
+    dispatch_head_dim<kCacheE4M3>(p, num_seqs);
+  } else {
+    dispatch_head_dim<kCacheE5M2>(p, num_seqs);
   }
 }
 
@@ -470,7 +615,7 @@ void paged_decode_attention(
 STABLE_TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale, float v_scale=1.0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
