@@ -4,6 +4,9 @@ A `Report` is handed to a subcommand's `run(args, report)`. The subcommand print
 through it, iterates its long loops through `report.progress` (a tqdm bar on stderr), draws
 into `report.figure()` and returns a JSON-ready dict; the report then writes
 `<out>/<name>.json` (that dict plus the command, time, host and tables) and `<out>/<name>.png`.
+Without `--out`, `<out>` is a fresh `./pagedserve-bench-results/<name>-<timestamp>/`
+(`default_out_dir`): a run never overwrites an earlier one, nor the committed figures in
+`benchmarks/results/` (refreshed only with `--out benchmarks/results`).
 matplotlib is imported only when a figure is asked for, and a missing matplotlib skips the plot
 with a warning instead of failing the benchmark. Imports no torch.
 """
@@ -22,7 +25,19 @@ from typing import Any, TypeVar
 from benchmarks.common import load_note
 
 T = TypeVar("T")
-DEFAULT_OUT_DIR = Path("benchmarks/results")
+RESULTS_ROOT = Path("pagedserve-bench-results")
+"""Where runs go without `--out` (relative to the current directory), one fresh folder each."""
+
+
+def default_out_dir(name: str, root: Path | None = None) -> Path:
+    """A folder no earlier run used: `<root>/<name>-<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ...
+    when that exists already); `root` defaults to RESULTS_ROOT."""
+    base = (RESULTS_ROOT if root is None else root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, i = base, 1
+    while out.exists():
+        i += 1
+        out = base.with_name(f"{base.name}-{i}")
+    return out
 
 
 def fmt_pct(x: float, digits: int = 1) -> str:

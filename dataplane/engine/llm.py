@@ -18,9 +18,20 @@ from pagedserve.common.sampling_params import SamplingParams
 Prompt = str | list[int]
 
 
+def complete_text(text: str) -> str:
+    """`text` without the U+FFFD its decoder produced for an incomplete trailing UTF-8
+    character (a byte-level BPE token can hold part of one): what a stream has sent once the
+    same tokens have arrived, since a stream withholds text while it ends in U+FFFD."""
+    return text.rstrip("\ufffd")
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One generated sequence of a prompt (several with n > 1)."""
+    """One generated sequence of a prompt (several with n > 1).
+
+    `text` is the decoded `token_ids` without an incomplete trailing UTF-8 character (see
+    `complete_text`): the same text a stream of these tokens delivers, never ending in U+FFFD
+    where the generation stopped inside a character; `token_ids` keep every token."""
 
     index: int
     text: str
@@ -205,7 +216,7 @@ class LLM:
         completions = [
             CompletionOutput(
                 index=i,
-                text=self.engine.decode(s.output_token_ids),
+                text=complete_text(self.engine.decode(s.output_token_ids)),
                 token_ids=s.output_token_ids,
                 finish_reason=s.finish_reason or "abort",
                 cumulative_logprob=s.cumulative_logprob,

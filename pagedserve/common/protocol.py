@@ -80,8 +80,11 @@ def wire_float(value: float) -> float:
         return single
     for digits in range(1, 10):  # 9 significant digits always identify a float32
         shortest = float(f"{single:.{digits}g}")
-        if _float32(shortest) == single:
-            return shortest
+        try:
+            if _float32(shortest) == single:
+                return shortest
+        except OverflowError:  # near float32's largest value a short decimal rounds past it
+            continue
     return single
 
 

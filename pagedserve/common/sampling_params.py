@@ -14,6 +14,13 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_LOGPROBS = 20
+MIN_SAMPLING_TEMPERATURE = 0.01
+"""A sampled request's lowest temperature: a positive temperature below it samples at it (as
+vLLM does). Dividing logits by a tinier one (1e-45 is a valid float32) overflows them to
+infinity and the sampler's probabilities to NaN; at 0.01 sampling is all but greedy anyway."""
+MIN_REPETITION_PENALTY = 0.01
+"""The lowest repetition penalty applied: a positive one below it is applied as it, for the
+same reason (the penalty divides the logits of seen tokens)."""
 
 
 class InvalidField(ValueError):
@@ -38,7 +45,9 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to pick each next token and when to stop. Names follow vLLM's SamplingParams.
 
-    `temperature == 0` means greedy. `seed` makes a sampled request reproducible on its own,
+    `temperature == 0` means greedy; a positive temperature below MIN_SAMPLING_TEMPERATURE
+    (and a repetition penalty below MIN_REPETITION_PENALTY) is raised to it, so no valid value
+    can make the sampler's arithmetic overflow. `seed` makes a sampled request reproducible on its own,
     whatever else shares its batch. `logit_bias` (token id -> bias, a mapping or pairs) is
     added to the logits before sampling; it is kept as sorted (id, bias) pairs. Invalid values
     raise `InvalidField` (a ValueError) naming the field.
@@ -98,6 +107,10 @@ class SamplingParams:
                 raise InvalidField(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise InvalidField("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if 0.0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            object.__setattr__(self, "repetition_penalty", MIN_REPETITION_PENALTY)
         if not isinstance(self.stop_token_ids, list | tuple):
             raise InvalidField("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         stop_ids = tuple(self.stop_token_ids)

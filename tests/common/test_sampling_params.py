@@ -101,3 +101,29 @@ def test_frozen() -> None:
     p = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_tokens = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("tiny", [1e-45, 1e-38, 1e-9, 0.009])
+def test_a_tiny_positive_temperature_or_repetition_penalty_is_applied_as_the_minimum(tiny: float) -> None:
+    """Found by the fuzz suite: 1e-45 (a valid float32) divided the logits to infinity and the
+    sampler's probabilities to NaN, which ended the data plane's engine loop. Below 0.01 both
+    are applied as 0.01 (vLLM raises such temperatures to 0.01 too); 0 stays greedy."""
+    import torch
+
+    from dataplane.runner.sampler import sample
+    from pagedserve.common.protocol import sampling_params_from_proto, sampling_params_to_proto
+    from pagedserve.common.sampling_params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE
+
+    p = SamplingParams(temperature=tiny, repetition_penalty=tiny, seed=1)
+    assert (
+        (p.temperature, p.repetition_penalty)
+        == (MIN_SAMPLING_TEMPERATURE, MIN_REPETITION_PENALTY)
+        == (0.01, 0.01)
+    )
+    assert not p.greedy and SamplingParams(temperature=0.0).greedy
+    assert sampling_params_from_proto(sampling_params_to_proto(p)) == p  # the wire carries the applied value
+    logits = torch.randn(2, 64) * 30
+    g = torch.Generator()
+    g.manual_seed(1)
+    tokens = sample(logits, [p, p], [g, None], [([1, 2, 3], [4]), ([5], [])])
+    assert all(0 <= t.token_id < 64 for t in tokens)

@@ -165,3 +165,49 @@ print("ok")
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+@pytest.fixture(scope="module")
+def served_llm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, Path]:
+    """The tiny model with a byte-level BPE tokenizer: a token can hold part of a character."""
+    from tests.e2e.hardening.tiny_served import make_tiny_served_model
+
+    path = make_tiny_served_model(tmp_path_factory.mktemp("served") / "llama")
+    return LLM(str(path), max_model_len=64, block_size=4, kv_cache_memory=2**20, max_num_seqs=8), path
+
+
+def test_offline_text_withholds_an_incomplete_trailing_character_as_a_stream_does(
+    served_llm: tuple[LLM, Path],
+) -> None:
+    """Issue 12: offline `LLM.generate` text ended in U+FFFD where generation stopped inside a
+    UTF-8 character, while a stream of the same tokens withholds that partial character. Both
+    now give the same text: the offline one drops the incomplete trailing character too (its
+    token stays in `token_ids`)."""
+    from controlplane.detokenizer import IncrementalDetokenizer
+    from controlplane.tokenizer import Tokenizer
+
+    llm, path = served_llm
+    tokenizer = Tokenizer(path)
+    complete = tokenizer.encode(" the")[0]  # a whole word
+    partial = tokenizer.encode("€")[0]  # 0xE2, the first of the euro sign's 3 bytes
+    assert tokenizer.decode([partial]) == "\ufffd"
+    prompt = tokenizer.encode("Hello world")
+    cases: list[list[int]] = []
+    for seed in range(16):  # seeded draws between the two tokens, both biased far above the rest
+        params = SamplingParams(
+            max_tokens=4,
+            temperature=1.0,
+            seed=seed,
+            ignore_eos=True,
+            logit_bias={complete: 100, partial: 100},
+        )
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        stream = IncrementalDetokenizer(tokenizer, prompt)
+        streamed = "".join(stream.add([t]) for t in out.token_ids) + stream.flush()  # one token a delta
+        assert out.text == streamed, (out.token_ids, out.text, streamed)
+        assert not out.text.endswith("\ufffd")
+        cases.append(out.token_ids)
+    # The cases that matter happened: whole text, then a partial character at the very end.
+    ending_inside = [ids for ids in cases if ids[-1] == partial and complete in ids]
+    assert ending_inside and all(tokenizer.decode(ids).endswith("\ufffd") for ids in ending_inside)
+    assert_idle(llm)
