@@ -2,9 +2,11 @@
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and
 `run(args, report) -> dict`: it prints its tables through the `Report`, draws its plot and
-returns what goes into `<out>/<name>.json`. Modules are imported only when their subcommand
-runs, so `pagedserve --help` stays fast and `memory` / `plan` never import torch. A new
-subcommand (the online `serve` benchmark) is one more entry in `SUBCOMMANDS`.
+returns what goes into `<out>/<name>.json` (`--out`; by default a fresh
+`./pagedserve-bench-results/<name>-<timestamp>/`, never the committed `benchmarks/results/`).
+Modules are imported only when their subcommand runs, so `pagedserve --help` stays fast and
+`memory` / `plan` never import torch. A new subcommand (the online `serve` benchmark) is one
+more entry in `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import DEFAULT_OUT_DIR, Report
+from benchmarks.report import RESULTS_ROOT, Report, default_out_dir
 
 # name -> (module, one-line help). Help text must not need the module imported.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -31,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefix-caching": (
         "benchmarks.prefix_caching",
         "multi-turn customer-service chats with prefix caching on vs off (TTFT, throughput)",
+    ),
+    "pressure": (
+        "benchmarks.pressure",
+        "a saturated replay on a small KV pool: preemption by recompute vs swap vs auto (recomputed tokens, TTFT)",
     ),
     "trace": ("benchmarks.traces", "record a workload's real prompt/output lengths (for `memory`)"),
     "serve": (
@@ -73,8 +79,10 @@ def add_bench_parser(subparsers: Any) -> None:
         p.add_argument(
             "--out",
             type=Path,
-            default=DEFAULT_OUT_DIR,
-            help="directory for <name>.json and <name>.png (default: %(default)s)",
+            default=None,
+            help=f"directory for {name}.json and {name}.png (default: a fresh "
+            f"./{RESULTS_ROOT}/{name}-<timestamp>; the committed figures are refreshed only "
+            "with --out benchmarks/results)",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         p.set_defaults(func=run_bench, bench_module=module, bench_name=name)
@@ -101,7 +109,8 @@ def run_script_module(module_name: str, argv: list[str]) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(args.bench_module)
     command = ["pagedserve", "bench", *sys.argv[sys.argv.index("bench") + 1 :]] if "bench" in sys.argv else []
-    report = Report(args.bench_name, args.out, command, progress=not args.no_progress)
+    out = args.out if args.out is not None else default_out_dir(args.bench_name)
+    report = Report(args.bench_name, out, command, progress=not args.no_progress)
     results: dict[str, Any] = module.run(args, report)
     report.finish(results)
     return 0

@@ -2,7 +2,8 @@
 
 Latencies are measured here, as clients see them (queue, time to first token, time per
 output token, inter-token latency, end to end). The data planes' state (KV usage, running
-and waiting requests, prefix-cache counters, preemptions) is read at scrape time from what
+and waiting requests, prefix-cache counters, preemptions by mode, swap traffic and the host
+pool) is read at scrape time from what
 each data plane last reported on its stream, labelled `dataplane="HOST:PORT"`, so one scrape
 of a `pagedserve serve` shows the whole system. Names: see dataplane/server/metrics.py.
 """
@@ -91,6 +92,60 @@ class _DataPlaneCollector(Collector):
             "num_preemptions",
             "Requests preempted on the data plane.",
             lambda c: c.stats.num_preemptions,
+        )
+        by_mode = CounterMetricFamily(
+            PREFIX + "num_preemptions_by_mode",
+            "Requests preempted on the data plane, by how: swap (blocks copied to the host pool) or recompute.",
+            labels=["dataplane", "mode"],
+        )
+        for link in links:
+            if link.info is not None:
+                by_mode.add_metric([link.address, "swap"], link.stats.num_preemptions_swap)
+                by_mode.add_metric([link.address, "recompute"], link.stats.num_preemptions_recompute)
+        yield by_mode
+        yield family(
+            CounterMetricFamily,
+            "kv_blocks_swapped_out",
+            "KV blocks the data plane copied from its device pool to its host pool.",
+            lambda c: c.stats.blocks_swapped_out,
+        )
+        yield family(
+            CounterMetricFamily,
+            "kv_blocks_swapped_in",
+            "KV blocks the data plane copied from its host pool back to its device pool.",
+            lambda c: c.stats.blocks_swapped_in,
+        )
+        yield family(
+            CounterMetricFamily,
+            "kv_swap_seconds",
+            "Time the data plane spent copying swapped KV blocks.",
+            lambda c: c.stats.swap_seconds,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "num_requests_swapped",
+            "Requests preempted by swap on the data plane, waiting to resume.",
+            lambda c: c.stats.num_swapped,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "cpu_kv_cache_usage_perc",
+            "Fraction of the data plane's host (swap) pool holding swapped-out KV (1 = full; 0 without one).",
+            lambda c: (
+                1 - c.stats.host_free_blocks / c.stats.host_total_blocks if c.stats.host_total_blocks else 0.0
+            ),
+        )
+        yield family(
+            GaugeMetricFamily,
+            "cpu_kv_cache_total_blocks",
+            "Blocks of the data plane's host (swap) pool.",
+            lambda c: c.stats.host_total_blocks,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "cpu_kv_cache_free_blocks",
+            "Free blocks of the data plane's host (swap) pool.",
+            lambda c: c.stats.host_free_blocks,
         )
         yield family(
             GaugeMetricFamily,

@@ -45,4 +45,12 @@ def pool_stats_to_proto(stats: EngineStats, draining: bool, num_aborted: int) ->
         num_preemptions=stats.num_preemptions,
         draining=draining,
         num_aborted_requests=num_aborted,
+        num_preemptions_swap=stats.num_preemptions_swap,
+        num_preemptions_recompute=stats.num_preemptions_recompute,
+        blocks_swapped_out=stats.blocks_swapped_out,
+        blocks_swapped_in=stats.blocks_swapped_in,
+        swap_seconds=stats.swap_seconds,
+        num_swapped=stats.num_swapped,
+        host_total_blocks=stats.host_total_blocks,
+        host_free_blocks=stats.host_free_blocks,
     )

@@ -192,3 +192,46 @@ def test_the_vllm_peer_venv_is_cached_outside_the_repo(
     (directory / "bin" / "python").write_text("")
     (directory / ".pagedserve-ready").write_text("0.32.0\n")
     assert vllm_env.ensure_vllm_python(progress=False) == str(directory / "bin" / "python")
+
+
+def test_bench_writes_a_fresh_directory_by_default_never_the_committed_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 12: `pagedserve bench` wrote into ./benchmarks/results by default, overwriting the
+    committed figures when run from a checkout. Without --out, each run gets a fresh
+    ./pagedserve-bench-results/<name>-<timestamp>/; benchmarks/results only when asked."""
+    committed = REPO / "benchmarks" / "results" / "plan.json"
+    before = committed.read_bytes() if committed.exists() else None
+    monkeypatch.chdir(REPO)  # from a checkout, as a developer runs it
+    runs = tmp_path / "runs"
+    monkeypatch.setattr("benchmarks.report.RESULTS_ROOT", runs)
+    for _ in range(2):
+        assert main(["bench", "plan", "--model", "LLaMA-13B", "--no-progress"]) == 0
+    dirs = sorted(runs.iterdir())
+    assert len(dirs) == 2 and all(d.name.startswith("plan-") for d in dirs)  # one fresh folder per run
+    for d in dirs:
+        assert json.loads((d / "plan.json").read_text())["benchmark"] == "plan"
+    assert str(dirs[-1] / "plan.json") in capsys.readouterr().err  # says where it wrote
+    assert (committed.read_bytes() if committed.exists() else None) == before
+    out = tmp_path / "asked"
+    assert main(["bench", "plan", "--model", "LLaMA-13B", "--out", str(out)]) == 0
+    assert (out / "plan.json").exists()
+
+
+def test_the_default_results_folder_is_fresh_and_relative_to_where_bench_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.report
+    from benchmarks.report import RESULTS_ROOT, default_out_dir
+
+    assert str(RESULTS_ROOT) == "pagedserve-bench-results"  # under the current directory
+    monkeypatch.setattr(benchmarks.report.time, "strftime", lambda fmt: "20261130-120000")
+    made = []
+    for _ in range(3):
+        made.append(default_out_dir("memory", tmp_path))
+        made[-1].mkdir()
+    assert [d.name for d in made] == [
+        "memory-20261130-120000",
+        "memory-20261130-120000-2",
+        "memory-20261130-120000-3",
+    ]

@@ -278,6 +278,14 @@ class PoolStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     NUM_ABORTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _builtins.int
+    BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _builtins.int
+    BLOCKS_SWAPPED_IN_FIELD_NUMBER: _builtins.int
+    SWAP_SECONDS_FIELD_NUMBER: _builtins.int
+    NUM_SWAPPED_FIELD_NUMBER: _builtins.int
+    HOST_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     total_blocks: _builtins.int
     free_blocks: _builtins.int
     """Blocks an allocation can take now, evictable cached blocks included."""
@@ -291,6 +299,23 @@ class PoolStats(_message.Message):
     draining: _builtins.bool
     num_aborted_requests: _builtins.int
     """Requests aborted before they finished (client cancel, stop string, stream closed)."""
+    num_preemptions_swap: _builtins.int
+    """Preemptions by mode, cumulative (they sum to num_preemptions): swap copied the victim's
+    blocks to the host pool and kept its progress; recompute freed them.
+    """
+    num_preemptions_recompute: _builtins.int
+    blocks_swapped_out: _builtins.int
+    """KV blocks copied device -> host (swap-out) and host -> device (swap-in), cumulative."""
+    blocks_swapped_in: _builtins.int
+    swap_seconds: _builtins.float
+    """Wall time spent copying swapped blocks, cumulative, in seconds."""
+    num_swapped: _builtins.int
+    """Requests swapped out now, waiting to resume (ahead of new arrivals)."""
+    host_total_blocks: _builtins.int
+    """The host (swap) pool: its blocks and those free now; both 0 without one
+    (preemption_mode "recompute" or swap space 0).
+    """
+    host_free_blocks: _builtins.int
     def __init__(
         self,
         *,
@@ -304,10 +329,18 @@ class PoolStats(_message.Message):
         num_preemptions: _builtins.int = ...,
         draining: _builtins.bool = ...,
         num_aborted_requests: _builtins.int = ...,
+        num_preemptions_swap: _builtins.int = ...,
+        num_preemptions_recompute: _builtins.int = ...,
+        blocks_swapped_out: _builtins.int = ...,
+        blocks_swapped_in: _builtins.int = ...,
+        swap_seconds: _builtins.float = ...,
+        num_swapped: _builtins.int = ...,
+        host_total_blocks: _builtins.int = ...,
+        host_free_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "draining", b"draining", "free_blocks", b"free_blocks", "num_aborted_requests", b"num_aborted_requests", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "total_blocks", b"total_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_swapped_in", b"blocks_swapped_in", "blocks_swapped_out", b"blocks_swapped_out", "cached_blocks", b"cached_blocks", "draining", b"draining", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_total_blocks", b"host_total_blocks", "num_aborted_requests", b"num_aborted_requests", "num_preemptions", b"num_preemptions", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_running", b"num_running", "num_swapped", b"num_swapped", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "swap_seconds", b"swap_seconds", "total_blocks", b"total_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import generate_latest
 
 from clients.python import AsyncGenerationClient
 from controlplane.doctor import Sample, Thresholds, diagnose, parse
+from controlplane.metrics import ControlPlaneMetrics
+from dataplane.engine.outputs import EngineStats
+from dataplane.kvcache import PrefixCacheStats
+from dataplane.server.protocol import pool_stats_to_proto
 from pagedserve.cli import main
+from protos.pagedserve.v1 import dataplane_pb2
 from tests.e2e.harness import ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
@@ -38,7 +45,7 @@ def test_low_hit_rate_needs_enough_queries() -> None:
 def test_preemptions_over_the_window_or_since_start() -> None:
     window = [{"a": Sample(preemptions=10, finished=100)}, {"a": Sample(preemptions=20, finished=150)}]
     (finding,) = diagnose(window)
-    assert finding.numbers == {"preemptions": 10, "finished": 50}  # 20% during the window
+    assert finding.numbers["preemptions"] == 10 and finding.numbers["finished"] == 50  # 20% in the window
     quiet = [{"a": Sample(preemptions=3, finished=100)}, {"a": Sample(preemptions=3, finished=100)}]
     assert diagnose(quiet) == []  # 3% since start
     assert diagnose(quiet, Thresholds(preemption_ratio=0.01))[0].rule == "preemptions"
@@ -47,10 +54,9 @@ def test_preemptions_over_the_window_or_since_start() -> None:
 def test_parse_reads_both_expositions() -> None:
     cp = """# TYPE pagedserve_kv_cache_usage_perc gauge
 pagedserve_kv_cache_usage_perc{dataplane="10.0.0.1:50052"} 0.5
-# TYPE pagedserve_dataplane_finished_requests counter
-pagedserve_dataplane_finished_requests_total{dataplane="10.0.0.1:50052"} 7
 # TYPE pagedserve_request_success counter
-pagedserve_request_success_total{finished_reason="stop"} 7
+pagedserve_request_success_total{finished_reason="stop"} 4
+pagedserve_request_success_total{finished_reason="length"} 3
 """
     assert parse(cp) == {"10.0.0.1:50052": Sample(kv_usage=0.5, finished=7)}
     dp = """# TYPE pagedserve_num_preemptions counter
@@ -60,6 +66,158 @@ pagedserve_request_success_total{finished_reason="stop"} 3
 pagedserve_request_success_total{finished_reason="length"} 4
 """
     assert parse(dp) == {"": Sample(preemptions=2, finished=7)}
+
+
+def test_doctor_reads_finished_requests_from_what_a_control_plane_exports() -> None:
+    """Issue 12: the doctor read `pagedserve_dataplane_finished_requests_total`, which no
+    control plane exports, and printed `finished 0` for every data plane. It reads the
+    control plane's real exposition now (its finished completions, all data planes)."""
+    links = {
+        address: SimpleNamespace(
+            address=address,
+            info=dataplane_pb2.DataPlaneInfo(num_blocks=100, block_size=16),
+            stats=dataplane_pb2.PoolStats(total_blocks=100, free_blocks=25, num_preemptions=preempted),
+            budget=SimpleNamespace(reserved_blocks=0),
+            healthy=True,
+        )
+        for address, preempted in (("10.0.0.1:50052", 3), ("10.0.0.2:50052", 0))
+    }
+    metrics = ControlPlaneMetrics(SimpleNamespace(connections=links, admission=()))
+    for reason in ("stop", "length", "stop", "abort"):
+        metrics.completion(reason, 5, 3, 0.1, 0.2, first_of_request=True)
+    exposition = generate_latest(metrics.registry).decode()
+    assert "dataplane_finished_requests" not in exposition
+    assert parse(exposition) == {
+        "10.0.0.1:50052": Sample(kv_usage=0.75, preemptions=3, finished=4),
+        "10.0.0.2:50052": Sample(kv_usage=0.75, finished=4),
+    }
+
+
+def test_recomputes_with_a_free_host_pool_suggest_swap_mode() -> None:
+    free = [
+        {
+            "a": Sample(
+                preemptions=12,
+                preemptions_swap=2,
+                preemptions_recompute=10,
+                finished=40,
+                host_total_blocks=64,
+                host_free_blocks=60,
+                host_usage=4 / 64,
+            )
+        }
+    ]
+    pre, mode = diagnose(free)
+    assert pre.rule == "preemptions" and pre.numbers == {
+        "preemptions": 12,
+        "finished": 40,
+        "swap": 2,
+        "recompute": 10,
+    }
+    assert pre.message == (
+        "12 preemptions for 40 finished requests since start (30.0% > 5%; 2 swap, 10 recompute): requests are "
+        "being swapped out or recomputed; give the KV cache more memory (--kv-cache-memory / "
+        "--gpu-memory-utilization) or lower --max-num-seqs"
+    )
+    assert mode.rule == "preemption_mode" and mode.message == (
+        "10 of 12 preemptions since start recomputed their requests while the host (swap) pool was at most 6% "
+        "full (64 blocks): recompute re-does the victims' tokens where a swap would copy their blocks; try "
+        "--preemption-mode swap"
+    )
+    no_pool = [{"a": Sample(preemptions=10, preemptions_recompute=10, finished=40)}]
+    assert diagnose(no_pool)[1].message == (
+        "10 of 10 preemptions since start recomputed their requests and there is no host (swap) pool: recompute "
+        "re-does every victim's tokens; give it one with --swap-space (GiB) and --preemption-mode auto"
+    )
+    # mostly swaps, or a host pool that is full anyway: no advice to swap more
+    swaps = [
+        {
+            "a": Sample(
+                preemptions=12,
+                preemptions_swap=8,
+                preemptions_recompute=4,
+                finished=40,
+                host_total_blocks=64,
+                host_free_blocks=60,
+                host_usage=4 / 64,
+            )
+        }
+    ]
+    assert [f.rule for f in diagnose(swaps)] == ["preemptions"]
+    # over the window: 6 recomputes for 50 finished requests (12%), none since the first sample's 10
+    window = [
+        {"a": Sample(preemptions=10, preemptions_recompute=10, finished=100, host_total_blocks=8)},
+        {"a": Sample(preemptions=16, preemptions_recompute=16, finished=150, host_total_blocks=8)},
+    ]
+    assert diagnose(window)[1].numbers == {"recompute": 6, "swap": 0, "max_host_usage": 0.0}
+
+
+def test_a_host_pool_often_full_suggests_more_swap_space() -> None:
+    def at(usage: float) -> dict[str, Sample]:
+        return {"a": Sample(host_usage=usage, host_total_blocks=100, host_free_blocks=100 * (1 - usage))}
+
+    (finding,) = diagnose([at(0.95), at(0.50), at(0.97)], window_s=4)
+    assert finding.rule == "host_pool" and finding.message == (
+        "host (swap) pool above 90% full in 2 of 3 samples (max 97.0% of 100 blocks): swap-outs that do not fit "
+        "fall back to recompute; raise --swap-space"
+    )
+    assert diagnose([at(0.95), at(0.50), at(0.40)]) == []  # once in three: not often
+    assert diagnose([{"a": Sample(host_usage=0.0)}]) == []  # no host pool, nothing to raise
+
+
+def test_swap_stats_reach_the_doctor_from_both_expositions(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The data plane's PoolStats (GetState) swap fields, mirrored per data plane on the
+    control plane's /metrics, parsed back and printed, one line each."""
+    engine_stats = EngineStats(
+        total_blocks=100, free_blocks=10, cached_blocks=0, token_usage=0.9, num_running=0, num_waiting=0,
+        num_preemptions=12, prefix_cache=PrefixCacheStats(), num_swapped=1, num_preemptions_swap=2,
+        num_preemptions_recompute=10, blocks_swapped_out=30, blocks_swapped_in=24, swap_seconds=0.25,
+        host_total_blocks=64, host_free_blocks=58,
+    )  # fmt: skip
+    stats = pool_stats_to_proto(engine_stats, draining=False, num_aborted=0)  # what GetState carries
+    assert (stats.num_preemptions_swap, stats.num_preemptions_recompute) == (2, 10)
+    assert (stats.blocks_swapped_out, stats.blocks_swapped_in, stats.swap_seconds) == (30, 24, 0.25)
+    assert (stats.num_swapped, stats.host_total_blocks, stats.host_free_blocks) == (1, 64, 58)
+    link = SimpleNamespace(
+        address="10.0.0.1:50052",
+        info=dataplane_pb2.DataPlaneInfo(num_blocks=100, block_size=16),
+        stats=stats,
+        budget=SimpleNamespace(reserved_blocks=0),
+        healthy=True,
+    )
+    metrics = ControlPlaneMetrics(SimpleNamespace(connections={link.address: link}, admission=()))
+    for _ in range(40):
+        metrics.completion("length", 5, 3, 0.1, 0.2, first_of_request=True)
+    parsed = parse(generate_latest(metrics.registry).decode())
+    expected = Sample(
+        kv_usage=0.9, preemptions=12, finished=40, preemptions_swap=2, preemptions_recompute=10,
+        blocks_swapped_out=30, blocks_swapped_in=24, swap_seconds=0.25, swapped=1,
+        host_usage=pytest.approx(6 / 64), host_total_blocks=64, host_free_blocks=58,
+    )  # fmt: skip
+    assert parsed == {"10.0.0.1:50052": expected}
+    dp = """# TYPE pagedserve_num_preemptions_by_mode counter
+pagedserve_num_preemptions_by_mode_total{mode="swap"} 3
+pagedserve_num_preemptions_by_mode_total{mode="recompute"} 1
+# TYPE pagedserve_kv_blocks_swapped_out counter
+pagedserve_kv_blocks_swapped_out_total 12
+# TYPE pagedserve_cpu_kv_cache_total_blocks gauge
+pagedserve_cpu_kv_cache_total_blocks 32
+"""
+    assert parse(dp) == {"": Sample(preemptions_swap=3, preemptions_recompute=1, blocks_swapped_out=12,
+                                    host_total_blocks=32)}  # fmt: skip
+
+    monkeypatch.setattr("controlplane.doctor.scrape", lambda url: parsed)
+    assert main(["doctor", "--url", "http://cp:8000", "--samples", "1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "10.0.0.1:50052: KV usage 90.0%, running 0, waiting 0, prefix hit rate 0.0% of 0 tokens, preemptions 12, "
+        "finished 40 (all data planes, as the control plane counts them)",
+        "  preemptions by mode: swap 2, recompute 10; blocks swapped out 30, in 24 (0.250 s copying); "
+        "swapped now 1; host pool 6 of 64 blocks in use (9.4%)",
+    ]
+    assert [line.split("]")[0] + "]" for line in lines[2:]] == ["[preemptions]", "[preemption_mode]"]
 
 
 @pytest.fixture(scope="module")
@@ -87,5 +245,8 @@ def test_doctor_against_a_live_server(server: ServerThread, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert code == 1
     assert f"[preemptions] {server.dataplane.address}:" in out
+    # 6 completions finished through the control plane (before: "finished 0", always)
+    assert "finished 6 (all data planes, as the control plane counts them)" in out
+    assert "preemptions for 6 finished requests" in out
     assert "[prefix_hit_rate]" in out  # unrelated prompts: nothing to reuse
     assert main(["doctor", "--url", "http://127.0.0.1:9", "--samples", "1"]) == 2
