@@ -303,7 +303,7 @@ class Dispatcher:
             request, self.snapshots(hashes), self.config.routing, self.config.decode_reserve_blocks, exclude
         )
         if isinstance(plan, Refusal):
-            raise ServiceError(plan.code, plan.message)
+            raise ServiceError(plan.code, plan.message, param=plan.param)
         if isinstance(plan, Wait):
             return None
         link = self.connections[plan.dataplane]

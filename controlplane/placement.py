@@ -61,6 +61,7 @@ class Refusal:
 
     code: str
     message: str
+    param: str | None = None  # the request field to change, when one alone is at fault
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,17 @@ def plan_placement(
         return Refusal("UNAVAILABLE", NO_DATAPLANE)
     prompt = request.num_prompt_tokens
     candidates: list[Candidate] = []
-    refused: list[tuple[LinkSnapshot, str]] = []
+    refused: list[tuple[LinkSnapshot, str, str | None]] = []
     for s in usable:
         reason = refusal(prompt, request.max_tokens, s.block_size, s.num_blocks, s.max_model_len)
-        if reason is None:
-            reason = reservation_refusal(
-                prompt, request.num_samples, s.block_size, s.num_blocks, decode_reserve_blocks
-            )
         if reason is not None:
-            refused.append((s, reason))
+            refused.append((s, reason, None))
+            continue
+        reason = reservation_refusal(
+            prompt, request.num_samples, s.block_size, s.num_blocks, decode_reserve_blocks
+        )
+        if reason is not None:
+            refused.append((s, reason, "n"))  # the prompt alone fits: only fewer samples can
             continue
         need = cdiv(prompt, s.block_size) - s.cached_blocks + decode_reserve_blocks * request.num_samples
         candidates.append(
@@ -118,8 +121,8 @@ def plan_placement(
             )
         )
     if not candidates:
-        _, reason = max(refused, key=lambda r: (r[0].max_model_len, r[0].num_blocks))
-        return Refusal("INVALID_ARGUMENT", reason)
+        _, reason, param = max(refused, key=lambda r: (r[0].max_model_len, r[0].num_blocks))
+        return Refusal("INVALID_ARGUMENT", reason, param)
     best = choose(candidates, weights)
     if best is None:
         return WAIT

@@ -234,6 +234,7 @@ def test_n_samples_whose_reservation_exceeds_the_whole_pool_are_refused_at_once(
         "INVALID_ARGUMENT",
         "the request's 31 sample(s) reserve 65 KV blocks (3 for the prompt + 2 per sample) "
         "but the whole pool has only 64; lower n",
+        "n",
     )
     assert plan(req(40, n=30), snap(), reserve=2) == Placement("a", 63, 0)  # 63 fits an idle pool
 

@@ -107,6 +107,8 @@ def test_a_request_whose_samples_can_never_be_reserved_is_refused_at_once(server
         "the request's 4 sample(s) reserve 81 KV blocks (1 for the prompt + 20 per sample) "
         "but the whole pool has only 64; lower n"
     )
+    reply = Http(server.http_url).post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "n": 4})
+    assert reply.status == 400 and reply.json()["error"]["param"] == "n"
     assert time.monotonic() - started < 2.0
     ok = Call(server.grpc_address, request(n=3))  # 61 blocks: fits an idle pool
     ok.join(30)
