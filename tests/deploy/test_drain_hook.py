@@ -5,7 +5,6 @@ while it dials the loopback address."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from collections.abc import Iterator
@@ -115,52 +114,12 @@ def test_half_given_client_certificate_is_refused() -> None:
 
 def _pki(directory: Path, dns_name: str) -> dict[str, Path]:
     """A CA, a server certificate for `dns_name` only (no IP), and a client certificate."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tests.e2e.certs import make_pki
 
-    now = datetime.datetime.now(datetime.UTC)
-
-    def cert(cn: str, key: Any, issuer: Any, issuer_key: Any, ca: bool, san: str | None) -> Any:
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(issuer.subject if issuer else name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    def pem_key(key: Any) -> bytes:
-        return bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-
-    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    ca = cert("test CA", ca_key, None, ca_key, True, None)
-    files = {
-        "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
-        "server.crt": cert("dp", server_key, ca, ca_key, False, dns_name).public_bytes(
-            serialization.Encoding.PEM
-        ),
-        "server.key": pem_key(server_key),
-        "client.crt": cert("cp", client_key, ca, ca_key, False, None).public_bytes(
-            serialization.Encoding.PEM
-        ),
-        "client.key": pem_key(client_key),
-    }
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-    return {name: directory / name for name in files}
+    pki = make_pki(directory, dns_names=(dns_name,), ip_addresses=())
+    names = {"ca.crt": pki.ca, "server.crt": pki.server_cert, "server.key": pki.server_key}
+    names |= {"client.crt": pki.client_cert, "client.key": pki.client_key}
+    return {name: Path(path) for name, path in names.items()}
 
 
 def test_mutual_tls_checks_the_pods_dns_name_on_the_loopback_address(

@@ -1,5 +1,5 @@
-"""Throwaway PKI for the TLS tests: a CA, a server certificate for 127.0.0.1/localhost and
-a client certificate, all written as PEM files."""
+"""Throwaway PKI for the TLS tests: a CA, a server certificate (for 127.0.0.1/localhost unless
+told other names) and a client certificate, all written as PEM files."""
 
 from __future__ import annotations
 
@@ -54,15 +54,19 @@ def _cert(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def make_pki(directory: Path) -> Pki:
+def make_pki(
+    directory: Path,
+    dns_names: tuple[str, ...] = ("localhost",),
+    ip_addresses: tuple[str, ...] = ("127.0.0.1",),
+) -> Pki:
+    """The server certificate names `dns_names` and `ip_addresses` (a data plane dialled by IP
+    but verified by its DNS name: `dns_names=("dataplane.test",), ip_addresses=()`)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert("pagedserve test CA", ca_key, None, ca_key, None, ca=True)
     server_key = ec.generate_private_key(ec.SECP256R1())
-    san: list[x509.GeneralName] = [
-        x509.DNSName("localhost"),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-    ]
-    server = _cert("localhost", server_key, ca, ca_key, san, ca=False)
+    san: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    san += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
+    server = _cert(dns_names[0], server_key, ca, ca_key, san, ca=False)
     client_key = ec.generate_private_key(ec.SECP256R1())
     client = _cert("pagedserve control plane", client_key, ca, ca_key, None, ca=False)
     files = {

@@ -7,8 +7,6 @@ whenever the links use TLS with DNS discovery."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from controlplane.cli import config_from_args
 from controlplane.server import start_control_plane
 from pagedserve.cli import build_parser
 from pagedserve.common.tls import ClientTLS, ServerTLS
+from tests.e2e.certs import Pki
 from tests.e2e.harness import engine_config, start_dataplane
 from tests.tiny_models import make_tiny_model
 
@@ -30,66 +29,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: str
-    server_cert: str
-    server_key: str
-    client_cert: str
-    client_key: str
-
-
 def make_pki(directory: Path, dns_name: str) -> Pki:
-    """A CA, a data-plane certificate for `dns_name` only (no IP address) and a client
-    certificate, as PEM files."""
+    """A CA, a data-plane certificate for `dns_name` only (no IP address) and a client certificate."""
     pytest.importorskip("cryptography", reason="cryptography (a dev dependency) makes the certificates")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tests.e2e.certs import make_pki as make
 
-    now = datetime.datetime.now(datetime.UTC)
-
-    def cert(subject: str, key: Any, issuer: Any, issuer_key: Any, san: str | None, ca: bool) -> Any:
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(issuer.subject if issuer is not None else name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san is not None:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    def key_pem(key: Any) -> bytes:
-        return bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = cert("scaling test CA", ca_key, None, ca_key, None, ca=True)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = cert(dns_name, server_key, ca, ca_key, dns_name, ca=False)
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client = cert("control plane", client_key, ca, ca_key, None, ca=False)
-    files = {
-        "ca.pem": ca.public_bytes(serialization.Encoding.PEM),
-        "server.pem": server.public_bytes(serialization.Encoding.PEM),
-        "server.key": key_pem(server_key),
-        "client.pem": client.public_bytes(serialization.Encoding.PEM),
-        "client.key": key_pem(client_key),
-    }
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-    d = directory
-    return Pki(*(str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")))
+    return make(directory, dns_names=(dns_name,), ip_addresses=())
 
 
 def controlplane_argv(tiny: Path, address: str, pki: Pki, *extra: str) -> list[str]:
