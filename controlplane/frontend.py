@@ -195,10 +195,7 @@ class Frontend:
         if not text:
             raise invalid_argument(f"{field_name} must not be empty", field_name)
         check_text(text, field_name, MAX_PROMPT_CHARS)
-        try:
-            return self.tokenizer.encode(text)
-        except (ValueError, TypeError) as exc:
-            raise invalid_argument(f"{field_name}: {exc}", field_name) from None
+        return self._encode(text, field_name)
 
     def encode_chat(
         self,
@@ -206,7 +203,10 @@ class Frontend:
         field_name: str = "prompt.chat.messages",
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        text = self.render_chat(messages, field_name, add_generation_prompt)
+        return self._encode(self.render_chat(messages, field_name, add_generation_prompt), field_name)
+
+    def _encode(self, text: str, field_name: str) -> list[int]:
+        """Token ids of `text`; a tokenizer's complaint is the client's error, naming the field."""
         try:
             return self.tokenizer.encode(text)
         except (ValueError, TypeError) as exc:

@@ -24,12 +24,10 @@ Imports no torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import re
 import sys
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +40,7 @@ if str(ROOT) not in sys.path:  # `python helm/generate.py` from anywhere
 
 from controlplane.config import ControlPlaneConfig  # noqa: E402
 from dataplane.config import EngineConfig  # noqa: E402
-from pagedserve.common.settings import flag_name  # noqa: E402
+from pagedserve.common.settings import fields_with_types, flag_name, is_config, scalar_type  # noqa: E402
 
 CHART = ROOT / "helm" / "pagedserve"
 GENERATOR = "python -m helm.generate"
@@ -124,14 +122,6 @@ def camel(name: str) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
 def _kind(tp: Any, parse: Callable[[str], Any] | None) -> tuple[str, str | None]:
     if parse is not None:
         return "str", None  # given as text, parsed by the flag (sizes like "2GiB")
@@ -146,17 +136,15 @@ def _kind(tp: Any, parse: Callable[[str], Any] | None) -> tuple[str, str | None]
 def knobs(cls: type, owner: str, section: str = "") -> list[Knob]:
     """Every setting of `cls` that has a flag and is not chart-managed, sections flattened."""
     out: list[Knob] = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+    for f, tp in fields_with_types(cls):
+        if is_config(tp):
             out += knobs(tp, owner, f.name)
             continue
         if "help" not in f.metadata or not f.metadata["cli"]:
             continue  # not a setting with a flag (security files, code-only knobs)
         if f.name in CHART_MANAGED or f"{owner}.{f.name}" in CHART_MANAGED:
             continue
-        value_type, optional = _unwrap_optional(tp)
+        value_type, optional = scalar_type(tp)
         kind, item_kind = _kind(value_type, f.metadata["parse"])
         default = f.default
         if default is not None and f.metadata["show"]:

@@ -83,16 +83,17 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def _is_config(tp: Any) -> bool:
+def is_config(tp: Any) -> bool:
+    """Whether an annotation is a config section (a nested config dataclass)."""
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+def fields_with_types(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
     hints = typing.get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
-def _scalar_type(tp: Any) -> tuple[Any, bool]:
+def scalar_type(tp: Any) -> tuple[Any, bool]:
     """(the flag's value type, whether None is allowed) of an annotation like `int | None`."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -114,13 +115,13 @@ def add_arguments(
     """Add a flag for every `setting` of `cls` (sections in their own groups) to `parser` (or an
     argument group); `skip` names settings another group of the same parser already has."""
     group = parser.add_argument_group(title) if title else parser
-    for f, tp in _fields(cls):
-        if _is_config(tp):
+    for f, tp in fields_with_types(cls):
+        if is_config(tp):
             add_arguments(parser, tp, title=f.name, skip=skip)
             continue
         if "help" not in f.metadata or not f.metadata["cli"] or f.name in skip:
             continue
-        value_type, _ = _scalar_type(tp)
+        value_type, _ = scalar_type(tp)
         default = f.default
         if f.metadata["show"] and default is not None:
             # argparse runs a string default through `type`: --help shows "2GiB", args get bytes.
@@ -151,12 +152,12 @@ def from_arguments(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T
     """`cls` from parsed flags (or a flat dict); names absent from it keep their defaults."""
     values = vars(args) if isinstance(args, argparse.Namespace) else args
     kwargs: dict[str, Any] = {}
-    for f, tp in _fields(cls):
-        if _is_config(tp):
+    for f, tp in fields_with_types(cls):
+        if is_config(tp):
             kwargs[f.name] = from_arguments(tp, values)
         elif f.name in values:
             value = values[f.name]
-            if typing.get_origin(_scalar_type(tp)[0]) is tuple:
+            if typing.get_origin(scalar_type(tp)[0]) is tuple:
                 if value is None:
                     continue  # flag not given: the field's default
                 value = tuple(value)
@@ -167,8 +168,8 @@ def from_arguments(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T
 def setting_names(cls: type) -> list[str]:
     """Every leaf setting's name, sections flattened (the keyword arguments `from_arguments` reads)."""
     names: list[str] = []
-    for f, tp in _fields(cls):
-        names += setting_names(tp) if _is_config(tp) else [f.name]
+    for f, tp in fields_with_types(cls):
+        names += setting_names(tp) if is_config(tp) else [f.name]
     return names
 
 
@@ -193,12 +194,12 @@ def from_json(cls: type[T], text: str) -> T:
 
 def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     kwargs: dict[str, Any] = {}
-    for f, tp in _fields(cls):
+    for f, tp in fields_with_types(cls):
         if f.name in data:
             value = data[f.name]
-            if _is_config(tp):
+            if is_config(tp):
                 value = _from_dict(tp, value)
-            elif typing.get_origin(_scalar_type(tp)[0]) is tuple and value is not None:
+            elif typing.get_origin(scalar_type(tp)[0]) is tuple and value is not None:
                 value = tuple(value)  # JSON has lists only
             kwargs[f.name] = value
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
