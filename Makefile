@@ -63,5 +63,13 @@ test: lint typecheck unit
 bench: pull
 	$(BIN)/pagedserve bench throughput
 
+# One check on a machine with one NVIDIA GPU and its own torch/triton/transformers (no venv, network
+# or weights needed): kernel tests on CUDA, exactness, attention bandwidth, throughput, < 8 minutes
+# (benchmarks/README.md "GPU check"). WHEELS=DIR: wheels of missing pure-Python packages;
+# ARGS=--dry-run: print and check the plan on any machine, running nothing on a GPU.
+.PHONY: gpu-check
+gpu-check:
+	benchmarks/gpu_check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(ARGS)
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

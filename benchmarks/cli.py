@@ -41,7 +41,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("benchmarks.traces", "record a workload's real prompt/output lengths (for `memory`)"),
     "serve": (
         "benchmarks.serve",
-        "online load on a running server (gRPC or OpenAI HTTP): throughput, TTFT/TPOT/ITL percentiles, goodput",
+        "online load on a running server (gRPC or OpenAI HTTP), or --launch / --peer vllm to start "
+        "pagedserve serve (then vLLM's server) itself: throughput, TTFT/TPOT/ITL percentiles, goodput",
     ),
     "grpc-overhead": (
         "benchmarks.grpc_overhead",

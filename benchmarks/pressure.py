@@ -20,8 +20,8 @@ What it does, in one process and strictly one mode after another:
 2. For each of `--modes` (default recompute, swap, auto): a fresh fp32 `LLM` whose device KV
    pool is `--kv-cache-memory` (default 48MiB: a fraction of the workload's KV demand, so the
    scheduler must preempt) with `preemption_mode=<mode>` and `--swap-space` GiB of host pool
-   (default: the engine's own, a quarter of the device pool's bytes on the CPU; no host pool
-   for recompute). Warm-up: 2 short requests, then the prefix cache is reset and the engine's
+   (default: the engine's own, the device pool's bytes on the CPU; no host pool for
+   recompute). Warm-up: 2 short requests, then the prefix cache is reset and the engine's
    stats are snapshotted. THE measured run drives `llm.engine.step()` until all is done.
 3. Per mode: tokens recomputed = tokens the engine computed (sum of `StepResult.
    num_batched_tokens`) minus what the workload needs without preemption (each request's

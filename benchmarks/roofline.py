@@ -1,19 +1,33 @@
-"""The matmul roofline of an offline run: the model's linear layers as plain `torch.matmul`.
+"""The roofline of an offline run: the machine's own limits, measured in the same run.
 
 `LinearShapes` gives a llama-style decoder's matmul shapes (FLOPs per token, LM head per
-sampled row); `measure_roofline` times those matmuls on fresh fp32 weights at the row counts
-the engine's steps actually had, so "achieved GFLOP/s / roofline GFLOP/s" says how much of
-the step time is the unavoidable matmuls. torch is imported only when something is timed.
+sampled row, weight bytes); `measure_machine` measures this machine's two limits: the peak
+fp32 GFLOP/s of a large square sgemm (the faster of plain `torch.matmul` and a oneDNN
+prepacked linear, the library our engine uses) and the memory read bandwidth (a streaming
+sum over a buffer far larger than the caches). A step's roofline time is
+max(FLOPs / peak, weight bytes / bandwidth): at small row counts every weight must still be
+read once per step, so its attainable GFLOP/s is min(peak, bandwidth line) at its row count.
+`roofline_by_class` sums that over the engine's decode and prefill steps, so "roofline time /
+measured time" is the fraction of the machine's limit each step class reached. torch is
+imported only when something is timed.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+FP32_BYTES = 4
+# The sgemm that measures the compute peak: large enough that packing and threading costs
+# vanish (2 x 2048^3 = 17 GFLOP, ~0.1 s at 200 GFLOP/s).
+PEAK_SGEMM_SIZE = 2048
+# The bandwidth buffer: 8x the 32 MiB L3 of the reference machine, so the sum streams from DRAM.
+BANDWIDTH_BUFFER_BYTES = 256 * 2**20
+# Row counts of the decode roofline curve (plus the largest decode step seen).
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Step(Protocol):
@@ -28,6 +42,9 @@ class Step(Protocol):
 
     @property
     def num_sampled(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
 
 
 # -- model FLOPs ---------------------------------------------------------------------------------
@@ -50,6 +67,13 @@ class LinearShapes:
 
     def step_flops(self, num_tokens: int, num_sampled: int) -> int:
         return self.flops_per_token * num_tokens + self.lm_head_flops_per_row * num_sampled
+
+    def step_weight_bytes(self, num_sampled: int, element_bytes: int = FP32_BYTES) -> int:
+        """Weight bytes a step must read at least once: every layer's linears, plus the LM
+        head when any row is sampled."""
+        layer = self.num_layers * sum(i * o for _, i, o in self.layer)
+        head = self.lm_head[0] * self.lm_head[1] if num_sampled else 0
+        return element_bytes * (layer + head)
 
     def describe(self) -> str:
         shapes = ", ".join(f"{n} {i}x{o}" for n, i, o in self.layer)
@@ -79,103 +103,162 @@ def linear_shapes(cfg: Any) -> LinearShapes:
     return LinearShapes(layer, int(cfg.num_hidden_layers), (hidden, int(cfg.vocab_size)))
 
 
-# -- roofline ----------------------------------------------------------------------------------
-class MatmulStack:
-    """Fresh fp32 weights of the model's linear shapes, one set per layer, run as x @ W.T."""
+# -- the machine's limits -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class MachineLimits:
+    """This machine's fp32 compute peak and memory read bandwidth, measured in this run."""
 
-    def __init__(self, shapes: LinearShapes, seed: int = 0) -> None:
-        import torch
+    peak_gflops: float
+    peak_source: str  # which sgemm reached the peak: "onednn-packed" or "torch.matmul"
+    matmul_gflops: float  # plain torch.matmul on the same shape (for reference)
+    bandwidth_gbs: float
+    setup_seconds: float = 0.0
 
-        gen = torch.Generator().manual_seed(seed)
-        self.shapes = shapes
-        self.layers = [
-            [torch.randn(o, i, generator=gen) * 0.02 for _, i, o in shapes.layer]
-            for _ in range(shapes.num_layers)
-        ]
-        hidden, vocab = shapes.lm_head
-        self.lm_head = torch.randn(vocab, hidden, generator=gen) * 0.02
-        self._gen = gen
+    def step_seconds(self, flops: int, weight_bytes: int) -> float:
+        """The least time a step can take: its FLOPs at the peak or its weight reads at the
+        bandwidth, whichever is longer."""
+        return max(flops / (self.peak_gflops * 1e9), weight_bytes / (self.bandwidth_gbs * 1e9))
 
-    def time_stack(self, rows: int, lm_rows: int, reps: int) -> float:
-        """Median seconds of one pass: every layer's linears on `rows` rows, LM head on `lm_rows`."""
-        import torch
+    def attainable_gflops(self, flops: int, weight_bytes: int) -> float:
+        """min(compute peak, bandwidth line) for a step of these FLOPs and weight bytes."""
+        return (
+            min(self.peak_gflops, flops / weight_bytes * self.bandwidth_gbs)
+            if weight_bytes
+            else self.peak_gflops
+        )
 
-        inputs = {i: torch.randn(rows, i, generator=self._gen) for _, i, _ in self.shapes.layer}
-        head_in = torch.randn(max(lm_rows, 1), self.shapes.lm_head[0], generator=self._gen)
-        dims = [i for _, i, _ in self.shapes.layer]
 
-        def one_pass() -> None:
-            for weights in self.layers:
-                for d, w in zip(dims, weights, strict=True):
-                    torch.matmul(inputs[d], w.T)
-            if lm_rows:
-                torch.matmul(head_in, self.lm_head.T)
+def _median_seconds(fn: Any, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
-        times = []
-        with torch.inference_mode():
-            one_pass()  # warm-up
-            for _ in range(reps):
-                t = time.perf_counter()
-                one_pass()
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
+
+def measure_machine(
+    reps: int = 3, size: int = PEAK_SGEMM_SIZE, buffer_bytes: int = BANDWIDTH_BUFFER_BYTES
+) -> MachineLimits:
+    """Time a size^3 fp32 sgemm (torch.matmul and, where available, oneDNN prepacked) and a
+    streaming sum over `buffer_bytes`; medians of `reps` runs after a warm-up each."""
+    import torch
+
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen)
+    flops = 2 * size**3
+    with torch.inference_mode():
+        matmul = flops / _median_seconds(lambda: torch.matmul(a, b), reps) / 1e9
+        peak, source = matmul, "torch.matmul"
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(b)
+            onednn = (
+                flops
+                / _median_seconds(
+                    lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), reps
+                )
+                / 1e9
+            )
+            if onednn > peak:
+                peak, source = onednn, "onednn-packed"
+        buf = torch.ones(buffer_bytes // FP32_BYTES)
+        bandwidth = buf.numel() * FP32_BYTES / _median_seconds(buf.sum, reps) / 1e9
+    return MachineLimits(peak, source, matmul, bandwidth, time.perf_counter() - t0)
+
+
+# -- the roofline of the engine's steps ------------------------------------------------------------
+@dataclass
+class ClassRoofline:
+    """One step class (decode or prefill) of the engine against the machine's limits."""
+
+    kind: str
+    steps: int
+    seconds: float  # measured
+    roofline_seconds: float  # sum over the steps of MachineLimits.step_seconds
+    flops: int
+    mean_rows: float
+
+    @property
+    def achieved_gflops(self) -> float:
+        return self.flops / self.seconds / 1e9 if self.seconds else 0.0
+
+    @property
+    def roofline_gflops(self) -> float:
+        return self.flops / self.roofline_seconds / 1e9 if self.roofline_seconds else 0.0
+
+    @property
+    def fraction(self) -> float:
+        """Roofline time / measured time: 1.0 means the steps ran at the machine's limit."""
+        return self.roofline_seconds / self.seconds if self.seconds else 0.0
 
 
 @dataclass
 class RooflinePoint:
     rows: int
-    lm_rows: int
     seconds: float
     gflops: float
+    bound: str  # "compute" or "bandwidth"
 
 
 @dataclass
 class Roofline:
-    decode_rows: int  # mean sequences per decode step (rounded)
-    decode: RooflinePoint | None
-    decode_curve: list[RooflinePoint] = field(default_factory=list)
-    decode_stepwise_seconds: float | None = None  # sum over decode steps of the matmul time at its rows
-    prefill: RooflinePoint | None = None
-    setup_seconds: float = 0.0
+    machine: MachineLimits
+    classes: dict[str, ClassRoofline] = field(default_factory=dict)
+    decode_curve: list[RooflinePoint] = field(default_factory=list)  # decode steps of `rows` rows
 
 
-def _interp(curve: Sequence[RooflinePoint], rows: int) -> float:
-    """Matmul stack seconds at `rows`, linear between measured points (time is ~affine in rows)."""
-    pts = sorted(curve, key=lambda p: p.rows)
-    if rows <= pts[0].rows:
-        return pts[0].seconds * rows / pts[0].rows if rows < pts[0].rows else pts[0].seconds
-    for a, b in itertools.pairwise(pts):
-        if a.rows <= rows <= b.rows:
-            f = (rows - a.rows) / (b.rows - a.rows)
-            return a.seconds + f * (b.seconds - a.seconds)
-    last = pts[-1]
-    return last.seconds * rows / last.rows
+def roofline_by_class(
+    shapes: LinearShapes, machine: MachineLimits, steps: Sequence[Step]
+) -> dict[str, ClassRoofline]:
+    """Decode steps and prefill steps (mixed steps count as prefill) against the machine's limits."""
+    out: dict[str, ClassRoofline] = {}
+    for kind in ("decode", "prefill"):
+        members = [s for s in steps if (s.kind == "decode") == (kind == "decode")]
+        if not members:
+            continue
+        out[kind] = ClassRoofline(
+            kind=kind,
+            steps=len(members),
+            seconds=sum(s.seconds for s in members),
+            roofline_seconds=sum(
+                machine.step_seconds(
+                    shapes.step_flops(s.num_batched_tokens, s.num_sampled),
+                    shapes.step_weight_bytes(s.num_sampled),
+                )
+                for s in members
+            ),
+            flops=sum(shapes.step_flops(s.num_batched_tokens, s.num_sampled) for s in members),
+            mean_rows=sum(s.num_batched_tokens for s in members) / len(members),
+        )
+    return out
 
 
-def measure_roofline(shapes: LinearShapes, steps: Sequence[Step], reps: int, skip_prefill: bool) -> Roofline:
-    t = time.perf_counter()
-    stack = MatmulStack(shapes)
-    setup = time.perf_counter() - t
-    decode = [s for s in steps if s.kind == "decode"]
-    prefill = [s for s in steps if s.kind != "decode"]
+def decode_curve(shapes: LinearShapes, machine: MachineLimits, max_rows: int) -> list[RooflinePoint]:
+    """Roofline time of a decode step (every row sampled) at row counts up to max_rows."""
+    points = []
+    for rows in sorted({r for r in CURVE_ROWS if r < max_rows} | {max(1, max_rows)}):
+        flops, nbytes = shapes.step_flops(rows, rows), shapes.step_weight_bytes(rows)
+        sec = machine.step_seconds(flops, nbytes)
+        bound = (
+            "compute"
+            if flops / (machine.peak_gflops * 1e9) >= nbytes / (machine.bandwidth_gbs * 1e9)
+            else "bandwidth"
+        )
+        points.append(RooflinePoint(rows, sec, flops / sec / 1e9, bound))
+    return points
 
-    def point(rows: int, lm_rows: int) -> RooflinePoint:
-        sec = stack.time_stack(rows, lm_rows, reps)
-        return RooflinePoint(rows, lm_rows, sec, shapes.step_flops(rows, lm_rows) / sec / 1e9)
 
-    roof = Roofline(decode_rows=0, decode=None, setup_seconds=setup)
-    if decode:
-        mean_rows = max(1, round(sum(s.num_batched_tokens for s in decode) / len(decode)))
-        roof.decode_rows = mean_rows
-        roof.decode = point(mean_rows, mean_rows)
-        max_rows = max(s.num_batched_tokens for s in decode)
-        grid = sorted({r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256) if r < max_rows} | {max_rows})
-        roof.decode_curve = [roof.decode if r == mean_rows else point(r, r) for r in grid]
-        if mean_rows not in grid:
-            roof.decode_curve.append(roof.decode)
-        roof.decode_stepwise_seconds = sum(_interp(roof.decode_curve, s.num_batched_tokens) for s in decode)
-    if prefill and not skip_prefill:
-        rows = max(1, round(sum(s.num_batched_tokens for s in prefill) / len(prefill)))
-        lm_rows = round(sum(s.num_sampled for s in prefill) / len(prefill))
-        roof.prefill = point(rows, lm_rows)
-    return roof  # the weights go with `stack`
+def measure_roofline(
+    shapes: LinearShapes, steps: Sequence[Step], reps: int, skip_prefill: bool = False
+) -> Roofline:
+    """Measure the machine, then place the engine's steps against it (prefill left out with skip_prefill)."""
+    machine = measure_machine(reps)
+    classes = roofline_by_class(shapes, machine, steps)
+    if skip_prefill:
+        classes.pop("prefill", None)
+    decode_rows = [s.num_batched_tokens for s in steps if s.kind == "decode"]
+    curve = decode_curve(shapes, machine, max(decode_rows)) if decode_rows else []
+    return Roofline(machine, classes, curve)

@@ -137,6 +137,19 @@ class DataPlaneConnection:
             )
         self.on_change()
 
+    def abort_sample(self, request_id: str, index: int) -> bool:
+        """Stop one sample of a request in flight here (it matched a stop string) while the
+        others run on; the request keeps its reservation. Sent only to a data plane that says
+        it honours a sample's abort (an older one would abort them all). False when not sent:
+        the sample then runs to its end and its events are dropped."""
+        if request_id not in self.handles or self._outgoing is None:
+            return False
+        if self.info is None or not self.info.abort_sample:
+            return False
+        abort = dataplane_pb2.AbortCommand(request_id=request_id, index=index)
+        self._outgoing.put_nowait(dataplane_pb2.ConnectRequest(abort=abort))
+        return True
+
     def finish(self, request_id: str) -> None:
         """The request's last event was consumed."""
         self.handles.pop(request_id, None)

@@ -316,6 +316,15 @@ class Dispatcher:
         reservation.connection.on_change()
 
     # -- generation -----------------------------------------------------------------------------
+    def abort_sample(self, request_id: str, index: int) -> bool:
+        """Stop sample `index` of a request being generated (n > 1: it matched a stop string)
+        on the data plane that runs it, freeing its blocks there; its siblings go on and
+        `generate()` still yields its (aborted) finish. False when nothing was sent."""
+        for link in self.connections.values():
+            if request_id in link.handles:
+                return link.abort_sample(request_id, index)
+        return False
+
     async def generate(
         self, request: GenerationRequest, trace_context: Mapping[str, str] | None = None
     ) -> AsyncGenerator[GenerationEvent, None]:

@@ -429,6 +429,11 @@ class Frontend:
                     if not c.detokenizer.stopped:
                         continue
                     reason, completion_tokens, cached = "stop", c.num_tokens, c.cached_tokens
+                    if sum(not x.done for x in completions) > 1:
+                        # Its siblings run on: stop this one on the data plane too (its blocks
+                        # come back now, not at the group's end). The last one needs no abort:
+                        # leaving the loop below aborts the whole request.
+                        self.dispatcher.abort_sample(gen.request_id, event.index)
                 else:
                     tail = c.detokenizer.flush()
                     if tail:

@@ -44,11 +44,15 @@ class CacheConfig:
 
     `swap_space` (GiB of host memory per data plane) sizes the host-side block pool that
     preemption by swap copies a victim's blocks into. Left unset it is the seed's 4 GiB next
-    to a GPU, but on the CPU a quarter of the device pool's bytes (512MiB at the default
-    kv_cache_memory): there both pools are host memory, so every byte of swap space would
-    serve better as device pool (no copies at all), and a small host pool only has to absorb
-    the victims of a pressure spike. `num_cpu_blocks_override` pins the host pool's block
-    count instead (tests); with preemption_mode "recompute" no host pool is allocated.
+    to a GPU, and on the CPU the device pool's own bytes (2GiB at the default
+    kv_cache_memory). The host pool is allocated with torch.empty: only the pages swap-outs
+    write are committed, so it costs address space until preemption by swap happens, then up
+    to that many bytes of RAM more (written pages stay resident). Smaller, it fills under a
+    pressure spike and auto falls back to recompute (a quarter of the device pool re-did 10 %
+    of the tokens of `pagedserve bench pressure`, the same bytes none); set swap_space to
+    bound the process's memory (0: never swap). `num_cpu_blocks_override` pins the host
+    pool's block count instead (tests); with preemption_mode "recompute" no host pool is
+    allocated.
 
     `kv_cache_dtype` "auto" stores K/V in the model's dtype; "fp8_e4m3" / "fp8_e5m2" store
     1 byte per element with per-layer K and V scales, read from `kv_scales_path` (JSON, see
@@ -70,7 +74,7 @@ class CacheConfig:
     swap_space: float | None = setting(
         None,
         "host memory in GiB per data plane for swapped-out KV blocks (default: 4 on a GPU; on the CPU, "
-        "where both pools are host memory, a quarter of the device KV pool)",
+        "the device KV pool's bytes, committed only as swap-outs write them)",
     )
     num_cpu_blocks_override: int | None = setting(
         None, "pin the host (swap) pool's block count (overrides swap_space; 0: no swapping)"
@@ -201,14 +205,44 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run one model. `tensor_parallel_size` N > 1 splits every decoder
+    layer's attention heads and MLP across N processes (Megatron style: column-parallel q/k/v
+    and gate/up, row-parallel o and down with one all-reduce each) in one torch.distributed
+    group (gloo on the CPU). Rank 0 is the engine: it schedules, broadcasts each step's plan
+    and samples; ranks 1..N-1 are workers it starts and supervises (dataplane/parallel/).
+
+    Each rank holds 1/N of the KV heads, so `kv_cache_memory` is per rank: the same bytes hold
+    N times the blocks. With `num_threads` unset each rank takes 1/N of torch's threads, so N
+    ranks share the cores instead of oversubscribing them. The model's attention and KV head
+    counts must divide by N (checked when the engine loads the model).
+    """
+
+    tensor_parallel_size: int = setting(
+        1, "processes that split each layer's heads and MLP (gloo on the CPU); 1: no split"
+    )
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size < 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Every engine setting, in three sections. The one source: the CLI flags (`add_engine_args`),
+    """Every engine setting, in four sections. The one source: the CLI flags (`add_engine_args`),
     `LLM(**kwargs)` (`engine_config(**kwargs)`) and the data-plane child's config that `serve`
     hands over (`to_json`) are all derived from these fields (pagedserve/common/settings.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -102,8 +102,7 @@ def assert_same_greedy(ours: list[int], ref: Reference, context: str = "") -> bo
         top2 = ref.scores[i].topk(2)
         margin = float(top2.values[0] - top2.values[1])
         assert a == int(top2.indices[1]), f"{context}: token {i} is {a}, not even the reference's runner-up"
-        top2 = top2.values
-        tol = TIE_TOLERANCE * max(1.0, abs(float(top2[0])))
+        tol = TIE_TOLERANCE * max(1.0, abs(float(top2.values[0])))
         assert margin < tol, (
             f"{context}: token {i} differs (ours {a}, reference {b}) and the reference margin "
             f"{margin:.3g} is not a numerical tie (< {tol:.3g})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -13,13 +14,18 @@ from dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
 from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
 from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
 from dataplane.kvcache.budget import (
+    GpuMemoryPlan,
     KVCacheBudget,
     KVCacheShape,
-    kv_memory_on_gpu,
     peak_activation_bytes,
+    plan_gpu_memory,
     plan_kv_cache,
 )
+from dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
+from dataplane.parallel.group import threads_per_rank
+from dataplane.parallel.sharding import check_divisible, shard_model
 from dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
+from dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
 from dataplane.scheduler import Request, RequestStatus, Scheduler
@@ -34,8 +40,9 @@ log = get_logger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.model.num_threads:
-            torch.set_num_threads(config.model.num_threads)
+        tp = config.parallel.tensor_parallel_size
+        if config.model.num_threads or tp > 1:
+            torch.set_num_threads(threads_per_rank(config.model.num_threads, tp))
         torch.manual_seed(config.model.seed)
         self.model_path = resolve_model_path(config.model.model, config.model.model_home)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -44,11 +51,17 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(hf)
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_token_ids = self._eos_ids(hf, gen_cfg)
+        if tp > 1:
+            check_divisible(hf, tp)
+            if torch.device(config.model.device).type != "cpu":
+                raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only so far")
 
         kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, DTYPES[config.model.dtype])
+        # Per rank: each of the tp ranks' pools holds 1/tp of the KV heads, and the budget
+        # (kv_cache_memory, the blocks, the start-up log) counts one rank's bytes.
         shape = KVCacheShape(
             num_layers=hf.num_hidden_layers,
-            num_kv_heads=hf.num_key_value_heads,
+            num_kv_heads=hf.num_key_value_heads // tp,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             bytes_per_element=kv_dtype.itemsize,
         )
@@ -57,6 +70,7 @@ class LLMEngine:
         blocks_16, blocks_32 = self.budget.blocks_at(2), self.budget.blocks_at(4)
         log.info(
             "kv_cache_planned",
+            tensor_parallel_size=tp,
             kv_cache_dtype=config.cache.kv_cache_dtype,
             element_type=str(kv_dtype).removeprefix("torch."),
             blocks=self.budget.num_blocks,
@@ -102,17 +116,32 @@ class LLMEngine:
             watermark=config.scheduler.watermark,
         )
         self.swap_seconds = 0.0
-        self.runner = ModelRunner(
-            model,
-            self.budget.num_blocks,
-            block_size,
-            kv_dtype,
-            config.model.device,
-            seed=config.model.seed,
-            attention_backend=config.model.attention_backend,
-            kv_scales=self.kv_scales,
-            num_host_blocks=num_host_blocks,
-        )
+        # Tensor parallelism: the workers start now, mirror this rank's block counts and
+        # scales, and run every forward with it; this rank alone schedules and samples.
+        self.parallel = TensorParallelDriver(config) if tp > 1 else None
+        if self.parallel is not None:
+            weakref.finalize(self, self.parallel.shutdown)
+        try:
+            if self.parallel is not None:
+                layout = WorkerLayout.of(self.budget.num_blocks, num_host_blocks, self.kv_scales)
+                shard_model(model, self.parallel.connect(layout))
+            self.runner = ModelRunner(
+                model,
+                self.budget.num_blocks,
+                block_size,
+                kv_dtype,
+                config.model.device,
+                seed=config.model.seed,
+                attention_backend=config.model.attention_backend,
+                kv_scales=self.kv_scales,
+                num_host_blocks=num_host_blocks,
+                tensor_parallel_size=tp,
+                step_listener=None if self.parallel is None else self.parallel.send,
+            )
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown()
+            raise
         self._ids = itertools.count()
         # Parallel sampling: siblings of a primary request wait here until the primary has
         # computed the prompt, then join and reuse its cached full blocks (ref counts rise).
@@ -178,28 +207,80 @@ class LLMEngine:
             memory = cache.num_gpu_blocks_override * shape.bytes_per_block(cache.block_size)
             return plan_kv_cache(shape, cache.block_size, memory)
         device = torch.device(self.config.model.device)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            hf = model.config
-            activations = peak_activation_bytes(
-                self.config.scheduler.max_num_batched_tokens,
-                hf.hidden_size,
-                hf.intermediate_size,
-                DTYPES[self.config.model.dtype].itemsize,  # activations are in the model dtype
-                self.config.scheduler.max_num_seqs,
-                hf.vocab_size,
+        if device.type != "cuda":
+            return plan_kv_cache(shape, cache.block_size, cache.kv_cache_memory)
+        gpu, profile_fields = self._plan_gpu_memory(model, device)
+        budget = plan_kv_cache(shape, cache.block_size, gpu.kv_memory_bytes)
+        log.info("gpu_memory_planned", **gpu.log_fields(), **profile_fields, blocks=budget.num_blocks)
+        return budget
+
+    def _plan_gpu_memory(self, model: Any, device: torch.device) -> tuple[GpuMemoryPlan, dict[str, int]]:
+        """The GPU budget's terms, the activation peak measured by running the worst-case step
+        (dataplane/runner/memory_profile.py); the estimate stands in only when that step runs
+        out of memory. Also the profile's own figures, for the start-up log."""
+        cache, sched, hf = self.config.cache, self.config.scheduler, model.config
+        dtype = DTYPES[self.config.model.dtype]
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        estimate = peak_activation_bytes(
+            sched.max_num_batched_tokens,
+            hf.hidden_size,
+            hf.intermediate_size,
+            dtype.itemsize,  # activations are in the model dtype
+            sched.max_num_seqs,
+            hf.vocab_size,
+        )
+        try:
+            profile = profile_activation_peak(
+                model,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=cache.block_size,
+                kv_dtype=kv_cache_torch_dtype(cache.kv_cache_dtype, dtype),
+                device=device,
+                stats=CudaMemoryStats(device),
+                attention_backend=self.config.model.attention_backend,
             )
-            memory = kv_memory_on_gpu(total, cache.gpu_memory_utilization, weights, activations)
-            memory = min(memory, free)
-        else:
-            memory = cache.kv_cache_memory
-        return plan_kv_cache(shape, cache.block_size, memory)
+        except torch.cuda.OutOfMemoryError as exc:
+            log.warning(
+                "memory_profile_out_of_memory",
+                error=str(exc).splitlines()[0],
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs,
+                fallback="estimated activation peak",
+            )
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            plan = plan_gpu_memory(
+                total, cache.gpu_memory_utilization, weights, estimate, 0, free, "estimated"
+            )
+            return plan, {"activation_estimate": estimate}
+        plan = plan_gpu_memory(
+            profile.total_bytes,
+            cache.gpu_memory_utilization,
+            weights,
+            profile.activation_peak_bytes,
+            profile.non_torch_bytes,
+            profile.free_bytes,
+        )
+        fields = {
+            "activation_estimate": estimate,
+            "profile_seqs": profile.num_seqs,
+            "profile_tokens": profile.num_tokens,
+            "profile_pool": profile.profile_pool_bytes,
+        }
+        return plan, fields
 
     def _plan_host_blocks(self, shape: KVCacheShape) -> int:
         """Blocks of the host (swap) pool: none when preemption never swaps; else pinned by
         num_cpu_blocks_override, else swap_space GiB, else the default (CacheConfig): 4 GiB
-        next to a GPU, a quarter of the device pool's bytes on the CPU."""
+        next to a GPU, the device pool's own bytes on the CPU.
+
+        Why that much on the CPU: a host pool too small for the victims of a pressure spike
+        makes auto fall back to recompute (a quarter of the device pool re-did 10 % of the
+        tokens of `pagedserve bench pressure`; the same bytes, none). Its tensors are
+        allocated with torch.empty, so only the pages swap-outs write are committed: it costs
+        address space until preemption by swap actually happens."""
         cache = self.config.cache
         if self.config.scheduler.preemption_mode == "recompute":
             return 0
@@ -210,7 +291,7 @@ class LLMEngine:
         elif torch.device(self.config.model.device).type == "cuda":
             memory = int(DEFAULT_GPU_SWAP_SPACE_GIB * 2**30)
         else:
-            memory = self.budget.kv_memory_bytes // 4
+            memory = self.budget.kv_memory_bytes
         return memory // shape.bytes_per_block(cache.block_size)
 
     # -- requests ----------------------------------------------------------------------------
@@ -293,6 +374,27 @@ class LLMEngine:
                 r.status = RequestStatus.FINISHED_ABORTED  # a sibling that never joined
             self.runner.release(r.request_id)
         return samples[0]
+
+    def abort_sample(self, request_id: str, index: int) -> Request | None:
+        """Abort sample `index` of request `request_id` (e.g. it matched a stop string the
+        control plane watches) and free its blocks: shared prefix blocks lose one reference,
+        the others' ref counts are untouched and its siblings run on. The group stays listed
+        by `samples_of` until `release`. Returns the sample, or None when the id is unknown,
+        the index out of range or the sample already finished."""
+        samples = self._samples.get(request_id)
+        if samples is None or not 0 <= index < len(samples) or samples[index].status.finished:
+            return None
+        sample = samples[index]
+        if self.scheduler.abort(sample.request_id) is None:  # a sibling that never joined
+            pending = self._pending_siblings.get(request_id, [])
+            self._pending_siblings[request_id] = [s for s in pending if s is not sample]
+            sample.status = RequestStatus.FINISHED_ABORTED
+        self.runner.release(sample.request_id)
+        sample.finish_time = time.monotonic()
+        # Siblings wait for the primary's first token, or its end: aborting it must let them
+        # join now (a step with nothing scheduled would never admit them).
+        self._admit_siblings()
+        return sample
 
     def step(self) -> StepResult:
         """Schedule, make the step's swap copies (out, then in), run the model once on the

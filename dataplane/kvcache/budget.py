@@ -21,6 +21,9 @@ KV_DTYPE_BYTES: dict[str, int] = {
 
 @dataclass(frozen=True)
 class KVCacheShape:
+    """One pool's KV geometry. Under tensor parallelism each rank's pool holds its share of
+    the KV heads: `num_kv_heads` is then one rank's count, and every byte figure is per rank."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -102,3 +105,74 @@ def plan_kv_cache(shape: KVCacheShape, block_size: int, kv_memory_bytes: int) ->
             "raise kv_cache_memory"
         )
     return KVCacheBudget(shape, block_size, kv_memory_bytes, num_blocks)
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """Each term of the GPU KV budget, for the start-up log (`log_fields`).
+
+    kv = total x utilization - weights - activation peak - non-torch memory, and at most what
+    is free now less the activation peak (the step's activations were freed after the profile
+    but will be needed again; another process may hold part of the device).
+    """
+
+    total_bytes: int
+    gpu_memory_utilization: float
+    weight_bytes: int
+    activation_peak_bytes: int
+    activation_source: str  # "profiled" (a measured step) or "estimated" (peak_activation_bytes)
+    non_torch_bytes: int
+    free_bytes: int
+    kv_memory_bytes: int
+
+    @property
+    def capped_by_free(self) -> bool:
+        """True when free memory, not the utilization share, set the KV size."""
+        share = int(self.total_bytes * self.gpu_memory_utilization)
+        formula = share - self.weight_bytes - self.activation_peak_bytes - self.non_torch_bytes
+        return self.kv_memory_bytes < formula
+
+    def log_fields(self) -> dict[str, int | float | str | bool]:
+        return {
+            "total": self.total_bytes,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "weights": self.weight_bytes,
+            "activation_peak": self.activation_peak_bytes,
+            "activation_source": self.activation_source,
+            "non_torch": self.non_torch_bytes,
+            "free": self.free_bytes,
+            "kv_bytes": self.kv_memory_bytes,
+            "capped_by_free": self.capped_by_free,
+        }
+
+
+def plan_gpu_memory(
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    weight_bytes: int,
+    activation_peak_bytes: int,
+    non_torch_bytes: int,
+    free_bytes: int,
+    activation_source: str = "profiled",
+) -> GpuMemoryPlan:
+    """The seed's GPU formula with every term (GpuMemoryPlan); raises ValueError naming
+    gpu_memory_utilization, or the free memory, when nothing is left for the KV cache."""
+    formula = kv_memory_on_gpu(
+        total_bytes, gpu_memory_utilization, weight_bytes, activation_peak_bytes + non_torch_bytes
+    )
+    room = free_bytes - activation_peak_bytes
+    if room <= 0:
+        raise ValueError(
+            f"only {free_bytes} bytes of device memory are free, not even the activation peak "
+            f"of {activation_peak_bytes} bytes; another process holds the rest"
+        )
+    return GpuMemoryPlan(
+        total_bytes,
+        gpu_memory_utilization,
+        weight_bytes,
+        activation_peak_bytes,
+        activation_source,
+        non_torch_bytes,
+        free_bytes,
+        min(formula, room),
+    )

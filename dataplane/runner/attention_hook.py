@@ -60,19 +60,31 @@ def paged_attention_forward(
             "run the model through pagedserve's ModelRunner"
         )
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # [1, heads, T, D] -> [T, heads, D]
+    out = paged_layer_attention(
+        step, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale
+    )
+    return out.unsqueeze(0), None
+
+
+def paged_layer_attention(
+    step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One layer's attention for the step: cache the new k/v, attend over the paged context.
+
+    q: [T, H, D]; k, v: [T, KVH, D] (any strides with head_dim contiguous), already rotary-
+    embedded. Returns a new contiguous [T, H, D]. Shared by the transformers hook above and
+    the fused layers (dataplane/runner/fused_layers.py).
+    """
     key_cache, value_cache = step.kv_caches[layer_idx]
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, KVH, D]
-    v = value[0].transpose(0, 1)
     if step.observer is not None:
         step.observer(layer_idx, k, v)
     k_scale, v_scale = step.kv_scales[layer_idx] if step.kv_scales is not None else (1.0, 1.0)
     write_kv_cache(
         k, v, key_cache, value_cache, step.metadata.slot_mapping, k_scale, v_scale, impl=step.backends.cache
     )
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    # out: [T, H, D]
-    out = paged_attention(
+    return paged_attention(
         q,
         key_cache,
         value_cache,
@@ -82,7 +94,6 @@ def paged_attention_forward(
         v_scale=v_scale,
         impl=step.backends.attention,
     )
-    return out.unsqueeze(0), None
 
 
 def register_paged_attention() -> str:

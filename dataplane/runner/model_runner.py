@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
+from dataplane.runner.fused_layers import fuse_decoder_layers
 from dataplane.runner.kv_scales import KVScales
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata, swap_blocks
 from kernels.backend import resolve_backend
 from kernels.fp8 import is_fp8
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs as plain integers: all that a tensor-parallel rank needs to run
+    the step's forward in lockstep with rank 0 (dataplane/parallel/step_plan.py packs it).
+
+    `swap_out`/`swap_in`: (device, host) / (host, device) block pairs to copy before the forward.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -25,6 +45,12 @@ class ModelRunner:
 
     With `num_host_blocks` it also owns the host pool's tensors (the same layout on the CPU,
     pinned next to a GPU), which `swap` copies blocks into and out of.
+
+    Tensor parallelism: the model comes already sharded (dataplane/parallel/sharding.py), so
+    the pool holds this rank's 1/`tensor_parallel_size` of the KV heads. On rank 0,
+    `step_listener` receives each forward's `StepInputs` (with the swaps made since the last
+    forward) before the forward runs, to hand them to the other ranks; those run
+    `execute_inputs`.
     """
 
     def __init__(
@@ -39,8 +65,15 @@ class ModelRunner:
         attention_backend: str | None = None,
         kv_scales: KVScales | None = None,
         num_host_blocks: int = 0,
+        tensor_parallel_size: int = 1,
+        step_listener: Callable[[StepInputs], None] | None = None,
     ) -> None:
         self.model = model
+        self.step_listener = step_listener
+        # Swaps made since the last forward, for the next StepInputs (the other ranks copy
+        # them just before that forward: no forward in between reads or writes those blocks).
+        self._pending_swap_out: list[tuple[int, int]] = []
+        self._pending_swap_in: list[tuple[int, int]] = []
         self.device = torch.device(device)
         # The one place the backend choice meets the device and dtypes: every step's layers
         # get these concrete implementations. Resolving also builds (or loads the cached
@@ -48,13 +81,17 @@ class ModelRunner:
         self.backends = resolve_backend(attention_backend, self.device, model.dtype, kv_dtype)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        # After any tensor-parallel sharding (the fused layers read the local shapes), before
+        # packing (which then packs the fused projections too).
+        fuse_decoder_layers(model)
         if onednn_linear_available(model.dtype, self.device):
             pack_linears(model)
             self.lm_head = model.get_output_embeddings()
         self.block_size = block_size
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers
-        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.tensor_parallel_size = tensor_parallel_size
+        self.num_kv_heads: int = cfg.num_key_value_heads // tensor_parallel_size  # this rank's
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if is_fp8(kv_dtype) and (kv_scales is None or kv_scales.num_layers != self.num_layers):
             raise ValueError(f"an FP8 KV cache needs k/v scales for each of the {self.num_layers} layers")
@@ -100,6 +137,14 @@ class ModelRunner:
         then (host, device) pairs in. Returns once they are done (on a GPU: synchronised)."""
         if not swap_out and not swap_in:
             return
+        if self.step_listener is not None:
+            self._pending_swap_out.extend(swap_out)
+            self._pending_swap_in.extend(swap_in)
+        self._copy_blocks(swap_out, swap_in)
+
+    def _copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if not swap_out and not swap_in:
+            return
         if not self.host_kv_caches:
             raise RuntimeError("swap requested but the runner has no host pool")
         device = [c for kv in self.kv_caches for c in kv]
@@ -115,29 +160,24 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Compute the scheduled tokens of every request; return the sampled token per request
         whose computed tokens reach its total this step."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        inputs = StepInputs([], [], [], [], [])
         sample_rows: list[int] = []
         for item in out.scheduled:
             r = item.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + item.num_new_tokens
-            input_ids.extend(r.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(r.block_table)
+            inputs.input_ids.extend(r.all_token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            inputs.query_lens.append(item.num_new_tokens)
+            inputs.seq_lens.append(end)
+            inputs.block_tables.append(r.block_table)
             if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-        meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
-        step = PagedStep(meta, self.kv_caches, self.backends, kv_scales=self.kv_scales)
-        hidden = self.decoder(
-            input_ids=ids, position_ids=pos, use_cache=False, paged_step=step
-        ).last_hidden_state[0]  # [T, hidden]
+                sample_rows.append(len(inputs.input_ids) - 1)
+        if self.step_listener is not None:
+            inputs.swap_out.extend(self._pending_swap_out)
+            inputs.swap_in.extend(self._pending_swap_in)
+            self._pending_swap_out, self._pending_swap_in = [], []
+            self.step_listener(inputs)
+        hidden = self._forward(inputs)
         if not sample_rows:
             return {}
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
@@ -155,3 +195,23 @@ class ModelRunner:
         ]
         tokens = sample(logits, params, generators, histories)
         return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def execute_inputs(self, inputs: StepInputs) -> None:
+        """A tensor-parallel worker's step: rank 0's swaps, then the same forward (rank 0
+        alone computes logits and samples)."""
+        self._copy_blocks(inputs.swap_out, inputs.swap_in)
+        self._forward(inputs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The decoder over the flattened batch; returns the last hidden states [T, hidden]."""
+        meta = build_attention_metadata(
+            inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.block_size, self.device
+        )
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        step = PagedStep(meta, self.kv_caches, self.backends, kv_scales=self.kv_scales)
+        hidden: torch.Tensor = self.decoder(
+            input_ids=ids, position_ids=pos, use_cache=False, paged_step=step
+        ).last_hidden_state[0]
+        return hidden

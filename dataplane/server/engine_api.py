@@ -33,6 +33,8 @@ class Engine(Protocol):
 
     def abort_request(self, request_id: str) -> Request | None: ...
 
+    def abort_sample(self, request_id: str, index: int) -> Request | None: ...
+
     def step(self) -> StepResult: ...
 
     def has_unfinished_requests(self) -> bool: ...
@@ -60,4 +62,5 @@ class DataPlaneIdentity:
     vocab_size: int
 
     def to_proto(self) -> dataplane_pb2.DataPlaneInfo:
-        return dataplane_pb2.DataPlaneInfo(**self.__dict__)
+        # abort_sample: this loop honours AbortCommand.index (the control plane checks it).
+        return dataplane_pb2.DataPlaneInfo(**self.__dict__, abort_sample=True)

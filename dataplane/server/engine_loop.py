@@ -1,11 +1,11 @@
 """The engine's step loop, in its own thread, multiplexing the requests of many streams.
 
 The engine is single-threaded by design; gRPC handlers never touch it. They post commands
-(connect, submit, abort, disconnect, snapshot) to an inbox; the loop thread applies them
-between steps, runs a step whenever there is work, and hands each stream one
-`ConnectResponse` per step that concerns it through the stream's `sink` (a thread-safe
-callable; the servicer's puts into an asyncio queue). So a slow client never stalls a step,
-and a step never waits on the network.
+(connect, submit, abort a request or one of its samples, disconnect, snapshot) to an inbox;
+the loop thread applies them between steps, runs a step whenever there is work, and hands
+each stream one `ConnectResponse` per step that concerns it through the stream's `sink` (a
+thread-safe callable; the servicer's puts into an asyncio queue). So a slow client never
+stalls a step, and a step never waits on the network.
 
 What the loop drives and reports: engine_api.py. Streams and their outboxes: streams.py.
 Requests, their samples and their typed ids: groups.py.
@@ -97,6 +97,10 @@ class EngineLoop:
 
     def abort(self, stream_id: str, request_id: str) -> None:
         self._post(lambda: self._on_abort(StreamRequestKey(stream_id, request_id), notify=True))
+
+    def abort_sample(self, stream_id: str, request_id: str, index: int) -> None:
+        """Abort one sample of a request; the others run on (AbortCommand with an index)."""
+        self._post(lambda: self._on_abort_sample(StreamRequestKey(stream_id, request_id), index))
 
     def set_draining(self) -> None:
         self._post(self._on_drain)
@@ -260,6 +264,22 @@ class EngineLoop:
         if notify:
             self._streams.outbox(key.stream_id).finished.extend(finished)
         self._forget(group)
+        self._stats_dirty = True
+
+    def _on_abort_sample(self, key: StreamRequestKey, index: int) -> None:
+        """Stop one sample where it is and report it finished (abort), so the control plane's
+        count of finished samples still reaches n. Unknown or already finished: nothing (the
+        sample may have ended in the step the command crossed)."""
+        group = self._groups.get(key)
+        if group is None or index not in group.unfinished:
+            return
+        request = self.engine.abort_sample(group.engine_id, index)
+        if request is None or not group.finish(index):
+            return
+        self._streams.outbox(key.stream_id).finished.append(self._finished(SampleId(key, index), request))
+        if group.done:
+            self._forget(group)
+            self.engine.release(group.engine_id)
         self._stats_dirty = True
 
     def _on_drain(self) -> None:

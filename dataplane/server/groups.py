@@ -46,7 +46,7 @@ class Group:
     """A submitted request while any of its samples runs, and the spans that trace it."""
 
     key: StreamRequestKey
-    engine_id: str  # the engine's id of the request: samples_of, release and abort take it
+    engine_id: str  # the engine's id of the request: samples_of, release and the aborts take it
     samples: list[Request]  # by completion index; the engine's own objects
     wants_logprobs: bool
     span: Span = INVALID_SPAN  # pagedserve.dataplane.request

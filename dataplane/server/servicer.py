@@ -62,6 +62,8 @@ class DataPlaneServicer(dataplane_pb2_grpc.DataPlaneServiceServicer):
                 kind = command.WhichOneof("command")
                 if kind == "submit":
                     self.engine_loop.submit(stream_id, command.submit)
+                elif kind == "abort" and command.abort.HasField("index"):
+                    self.engine_loop.abort_sample(stream_id, command.abort.request_id, command.abort.index)
                 elif kind == "abort":
                     self.engine_loop.abort(stream_id, command.abort.request_id)
         except (asyncio.CancelledError, grpc.aio.AioRpcError):

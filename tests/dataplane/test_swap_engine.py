@@ -152,9 +152,9 @@ def test_three_times_the_pool_completes_with_unconstrained_greedy_tokens(
         assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
         assert engine.host_pool is None and stats.host_total_blocks == 0
     else:
-        # The default host pool (a quarter of the device pool on the CPU); the cost model
+        # The default host pool (the device pool's bytes on the CPU); the cost model
         # swaps long victims and recomputes short ones and those whose prefix is shared.
-        assert stats.host_total_blocks == pool // 4
+        assert stats.host_total_blocks == pool
         assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute > 0
     if mode != "recompute":
         assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
@@ -225,7 +225,7 @@ def test_settings_defaults_and_validation() -> None:
 
 def test_host_pool_sizes(model: Path) -> None:
     common = dict(model=str(model), max_model_len=64, block_size=BLOCK_SIZE, num_gpu_blocks_override=40)
-    assert LLMEngine(engine_config(**common)).stats().host_total_blocks == 10  # a quarter, on the CPU
+    assert LLMEngine(engine_config(**common)).stats().host_total_blocks == 40  # the device pool, on the CPU
     sized = LLMEngine(engine_config(**common, swap_space=0.001))
     bytes_per_block = sized.budget.shape.bytes_per_block(BLOCK_SIZE)  # 2 KiB for the tiny llama
     assert sized.stats().host_total_blocks == int(0.001 * 2**30) // bytes_per_block

@@ -3,8 +3,9 @@
 A model-free harness drives a Scheduler over a device pool and a host (swap) pool through
 random submissions (n > 1 samples included, joining as the engine lets them: once the first
 sample has a token), steps, aborts (at rest, and between `schedule()` and the execution of
-its block copies: during a swap-out or a swap-in) and prefix-cache resets, in every
-preemption mode. The engine's part is simulated on a shadow KV of both pools: each slot
+its block copies: during a swap-out or a swap-in), aborts of one sample of a group (as
+`LLMEngine.abort_sample`: running, waiting, swapped out or not yet joined; its siblings run
+on) and prefix-cache resets, in every preemption mode. The engine's part is simulated on a shadow KV of both pools: each slot
 records which token prefix (and salt) its KV belongs to; a step's swap-outs, then its
 swap-ins copy shadow blocks between the pools as the model runner's `swap_blocks` would,
 then the step writes its new tokens. After every operation:
@@ -91,11 +92,19 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class AbortSample:
+    """One sample of an n > 1 group, as `LLMEngine.abort_sample` does (a stop string matched)."""
+
+    group: int
+    sample: int
+
+
+@dataclass(frozen=True)
 class ResetPrefixCache:
     pass
 
 
-Op = Submit | StepOp | Abort | ResetPrefixCache
+Op = Submit | StepOp | Abort | AbortSample | ResetPrefixCache
 
 
 def event(name: str) -> None:
@@ -131,6 +140,8 @@ class Harness:
         self.submitted: list[Request] = []
         self.num_submits = 0
         self.pending_siblings: dict[int, list[Request]] = {}  # id(primary) -> siblings not yet added
+        self.groups: list[list[Request]] = []  # accepted n > 1 requests, every sample
+        self.num_sample_aborts = 0
         self.outputs: dict[int, list[int]] = {}
         self.device: dict[Slot, Content] = {}
         self.host: dict[Slot, Content] = {}
@@ -168,6 +179,7 @@ class Harness:
             self.submitted.append(primary)
             if op.n > 1:
                 self.pending_siblings[id(primary)] = samples[1:]
+                self.groups.append(samples)
         self.check_state()
 
     def add_siblings(self) -> None:
@@ -204,6 +216,50 @@ class Harness:
         if self.host_pool:
             assert self.host_pool.num_free_blocks == host_free + num_host
         self.pending_siblings.pop(id(request), None)
+
+    def abort_sample(self, op: AbortSample) -> None:
+        """The engine's per-sample abort: a sample not yet joined leaves the pending list; one
+        the scheduler holds is aborted there, each of its device blocks losing exactly one
+        reference and its host blocks all freed; the first sample's end lets its siblings join."""
+
+        def live(group: list[Request]) -> list[Request]:
+            """Samples the scheduler holds or that wait to join (a whole-group abort drops those)."""
+            pending = self.pending_siblings.get(id(group[0]), [])
+            return [
+                r for r in group if self.s.requests.get(r.request_id) is r or any(r is p for p in pending)
+            ]
+
+        groups = [g for g in self.groups if live(g)]
+        if not groups:
+            return
+        group = groups[op.group % len(groups)]
+        samples = live(group)
+        request = samples[op.sample % len(samples)]
+        primary = group[0]
+        pending = self.pending_siblings.get(id(primary), [])
+        self.num_sample_aborts += 1
+        if any(r is request for r in pending):
+            event("abort a sample before it joined")
+            rest = [r for r in pending if r is not request]
+            if rest:
+                self.pending_siblings[id(primary)] = rest
+            else:
+                del self.pending_siblings[id(primary)]  # (the engine drops it at the next step)
+            request.status = RequestStatus.FINISHED_ABORTED
+        else:
+            event(f"abort a {request.status.value} sample")
+            refs = {b.block_id: b.ref_cnt for b in self.pool.blocks}
+            own = Counter(request.block_table)
+            siblings = self.pending_siblings.pop(id(request), [])  # (abort_request drops them)
+            self.abort_request(request)
+            assert {b.block_id: b.ref_cnt for b in self.pool.blocks} == {
+                block: n - own[block] for block, n in refs.items()
+            }, "a sample's abort changed a block it does not hold"
+            for sibling in siblings:
+                event("a sibling joins after the first sample's abort")
+                self.s.add_request(sibling)
+                self.submitted.append(sibling)
+        self.check_state()
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -429,6 +485,8 @@ class Harness:
                 self.step(op)
             elif isinstance(op, Abort):
                 self.abort(op)
+            elif isinstance(op, AbortSample):
+                self.abort_sample(op)
             else:
                 self.reset_prefix_cache()
         self.drain()
@@ -490,11 +548,22 @@ def scenarios(draw: st.DrawFn) -> tuple[Config, float, list[Op]]:
     cfg = draw(configs())
     submits = submits_for(cfg)
     aborts = st.builds(Abort, index=st.integers(0, 50), swapped=st.booleans())
+    sample_aborts = st.builds(AbortSample, group=st.integers(0, 7), sample=st.integers(0, 2))
     # A burst of submissions first, so that the pool is contended from the start.
     burst: list[Op] = list(draw(st.lists(submits, min_size=2, max_size=6)))
     ops = draw(
         st.lists(
-            st.one_of(submits, submits, steps, steps, steps, steps, aborts, st.just(ResetPrefixCache())),
+            st.one_of(
+                submits,
+                submits,
+                steps,
+                steps,
+                steps,
+                steps,
+                aborts,
+                sample_aborts,
+                st.just(ResetPrefixCache()),
+            ),
             min_size=4,
             max_size=50,
         )
@@ -663,3 +732,23 @@ def test_abort_a_swapped_out_request_frees_its_host_blocks() -> None:
     assert victim.status is RequestStatus.FINISHED_ABORTED
     assert h.host_pool.num_used_blocks == 0 and not h.s.swapped
     h.drain()
+
+
+def test_aborting_one_sample_leaves_its_siblings_running() -> None:
+    """A group of 3 under pressure: one sample aborted while swapped out, one while running;
+    the third finishes its tokens, and both pools end all free."""
+    h = crafted("swap", num_blocks=14, block_size=4, max_num_batched_tokens=64)
+    h.submit(Submit(16, 20, n=3))
+    while not h.s.swapped:
+        h.step(StepOp(seed=h.num_steps))
+    (group,) = h.groups
+    swapped = h.s.swapped[0]
+    h.abort_sample(AbortSample(0, group.index(swapped)))  # (every sample is live: index = position)
+    assert swapped.status is RequestStatus.FINISHED_ABORTED and not h.s.swapped
+    running = [r for r in group if r.status is RequestStatus.RUNNING]
+    live = [r for r in group if not r.status.finished]
+    h.abort_sample(AbortSample(0, live.index(running[0])))
+    (survivor,) = [r for r in group if not r.status.finished]
+    h.drain()
+    assert survivor.finish_reason == "length" and survivor.num_output_tokens == 20
+    assert h.num_sample_aborts == 2

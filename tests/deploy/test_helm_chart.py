@@ -420,7 +420,8 @@ def values_of(values: dict[str, Any], path: list[str]) -> dict[str, Any]:
 
 
 def sections(config: DataPlaneConfig) -> list[Any]:
-    return [config.engine.model, config.engine.cache, config.engine.scheduler]
+    # Every section of the engine's config, however many there are (model, cache, scheduler, parallel...).
+    return [getattr(config.engine, f.name) for f in dataclasses.fields(config.engine)]
 
 
 def test_null_engine_values_leave_their_flags_out() -> None:

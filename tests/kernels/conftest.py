@@ -1,12 +1,27 @@
 """Kernel tests run the Triton kernels on the GPU when there is one, else in Triton's CPU
 interpreter. TRITON_INTERPRET must be set before the first @triton.jit module is imported
-(kernels.triton_ops is imported lazily, on the first Triton call), hence here."""
+(kernels.triton_ops is imported lazily, on the first Triton call), hence here.
+
+PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/gpu_check.sh sets) makes that fallback an
+error instead: a GPU check that silently ran in the interpreter would report a pass for
+kernels it never compiled.
+"""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
+REQUIRE = os.environ.get("PAGEDSERVE_KERNEL_TESTS", "")
+
+if REQUIRE not in ("", "cuda"):
+    raise pytest.UsageError(f"PAGEDSERVE_KERNEL_TESTS must be 'cuda' or unset, got {REQUIRE!r}")
+if REQUIRE == "cuda":
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("PAGEDSERVE_KERNEL_TESTS=cuda, but torch sees no CUDA device")
+    if os.environ.get("TRITON_INTERPRET"):
+        raise pytest.UsageError("PAGEDSERVE_KERNEL_TESTS=cuda runs compiled kernels: unset TRITON_INTERPRET")
+elif not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -94,6 +94,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--watermark=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "tensorParallelSize" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--tensor-parallel-size=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- end }}
 
 {{/* controlplane.settings: controlplane/config.py ControlPlaneConfig */}}

@@ -107,17 +107,28 @@ class AbortCommand(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    index: _builtins.int
+    """Set: abort only this sample (completion index) of an n > 1 request, e.g. one that matched
+    a stop string; its blocks are freed, the other samples run on untouched, and the data plane
+    reports it finished (FINISH_REASON_ABORT). Unset: abort the whole request. A data plane
+    that predates the field would abort the whole request: send it only to one whose
+    DataPlaneInfo.abort_sample is true.
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__index: _TypeAlias = _typing.Literal["index"]  # noqa: Y015
+    _WhichOneofArgType__index: _TypeAlias = _typing.Literal["_index", b"_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index) -> _WhichOneofReturnType__index | None: ...
 
 Global___AbortCommand: _TypeAlias = AbortCommand  # noqa: Y015
 
@@ -298,7 +309,9 @@ class PoolStats(_message.Message):
     num_preemptions: _builtins.int
     draining: _builtins.bool
     num_aborted_requests: _builtins.int
-    """Requests aborted before they finished (client cancel, stop string, stream closed)."""
+    """Requests aborted before they finished (client cancel, stop string, stream closed). One
+    sample's abort (AbortCommand.index) is not counted: the request goes on.
+    """
     num_preemptions_swap: _builtins.int
     """Preemptions by mode, cumulative (they sum to num_preemptions): swap copied the victim's
     blocks to the host pool and kept its progress; recompute freed them.
@@ -360,6 +373,7 @@ class DataPlaneInfo(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    ABORT_SAMPLE_FIELD_NUMBER: _builtins.int
     dataplane_id: _builtins.str
     model: _builtins.str
     block_size: _builtins.int
@@ -370,6 +384,8 @@ class DataPlaneInfo(_message.Message):
     enable_prefix_caching: _builtins.bool
     kv_cache_dtype: _builtins.str
     vocab_size: _builtins.int
+    abort_sample: _builtins.bool
+    """It honours AbortCommand.index (aborts one sample of a request, not the whole request)."""
     def __init__(
         self,
         *,
@@ -383,10 +399,11 @@ class DataPlaneInfo(_message.Message):
         enable_prefix_caching: _builtins.bool = ...,
         kv_cache_dtype: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
+        abort_sample: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dataplane_id", b"dataplane_id", "enable_prefix_caching", b"enable_prefix_caching", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "num_blocks", b"num_blocks", "prefix_hash_seed", b"prefix_hash_seed", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_sample", b"abort_sample", "block_size", b"block_size", "dataplane_id", b"dataplane_id", "enable_prefix_caching", b"enable_prefix_caching", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "num_blocks", b"num_blocks", "prefix_hash_seed", b"prefix_hash_seed", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

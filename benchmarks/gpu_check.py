@@ -1,0 +1,661 @@
+"""One check of pagedserve on a CUDA GPU, in under 8 minutes: kernels, exactness, bandwidth, throughput.
+
+    benchmarks/gpu_check.sh [--wheels DIR] [--dry-run] [--out DIR] [--only STEP ...]
+
+(the shell script installs missing pure-Python packages from wheels, then runs this module).
+Steps, each in its own process under its own time limit, one after another:
+
+1. kernels: tests/kernels/test_triton_kernels.py compiled on CUDA (PAGEDSERVE_KERNEL_TESTS=cuda:
+   the interpreter fallback becomes an error), against the torch references.
+2. exactness: the engine on CUDA (Triton attention, its memory planning profiled) against
+   transformers' own generate on the same device and dtype, greedy, on a tiny random Llama, in
+   fp32 and bf16: batched, then chunked prefill with preemption. A divergence passes only where
+   the reference's top-2 logits tie within the dtype's tolerance (DESIGN.md); no block may leak.
+3. attention: benchmarks/attention_kernels.py as is: decode attention, 32 sequences x 4k
+   context, 16-bit and FP8 KV, GB/s against the device's datasheet HBM peak and its copy bandwidth.
+4. throughput: a random-weight Llama-shaped model of ~1.2B parameters (Llama-3.2-1B's shape) in
+   bf16, offline, `ignore_eos`: our engine vs transformers `generate` with static batches
+   (left padding), the same prompts and lengths, one after the other in one process.
+
+It prints one table and writes `<out>/gpu_check.json` (every step's figures, the engine's
+`gpu_memory_planned` log lines) next to each step's log. `--dry-run` runs nothing on a GPU:
+it prints the plan and checks the imports, the steps' arguments and the model shapes.
+Needs no network and no model weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
+    sys.path.insert(0, str(ROOT))
+
+TIME_BUDGET_S = 480
+STEPS = ("kernels", "exactness", "attention", "throughput")
+# Pure-Python packages the steps import that a GPU image may lack, with what each needs in turn
+# (their wheels go in the --wheels folder); torch, triton and transformers come with the image.
+WHEELS_FOR_MODULE = {
+    "structlog": ("structlog",),
+    "pytest": ("pytest", "iniconfig", "pluggy", "packaging"),
+    "hypothesis": ("hypothesis", "attrs", "sortedcontainers"),
+    "tqdm": ("tqdm",),
+}
+REQUIRED_MODULES = ("torch", "triton", "transformers", "safetensors", "numpy", *WHEELS_FOR_MODULE)
+# Our modules the steps import (the exactness step reuses the engine tests' model and prompts).
+CHECKED_IMPORTS = (
+    "dataplane",
+    "kernels",
+    "benchmarks.attention_kernels",
+    "benchmarks.peers",
+    "benchmarks.workloads",
+    "tests.tiny_models",
+    "tests.dataplane.test_engine_exactness",
+)
+# Greedy divergences accepted as numerical ties: the reference's top-2 margin, relative to its top
+# logit. fp32 as DESIGN.md; bf16 keeps 8 mantissa bits, so two implementations that round
+# intermediate results at different places differ by a few bf16 ulps (2^-8 relative each).
+TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+# Of the 32 prompts, how many may end in a tie: 2 in fp32 (as tests/dataplane/test_engine_exactness.py),
+# a quarter in bf16, whose coarse logits tie far more often.
+MAX_TIES = {"float32": 2, "bfloat16": 8}
+EXACTNESS_CASES: dict[str, dict[str, Any]] = {
+    # Sized by the memory planning (a small share: the tiny model needs little), so it runs on CUDA.
+    "batched": {"block_size": 16, "max_num_seqs": 32, "gpu_memory_utilization": 0.01, "swap_space": 1 / 16},
+    # 24 blocks of 4 tokens: the longest request (70 + 20 tokens) fits alone, 32 at once do not.
+    "chunked+preempted": {
+        "block_size": 4,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 64,
+        "num_gpu_blocks_override": 24,
+        "swap_space": 1 / 16,  # GiB of pinned host pool: plenty here, and quick to pin
+    },
+}
+
+
+# The throughput step's own arguments, handed from the plan to its process.
+THROUGHPUT_SETTINGS = (
+    "num_prompts",
+    "min_prompt",
+    "max_prompt",
+    "min_output",
+    "max_output",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "peer_batch_size",
+    "seed",
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    limit_s: int
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def llama_1b_config() -> Any:
+    """Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8 heads, vocab 128256, tied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def count_parameters(config: Any) -> int:
+    """Parameters of a model built from `config` on the meta device (no memory, no GPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- the plan -------------------------------------------------------------------------------------
+def plan(args: argparse.Namespace, out: Path) -> list[Step]:
+    py = sys.executable
+    pytest_argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'kernels.xml'}"]
+    if importlib.util.find_spec("xdist") is not None:
+        pytest_argv += ["-n", "4"]  # Triton compiles kernels one at a time per process
+    me = [py, "-m", "benchmarks.gpu_check"]
+    throughput_args = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in THROUGHPUT_SETTINGS]
+    steps = [
+        Step(
+            "kernels",
+            "Triton kernel tests compiled on CUDA",
+            170,
+            (*pytest_argv, "tests/kernels/test_triton_kernels.py"),
+            {"PAGEDSERVE_KERNEL_TESTS": "cuda"},
+        ),
+        Step(
+            "exactness",
+            "engine vs transformers greedy on CUDA, tiny Llama, fp32 and bf16",
+            90,
+            (*me, "--step", "exactness", "--step-json", str(out / "exactness.json")),
+        ),
+        Step(
+            "attention",
+            "decode attention GB/s, 32 seqs x 4k, 16-bit and FP8 KV",
+            40,
+            (
+                *(py, "-m", "benchmarks.attention_kernels", "--device", "cuda"),
+                *("--seqs", "32", "--context", "4096", "--json", str(out / "attention.json")),
+            ),
+        ),
+        Step(
+            "throughput",
+            "offline tok/s, ~1.2B Llama bf16: engine vs transformers static batching",
+            150,
+            (*me, "--step", "throughput", "--step-json", str(out / "throughput.json"), *throughput_args),
+        ),
+    ]
+    return [s for s in steps if s.name in args.only]
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    return [m for m in names if importlib.util.find_spec(m) is None]
+
+
+def wheels_needed(missing: Sequence[str]) -> list[str]:
+    """The wheels (pip names) that would supply `missing` modules, where wheels can."""
+    return [w for m in missing for w in WHEELS_FOR_MODULE.get(m, ())]
+
+
+def dry_run(steps: Sequence[Step]) -> list[str]:
+    """Print the plan; return the problems found (none: the real run can start)."""
+    from benchmarks.report import format_table
+
+    rows = [[s.name, s.what, f"{s.limit_s} s", " ".join(s.argv[1:])] for s in steps]
+    print(format_table(["step", "what", "limit", "command (after python)"], rows))
+    total = sum(s.limit_s for s in steps)
+    print(f"\ntime limits add up to {total} s (budget {TIME_BUDGET_S} s)")
+    problems: list[str] = []
+    if total > TIME_BUDGET_S:
+        problems.append(f"the steps' limits add up to {total} s, over the {TIME_BUDGET_S} s budget")
+    missing = missing_modules(REQUIRED_MODULES)
+    if missing:
+        problems.append(f"not importable: {', '.join(missing)} (wheels: {', '.join(wheels_needed(missing))})")
+    else:
+        for name in CHECKED_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                problems.append(f"import {name}: {type(exc).__name__}: {exc}")
+    for s in steps:
+        problems += check_step_arguments(s)
+    if "throughput" in {s.name for s in steps} and not missing:
+        params = count_parameters(llama_1b_config())
+        print(
+            f"throughput model: Llama-shaped, {params / 1e9:.3f}B parameters, {2 * params / 2**30:.2f} GiB in bf16"
+        )
+        if not 1.0e9 <= params <= 1.5e9:
+            problems.append(f"the throughput model has {params} parameters, not ~1B")
+    return problems
+
+
+def check_step_arguments(step: Step) -> list[str]:
+    """Parse a step's arguments with the parser that will read them (nothing runs)."""
+    argv = list(step.argv)
+    try:
+        if step.name == "attention":
+            from benchmarks import attention_kernels
+
+            attention_kernels.parse_args(argv[argv.index("benchmarks.attention_kernels") + 1 :])
+        elif step.name in ("exactness", "throughput"):
+            parse_args(argv[argv.index("benchmarks.gpu_check") + 1 :])
+        else:
+            tests = [a for a in argv if a.startswith("tests/")]
+            absent = [t for t in tests if not (ROOT / t).exists()]
+            if absent:
+                return [f"{step.name}: no such test file {absent}"]
+    except SystemExit:
+        return [f"{step.name}: its arguments do not parse: {argv[1:]}"]
+    return []
+
+
+# -- the real run ---------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    name: str
+    status: str  # "PASS", "FAIL", "TIMEOUT"
+    seconds: float
+    summary: str
+    data: dict[str, Any]
+
+
+def run_step(step: Step, out: Path) -> tuple[str, float]:
+    """Run one step with its output in `<out>/<name>.log`; (status, seconds)."""
+    log = out / f"{step.name}.log"
+    print(f"[{time.strftime('%H:%M:%S')}] {step.name}: {step.what} (limit {step.limit_s} s)", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as f:
+        # Its own process group: an overrun kills the step's children too (pytest-xdist
+        # workers), so nothing of it keeps the GPU busy during the next step.
+        proc = subprocess.Popen(
+            step.argv,
+            cwd=ROOT,
+            env={**os.environ, **step.env},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            status = "PASS" if proc.wait(timeout=step.limit_s) == 0 else "FAIL"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "TIMEOUT"
+    return status, time.perf_counter() - start
+
+
+def memory_plans(log: Path) -> list[dict[str, Any]]:
+    """The engine's `gpu_memory_planned` lines (JSON, since the log is no TTY) in a step's log."""
+    plans = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if '"gpu_memory_planned"' in line:
+            try:
+                plans.append(json.loads(line[line.index("{") :]))
+            except ValueError:
+                continue
+    return plans
+
+
+def summarize(name: str, out: Path) -> tuple[str, dict[str, Any]]:
+    """One line of a finished step's figures, and its data for the JSON."""
+    if name == "kernels":
+        xml = out / "kernels.xml"
+        if not xml.exists():
+            return "no test report", {}
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        line = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
+        return line, counts
+    path = out / f"{name}.json"
+    if not path.exists():
+        return f"no {path.name}", {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return summary_line(name, data), data
+
+
+def summary_line(name: str, data: dict[str, Any]) -> str:
+    if name == "exactness":
+        return "; ".join(
+            f"{c['dtype']} {c['case']}: {c['exact']}/{c['prompts']} exact, {c['ties']} ties, "
+            f"{len(c['mismatches'])} mismatches, {c['leaked_blocks']} leaked"
+            for c in data["cases"]
+        )
+    if name == "attention":
+        parts = []
+        for r in data["rows"]:
+            if "error" in r:
+                parts.append(f"{r['case']}: {r['error']}")
+                continue
+            sheet = r["pct_datasheet"]
+            parts.append(
+                f"{r['case']}: {r['gbps']:.0f} GB/s"
+                + (f" = {sheet:.1f}% of datasheet" if sheet is not None else "")
+                + f" ({r['pct_copy_bw']:.1f}% of copy)"
+            )
+        speedup = data.get("fp8_speedup_vs_16bit")
+        return "; ".join(parts) + (f"; FP8 {speedup:.2f}x faster than 16-bit" if speedup else "")
+    if name == "throughput":
+        eng, peer = data["engine"], data["transformers_static"]
+        return (
+            f"engine {eng['output_tok_s']:.0f} tok/s vs transformers static batch "
+            f"{peer['batch_size']} {peer['output_tok_s']:.0f} tok/s: {data['speedup']:.2f}x"
+        )
+    return ""
+
+
+def run_all(args: argparse.Namespace, steps: Sequence[Step], out: Path) -> int:
+    import torch
+
+    from benchmarks.report import Report
+
+    if not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; use --dry-run to check the plan here", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report("gpu_check", out, ["benchmarks/gpu_check.sh", *sys.argv[1:]], progress=False)
+    results: list[StepResult] = []
+    for step in steps:
+        status, seconds = run_step(step, out)
+        summary, data = summarize(step.name, out)
+        results.append(StepResult(step.name, status, seconds, summary, data))
+    plans = [p for s in steps for p in memory_plans(out / f"{s.name}.log")]
+    device = torch.cuda.get_device_name(0)
+    report.table(
+        f"GPU check on {device}",
+        ["step", "status", "seconds", "result"],
+        [[r.name, r.status, f"{r.seconds:.0f}", r.summary] for r in results],
+        [f"logs: {out}/<step>.log; torch {torch.__version__}"]
+        + [
+            f"memory plan: {p.get('blocks')} blocks, KV {p.get('kv_bytes', 0) / 2**30:.2f} GiB, "
+            f"activation peak {p.get('activation_peak', 0) / 2**20:.0f} MiB ({p.get('activation_source')}), "
+            f"estimate {p.get('activation_estimate', 0) / 2**20:.0f} MiB"
+            for p in plans
+        ],
+    )
+    report.finish(
+        {
+            "device": device,
+            "torch": torch.__version__,
+            "steps": [vars(r) for r in results],
+            "memory_plans": plans,
+        }
+    )
+    return 0 if all(r.status == "PASS" for r in results) else 1
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), before reading a clock."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: str) -> None:
+    """Free what dropped objects held, before the next engine or model loads."""
+    import torch
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- step: exactness ------------------------------------------------------------------------------
+def compare_greedy(ours: Sequence[int], ref_tokens: Sequence[int], ref_logits: Any, rel_tol: float) -> str:
+    """ "exact", "tie" (the first divergence is the reference's runner-up within `rel_tol` of its
+    top logit), or what went wrong. `ref_logits[i]` is the reference's [vocab] logits at step i."""
+    if len(ours) != len(ref_tokens):
+        return f"length {len(ours)} != reference {len(ref_tokens)}"
+    i = next((i for i, (a, b) in enumerate(zip(ours, ref_tokens, strict=True)) if a != b), None)
+    if i is None:
+        return "exact"
+    top2 = ref_logits[i].float().topk(2)
+    margin = float(top2.values[0] - top2.values[1])
+    tol = rel_tol * max(1.0, abs(float(top2.values[0])))
+    if ours[i] == int(top2.indices[1]) and margin < tol:
+        return "tie"
+    return f"token {i}: ours {ours[i]}, reference {ref_tokens[i]}, margin {margin:.3g} (tie below {tol:.3g})"
+
+
+def run_exactness(device: str) -> dict[str, Any]:
+    """Each EXACTNESS_CASES engine against transformers' greedy tokens, per dtype, on the 32
+    prompts of tests/dataplane/test_engine_exactness.py and its tiny random Llama."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dataplane import LLM, SamplingParams
+    from tests.dataplane.test_engine_exactness import workload
+    from tests.tiny_models import make_tiny_model
+
+    items = workload()
+    prompts, lengths = [p for p, _ in items], [n for _, n in items]
+    cases = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model("llama", Path(tmp))
+        for dtype in ("float32", "bfloat16"):
+            ref_model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            ).to(torch.device(device))  # type: ignore[arg-type]  # transformers stubs type .to oddly
+            ref_model.generation_config.eos_token_id = None  # like ignore_eos
+            refs = []
+            for prompt, n in items:
+                ids = torch.tensor([prompt], device=device)
+                gen = ref_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                )
+                refs.append(
+                    (gen.sequences[0, len(prompt) :].tolist(), [s[0].float().cpu() for s in gen.logits])
+                )
+            del ref_model
+            release(device)
+            for case, settings in EXACTNESS_CASES.items():
+                llm = LLM(str(path), device=device, dtype=dtype, max_model_len=256, **settings)
+                params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                verdicts = [
+                    compare_greedy(o.token_ids, tokens, logits, TIE_TOLERANCE[dtype])
+                    for o, (tokens, logits) in zip(outs, refs, strict=True)
+                ]
+                engine = llm.engine
+                engine.check_integrity()
+                cases.append(
+                    {
+                        "dtype": dtype,
+                        "case": case,
+                        "settings": settings,
+                        "prompts": len(prompts),
+                        "exact": verdicts.count("exact"),
+                        "ties": verdicts.count("tie"),
+                        "mismatches": [v for v in verdicts if v not in ("exact", "tie")],
+                        "blocks": engine.pool.num_blocks,
+                        "leaked_blocks": engine.pool.num_blocks - engine.pool.num_free_blocks,
+                        "preemptions": engine.scheduler.num_preemptions,
+                    }
+                )
+                del llm, engine
+                release(device)
+    return {"cases": cases, "tie_tolerance": TIE_TOLERANCE}
+
+
+def exactness_ok(result: dict[str, Any]) -> bool:
+    """No mismatch, no leak, and few ties (most divergences looking like ties means a bug)."""
+    return all(
+        not c["mismatches"] and not c["leaked_blocks"] and c["ties"] <= MAX_TIES[c["dtype"]]
+        for c in result["cases"]
+    )
+
+
+# -- step: throughput -----------------------------------------------------------------------------
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of random token ids (no tokenizer: the weights are random too), lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_throughput(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.peers import _greedy_config, agreement, check_lengths
+    from benchmarks.workloads import describe, output_lengths
+    from dataplane import LLM, SamplingParams
+
+    config = llama_1b_config()
+    prompts = random_prompts(args.num_prompts, args.min_prompt, args.max_prompt, config.vocab_size, args.seed)
+    lengths = output_lengths(args.num_prompts, args.min_output, args.max_output, args.seed)
+    useful = sum(lengths)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        params_count = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp)
+        del model
+        release(device)
+
+        llm = LLM(
+            tmp,
+            device=device,
+            dtype="bfloat16",
+            max_model_len=args.max_prompt + args.max_output,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=0.85,
+        )
+        greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+        llm.generate(
+            prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+        synchronize(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        synchronize(device)
+        ours_s = time.perf_counter() - start
+        ours = [o.token_ids for o in outs]
+        check_lengths("engine", ours, lengths)
+        blocks = llm.engine.pool.num_blocks
+        del llm, outs
+        release(device)
+
+        peer_s, peer = transformers_static(
+            Path(tmp), prompts, lengths, args.peer_batch_size, _greedy_config, device
+        )
+        check_lengths("transformers", peer, lengths)
+    return {
+        "model": {"shape": "Llama-3.2-1B", "parameters": params_count, "dtype": "bfloat16"},
+        "workload": describe(prompts, lengths),
+        "engine": {
+            "seconds": ours_s,
+            "output_tok_s": useful / ours_s,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "blocks": blocks,
+        },
+        "transformers_static": {
+            "seconds": peer_s,
+            "output_tok_s": useful / peer_s,
+            "batch_size": args.peer_batch_size,
+        },
+        "speedup": peer_s / ours_s,
+        "greedy_agreement": agreement(ours, peer),
+    }
+
+
+def transformers_static(
+    path: Path,
+    prompts: list[list[int]],
+    lengths: list[int],
+    batch_size: int,
+    greedy_config: Any,
+    device: str,
+) -> tuple[float, list[list[int]]]:
+    """benchmarks.peers.run_transformers_static on CUDA in bf16: static batches in workload order,
+    left padding, each batch generating its longest request's length; (seconds, outputs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # as in model_loader
+    pad = 0
+
+    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=greedy_config(model, pad, new_tokens)
+            )
+        rows: list[list[int]] = out[:, width:].tolist()
+        return rows
+
+    generate(prompts[:2], 4)  # warm-up, like our engine's
+    synchronize(device)
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        want = lengths[i : i + batch_size]
+        rows = generate(prompts[i : i + batch_size], max(want))
+        outputs.extend(row[:n] for row, n in zip(rows, want, strict=True))
+    synchronize(device)
+    return time.perf_counter() - start, outputs
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and check it; run nothing")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default: a fresh one)")
+    ap.add_argument("--only", nargs="+", default=list(STEPS), choices=STEPS, help="steps to run")
+    ap.add_argument("--missing-packages", action="store_true", help="print the wheels missing modules need")
+    ap.add_argument("--step", choices=("exactness", "throughput"), help=argparse.SUPPRESS)
+    ap.add_argument("--step-json", type=Path, help=argparse.SUPPRESS)
+    # A step on the CPU checks its code path, not the GPU: for this module's own tests.
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--min-prompt", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=32)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--peer-batch-size", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for name in ("num_prompts", "min_prompt", "min_output", "max_num_seqs", "peer_batch_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
+        ap.error("need --min-prompt <= --max-prompt and --min-output <= --max-output")
+    if args.step and args.step_json is None:
+        ap.error("--step needs --step-json")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.missing_packages:
+        print(" ".join(wheels_needed(missing_modules(REQUIRED_MODULES))))
+        return 0
+    if args.step:
+        result = run_exactness(args.device) if args.step == "exactness" else run_throughput(args, args.device)
+        args.step_json.parent.mkdir(parents=True, exist_ok=True)
+        args.step_json.write_text(json.dumps(result, indent=1) + "\n")
+        print(summary_line(args.step, result))
+        return 0 if args.step != "exactness" or exactness_ok(result) else 1
+    from benchmarks.report import default_out_dir
+
+    out = (args.out or default_out_dir("gpu_check")).resolve()
+    steps = plan(args, out)
+    if args.dry_run:
+        problems = dry_run(steps)
+        for p in problems:
+            print(f"problem: {p}", file=sys.stderr)
+        print(f"\ndry run: {'OK' if not problems else f'{len(problems)} problems'}; nothing ran on a GPU")
+        return 1 if problems else 0
+    return run_all(args, steps, out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

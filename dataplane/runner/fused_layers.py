@@ -1,0 +1,232 @@
+"""Lean decoder layers for the Llama family, applied to a built model as a load-time transform.
+
+Why: transformers' decoder layers run seven projections per layer (q, k, v, o, gate, up,
+down), rotary and RMSNorm as chains of small ops, and reach our paged attention through
+its attention interface. At decode row counts each small op costs about as much in dispatch
+as in arithmetic. `fuse_decoder_layers` replaces every decoder layer of a known
+architecture with a `FusedDecoderLayer`: q/k/v as one linear and gate/up as one (wider
+matmuls, fewer calls), rotary applied to q and k in one pass from tables derived once per
+step, residual adds in place, and the paged attention called directly.
+
+It runs after any tensor-parallel sharding and before `pack_linears`: q/k/v/gate/up may be
+row shards (local heads only), o_proj/down_proj may be wrapper modules that all-reduce
+their output, so head counts come from the projections' shapes, never from the config, and
+o_proj/down_proj are called as the modules they are. Every math step is the one
+transformers computes, in the same order, so the results equal the unfused model's up to
+the accumulation order of the wider matmuls.
+
+Unknown architectures keep transformers' modules (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataplane.runner.attention_hook import PagedStep, paged_layer_attention
+
+log = logging.getLogger(__name__)
+
+# Decoder layer classes whose forward is exactly: pre-norm attention (q/k/v/o projections,
+# optional q_norm/k_norm over head_dim before rotary), residual, pre-norm gated MLP
+# (act(gate) * up -> down), residual. Sliding-window configs attend over the whole context
+# in our paged kernels either way (as through the attention hook).
+FUSABLE_LAYERS = frozenset(
+    {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+)
+
+
+def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the given linears' outputs side by side (rows stacked)."""
+    first = linears[0]
+    if any(not isinstance(lin, nn.Linear) for lin in linears):
+        raise TypeError(f"expected nn.Linear projections, got {[type(lin).__name__ for lin in linears]}")
+    if any(lin.in_features != first.in_features for lin in linears):
+        raise ValueError(f"projections differ in in_features: {[lin.in_features for lin in linears]}")
+    has_bias = [lin.bias is not None for lin in linears]
+    fused = nn.Linear(
+        first.in_features,
+        sum(lin.out_features for lin in linears),
+        bias=any(has_bias),
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears], dim=0))
+        if fused.bias is not None:
+            # A projection without bias contributes zeros: adding 0.0 changes no value.
+            fused.bias.copy_(
+                torch.cat(
+                    [
+                        lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                        for lin in linears
+                    ]
+                )
+            )
+    fused.requires_grad_(False)
+    return fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm over the last dim: normalise in fp32, cast back, then scale
+    by `weight` ([D], or any shape broadcasting against x).
+
+    In fp32 torch's fused kernel gives the same bits as transformers' chain of six ops (checked
+    in tests) in one pass; other dtypes take that chain, which rounds between its steps.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # A weight per row as well (the stacked q/k norm weights): scale after normalising.
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+class RotaryTables:
+    """cos and sign-folded sin in the [T, 1, D] layout our layers use, derived once per step.
+
+    transformers' model computes (cos, sin) once per forward and hands the same tensors to
+    every layer; the first layer of the step derives these views and the others reuse them
+    (recognised by the identity of the cos tensor, which this object keeps alive so the
+    identity cannot be reused by another tensor).
+
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first
+    half of sin: -x2 * s == x2 * (-s) exactly, so the rotation is bit-identical.
+    """
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._source is not cos:
+            # cos, sin: [1, T, D] (batch 1: the runner flattens the batch)
+            half = cos.shape[-1] // 2
+            c = cos.reshape(-1, 1, cos.shape[-1])
+            s = sin.reshape(-1, 1, sin.shape[-1])
+            self._tables = (c, torch.cat((-s[..., :half], s[..., half:]), dim=-1))
+            self._source = cos
+        return self._tables
+
+
+class FusedDecoderLayer(nn.Module):
+    """One Llama-family decoder layer: fused projections, our paged attention, in-place residuals."""
+
+    qkv_proj: nn.Module
+    gate_up_proj: nn.Module
+    o_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+    # transformers' RMSNorm modules (weight, variance_epsilon), kept so their weights stay
+    # where a state-dict reader expects them.
+    input_layernorm: Any
+    post_attention_layernorm: Any
+
+    def __init__(self, layer: Any, layer_idx: int, rotary: RotaryTables) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        # Local head counts from the (possibly sharded) projections, not from the config.
+        self.num_heads = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        if attn.v_proj.out_features != self.num_kv_heads * self.head_dim:
+            raise ValueError(
+                f"layer {layer_idx}: v_proj has {attn.v_proj.out_features} outputs, k_proj "
+                f"{attn.k_proj.out_features}; they must match"
+            )
+        self.intermediate_size = mlp.gate_proj.out_features
+        self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+        self.o_proj = attn.o_proj
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        # Qwen3: per-head RMSNorm of q and k before rotary. q and k are adjacent in the fused
+        # output, so one norm over [T, H + KVH, D] with the two weights stacked per head
+        # computes both (each row is normalised on its own, as in the separate norms).
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qk_norm_weight: torch.Tensor | None
+        self.qk_norm_eps = 0.0
+        if q_norm is None or k_norm is None:
+            self.register_buffer("qk_norm_weight", None, persistent=False)
+        else:
+            weight = torch.cat(
+                [
+                    q_norm.weight.detach().expand(self.num_heads, self.head_dim),
+                    k_norm.weight.detach().expand(self.num_kv_heads, self.head_dim),
+                ]
+            )
+            self.register_buffer("qk_norm_weight", weight, persistent=False)
+            self.qk_norm_eps = float(q_norm.variance_epsilon)
+            if float(k_norm.variance_epsilon) != self.qk_norm_eps:
+                raise ValueError(f"layer {layer_idx}: q_norm and k_norm eps differ")
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        paged_step: PagedStep | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        """hidden_states: [1, T, hidden] (the runner's flattened batch) -> [1, T, hidden]."""
+        if paged_step is None:
+            raise RuntimeError(
+                "fused decoder layers need the `paged_step` argument; run them through ModelRunner"
+            )
+        h = hidden_states[0]  # [T, hidden]; the residual stream, updated in place
+        num_tokens = h.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        norm = self.input_layernorm
+        qkv = self.qkv_proj(rms_norm(h, norm.weight, norm.variance_epsilon))  # [T, (H + 2 KVH) D]
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+        if self.qk_norm_weight is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
+        cos, sin_signed = self.rotary.get(*position_embeddings)
+        # q*cos + rotate_half(q)*sin, for q and k at once; qk: [T, H + KVH, D]
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin_signed
+        out = paged_layer_attention(
+            paged_step, self.layer_idx, qk[:, :heads], qk[:, heads:], v, self.scaling
+        )  # [T, H, D]
+        h += self.o_proj(out.view(num_tokens, heads * head_dim))
+        norm = self.post_attention_layernorm
+        gate_up = self.gate_up_proj(rms_norm(h, norm.weight, norm.variance_epsilon))  # [T, 2 I]
+        inter = self.intermediate_size
+        act = self.act_fn(gate_up[:, :inter])
+        h += self.down_proj(act.mul_(gate_up[:, inter:]))
+        return hidden_states
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Replace the decoder layers of a known architecture in place; returns how many were
+    replaced (0: the model keeps transformers' layers, which the attention hook serves)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        log.info(
+            "fused layers: %s has no decoder layer list; keeping transformers' layers", type(model).__name__
+        )
+        return 0
+    kinds = {type(layer).__name__ for layer in layers}
+    if not kinds <= FUSABLE_LAYERS:
+        log.info("fused layers: no lean implementation of %s; keeping transformers' layers", sorted(kinds))
+        return 0
+    rotary = RotaryTables()
+    for i, layer in enumerate(layers):
+        attn: Any = layer.self_attn
+        layers[i] = FusedDecoderLayer(layer, int(attn.layer_idx), rotary)
+    log.info("fused layers: %d %s layers use fused q/k/v and gate/up projections", len(layers), sorted(kinds))
+    return len(layers)

@@ -1,0 +1,172 @@
+"""Tensor parallelism on tiny random-weight models: two processes (gloo) give transformers'
+greedy tokens, like one process does, with batching, chunked prefill, prefix-cache hits and
+preemption by swap and by recompute; each rank's pool holds half the KV heads; nothing leaks;
+a model whose heads do not divide is refused by name; a dead worker is reported."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dataplane import LLM, SamplingParams
+from dataplane.config import engine_config
+from dataplane.kvcache import cdiv
+from dataplane.parallel.driver import TensorParallelDriver
+from tests.tiny_models import (
+    Reference,
+    assert_same_greedy,
+    load_reference_model,
+    make_tiny_model,
+    reference_greedy,
+    tiny_config,
+)
+
+BLOCK_SIZE = 4
+Item = tuple[list[int], int]  # prompt, max_tokens
+
+
+def workload(seed: int = 3) -> list[Item]:
+    """16 prompts of 1..48 tokens; every fourth starts with one shared 24-token prefix (prefix
+    hits once the first has been computed); 4 to 16 output tokens each."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 384) for _ in range(24)]
+    items: list[Item] = []
+    for i in range(16):
+        if i % 4 == 0:
+            prompt = shared + [rng.randrange(3, 384) for _ in range(rng.randint(1, 12))]
+        else:
+            prompt = [rng.randrange(3, 384) for _ in range(1 if i == 1 else rng.randint(2, 48))]
+        items.append((prompt, rng.randint(4, 16)))
+    return items
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[Reference]]]:
+    out = {}
+    for arch in ("llama", "qwen2"):
+        path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
+        ref_model = load_reference_model(path)
+        out[arch] = (path, [reference_greedy(ref_model, p, n) for p, n in workload()])
+    return out
+
+
+@pytest.fixture
+def llms() -> Iterator[list[LLM]]:
+    """Engines a test made; their workers end with the test (not with the test process)."""
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        if llm.engine.parallel is not None:
+            llm.engine.parallel.shutdown()
+
+
+def run_tp2(llms: list[LLM], path: Path, **settings: Any) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128, **settings)
+    llms.append(llm)
+    items = workload()
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in items]
+    outputs = llm.generate([p for p, _ in items], params, use_tqdm=False)
+    return llm, [o.token_ids for o in outputs]
+
+
+def check(llm: LLM, tokens: list[list[int]], refs: list[Reference], context: str) -> None:
+    exact = sum(
+        assert_same_greedy(t, r, f"{context} prompt {i}")
+        for i, (t, r) in enumerate(zip(tokens, refs, strict=True))
+    )
+    assert exact >= len(refs) - 1, f"{context}: only {exact}/{len(refs)} prompts matched exactly"
+    engine = llm.engine
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    if engine.host_pool is not None:
+        assert engine.host_pool.num_free_blocks == engine.host_pool.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_give_the_reference_greedy_tokens(
+    models: dict[str, tuple[Path, list[Reference]]], llms: list[LLM], arch: str
+) -> None:
+    path, refs = models[arch]
+    llm, tokens = run_tp2(llms, path, block_size=16, max_num_seqs=16, kv_cache_memory=4 * 2**20)
+    check(llm, tokens, refs, f"{arch} tp=2")
+    # Each rank's pool: the same blocks (ids agree across ranks), half the KV heads. The
+    # budget counts one rank's bytes, so 4 MiB holds twice the blocks of an unsplit pool.
+    cfg = tiny_config(arch)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    engine = llm.engine
+    assert engine.parallel is not None
+    pool_shape = (engine.pool.num_blocks, 16, cfg.num_key_value_heads // 2, head_dim)
+    assert tuple(engine.runner.kv_caches[0][0].shape) == pool_shape
+    assert engine.parallel.worker_kv_pool_shape(1) == pool_shape
+    per_rank_bytes = 2 * cfg.num_hidden_layers * 16 * (cfg.num_key_value_heads // 2) * head_dim * 4
+    assert engine.pool.num_blocks == 4 * 2**20 // per_rank_bytes
+    # One plan per forward reached the worker; rank 0 timed its collectives.
+    assert engine.parallel.num_plans > 0
+    assert engine.parallel.group is not None and engine.parallel.group.comm_seconds > 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_chunked_prefill_prefix_hits_and_preemption(
+    models: dict[str, tuple[Path, list[Reference]]], llms: list[LLM], mode: str
+) -> None:
+    path, refs = models["llama"]
+    items = workload()
+    demand = sum(cdiv(len(p) + n, BLOCK_SIZE) for p, n in items)
+    llm, tokens = run_tp2(
+        llms,
+        path,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=16,  # prompts of up to 36 tokens prefill in chunks
+        num_gpu_blocks_override=demand // 3,
+        num_cpu_blocks_override=demand,
+        preemption_mode=mode,
+    )
+    check(llm, tokens, refs, f"tp=2 {mode}")
+    engine = llm.engine
+    assert engine.kv_cache.prefix_cache_stats.hits > 0
+    if mode == "swap":
+        assert engine.scheduler.num_swap_preemptions > 0
+        assert engine.scheduler.num_blocks_swapped_in > 0
+    else:
+        assert engine.scheduler.num_recompute_preemptions > 0
+
+
+def test_heads_that_do_not_split_are_refused_by_name(tmp_path: Path) -> None:
+    path = make_tiny_model("qwen3", tmp_path)  # 6 query heads, 2 KV heads
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=4 must divide the model's num_attention_heads"
+    ):
+        LLM(str(path), tensor_parallel_size=4, max_model_len=128)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        engine_config(model=str(path), tensor_parallel_size=0)
+
+
+def test_a_dead_worker_is_reported_with_its_rank(models: dict[str, tuple[Path, list[Reference]]]) -> None:
+    path, _ = models["llama"]
+    died: list[tuple[int, int]] = []
+    reported = threading.Event()
+
+    def on_death(rank: int, exit_code: int) -> None:
+        died.append((rank, exit_code))
+        reported.set()
+
+    driver = TensorParallelDriver(
+        engine_config(model=str(path), tensor_parallel_size=3), on_worker_death=on_death
+    )
+    try:
+        assert [p.poll() for p in driver.workers] == [None, None]
+        os.kill(driver.workers[1].pid, signal.SIGKILL)
+        assert reported.wait(60), "the watcher did not report the dead worker"
+        assert died == [(2, -signal.SIGKILL)]
+    finally:
+        driver.shutdown()
+    assert all(p.poll() is not None for p in driver.workers)  # shutdown ended the other one

@@ -1,0 +1,195 @@
+"""The fused decoder layers compute what transformers' layers compute (through our paged
+attention), on tiny random models of every architecture we fuse; others are left alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dataplane import LLM, SamplingParams
+from dataplane.runner.attention_hook import PagedStep
+from dataplane.runner.fused_layers import FusedDecoderLayer, fuse_decoder_layers, rms_norm
+from dataplane.runner.model_loader import load_model
+from kernels import build_attention_metadata, resolve_backend
+from tests.tiny_models import assert_same_greedy, load_reference_model, make_tiny_model, reference_greedy
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {arch: make_tiny_model(arch, tmp_path_factory.mktemp(arch)) for arch in ARCHS}
+
+
+class PagedDriver:
+    """Runs a model's decoder over our paged caches, one flattened step at a time."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, head_dim)
+        self.model = model
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        self.backends = resolve_backend(None, torch.device("cpu"), torch.float32, torch.float32)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[tuple[list[int], int, int, list[int]]]) -> torch.Tensor:
+        """seqs: (all token ids, computed so far, new tokens, block table) -> logits [T, vocab]."""
+        ids: list[int] = []
+        pos: list[int] = []
+        for tokens, start, n, _ in seqs:
+            ids += tokens[start : start + n]
+            pos += list(range(start, start + n))
+        meta = build_attention_metadata(
+            [n for _, _, n, _ in seqs],
+            [s + n for _, s, n, _ in seqs],
+            [t for *_, t in seqs],
+            BLOCK_SIZE,
+            "cpu",
+        )
+        step = PagedStep(meta, self.caches, self.backends)
+        hidden = self.model.get_decoder()(
+            input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False, paged_step=step
+        ).last_hidden_state[0]
+        return self.model.get_output_embeddings()(hidden)
+
+
+def chunked_schedule() -> list[list[tuple[int, int, int]]]:
+    """(sequence, computed, new) per step: chunked prefills next to prefills and decodes."""
+    return [
+        [(0, 0, 9), (1, 0, 5)],  # A whole prompt, B first chunk
+        [(0, 9, 1), (1, 5, 6)],  # A decodes, B's second chunk sees a cached prefix
+        [(0, 10, 1), (1, 11, 1), (2, 0, 3)],  # two decodes and a new short prompt
+        [(0, 11, 1), (1, 12, 1), (2, 3, 1)],
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_logits_equal_unfused(model_dirs: dict[str, Path], arch: str) -> None:
+    plain = load_model(model_dirs[arch], "float32", "cpu")
+    fused = load_model(model_dirs[arch], "float32", "cpu")
+    assert fuse_decoder_layers(fused) == fused.config.num_hidden_layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.get_decoder().layers)
+    assert not any(isinstance(layer, FusedDecoderLayer) for layer in plain.get_decoder().layers)
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, 384, (16,), generator=gen).tolist() for _ in range(3)]
+    tables = [list(range(0, 4)), list(range(10, 14)), list(range(20, 24))]
+    drivers = PagedDriver(plain), PagedDriver(fused)
+    for plan in chunked_schedule():
+        seqs = [(tokens[s], start, n, tables[s]) for s, start, n in plan]
+        want, got = (d.step(seqs) for d in drivers)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Both wrote the same keys and values into the same slots.
+    for (k0, v0), (k1, v1) in zip(drivers[0].caches, drivers[1].caches, strict=True):
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_greedy_with_chunked_prefill_matches_transformers(
+    model_dirs: dict[str, Path], arch: str
+) -> None:
+    llm = LLM(
+        str(model_dirs[arch]), max_model_len=128, block_size=4, max_num_batched_tokens=6, max_num_seqs=4
+    )
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in llm.engine.runner.decoder.layers)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    ref_model = load_reference_model(model_dirs[arch])
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert_same_greedy(out.token_ids, reference_greedy(ref_model, prompt, 8), f"{arch} prompt {i}")
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_head_counts_come_from_the_projection_shapes(model_dirs: dict[str, Path]) -> None:
+    """A tensor-parallel shard holds fewer heads than the config names: the layer must follow
+    the linears it finds (here q/k/v cut to their first half of heads, as a rank-0 shard)."""
+    model = load_model(model_dirs["qwen3"], "float32", "cpu")
+    cfg = model.config
+    attn = model.get_decoder().layers[0].self_attn
+    for name, heads in (("q_proj", cfg.num_attention_heads), ("k_proj", cfg.num_key_value_heads)):
+        old = getattr(attn, name)
+        half = nn.Linear(old.in_features, heads // 2 * cfg.head_dim, bias=old.bias is not None)
+        half.weight.data.copy_(old.weight[: half.out_features])
+        setattr(attn, name, half)
+    attn.v_proj = attn.k_proj
+    fuse_decoder_layers(model)
+    layer = model.get_decoder().layers[0]
+    assert (layer.num_heads, layer.num_kv_heads) == (
+        cfg.num_attention_heads // 2,
+        cfg.num_key_value_heads // 2,
+    )
+    assert (
+        layer.qkv_proj.out_features == (cfg.num_attention_heads // 2 + cfg.num_key_value_heads) * cfg.head_dim
+    )
+
+
+def test_wrapped_output_projections_are_called_as_modules(model_dirs: dict[str, Path]) -> None:
+    """o_proj / down_proj may be wrappers (tensor parallelism all-reduces in them): kept as they are."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            self.linear = linear
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.linear(x)
+
+    model = load_model(model_dirs["llama"], "float32", "cpu")
+    layer = model.get_decoder().layers[0]
+    o_proj, down_proj = Wrapper(layer.self_attn.o_proj), Wrapper(layer.mlp.down_proj)
+    layer.self_attn.o_proj, layer.mlp.down_proj = o_proj, down_proj
+    fuse_decoder_layers(model)
+    fused = model.get_decoder().layers[0]
+    assert fused.o_proj is o_proj and fused.down_proj is down_proj
+    PagedDriver(model).step([([5, 6, 7], 0, 3, [0])])
+    assert (o_proj.calls, down_proj.calls) == (1, 1)
+
+
+def test_unknown_architectures_keep_their_layers() -> None:
+    class OtherLayer(nn.Module):
+        pass
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([OtherLayer(), OtherLayer()])
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = Decoder()
+
+        def get_decoder(self) -> nn.Module:
+            return self.decoder
+
+    model = Model()
+    before = list(model.decoder.layers)
+    assert fuse_decoder_layers(model) == 0
+    assert list(model.decoder.layers) == before
+    assert fuse_decoder_layers(nn.Linear(2, 2)) == 0
+
+
+def test_rms_norm_is_bit_identical_to_transformers() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(3)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    norm.weight.data.normal_()
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 96) * 7
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+    x16 = torch.randn(4, 96).bfloat16()
+    norm16 = norm.to(torch.bfloat16)
+    assert torch.equal(rms_norm(x16, norm16.weight, norm16.variance_epsilon), norm16(x16))
