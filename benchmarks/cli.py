@@ -48,6 +48,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks.grpc_overhead",
         "the offline workload through `pagedserve serve` vs the offline engine: tok/s ratio, added latency",
     ),
+    "step-profile": (
+        "benchmarks.step_profile",
+        "one decode and one prefill step profiled by op class, fused vs transformers' layers, plus an A/B",
+    ),
 }
 
 

@@ -1,0 +1,71 @@
+"""`pagedserve bench step-profile` end to end on a tiny random Llama with tiny steps: the
+table's rows and columns, the JSON's keys, shares that add up; not the timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dataplane.runner.attention_hook as attention_hook
+import dataplane.runner.fused_layers as fused_layers
+import dataplane.runner.model_runner as model_runner
+from benchmarks.step_profile import PHASES, VARIANTS
+from pagedserve.cli import main
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def test_step_profile_table_and_json(tiny: Path, tmp_path: Path) -> None:
+    argv = ["bench", "step-profile", "--model", str(tiny), "--threads", "1", "--block-size", "4"]
+    argv += ["--decode-seqs", "3", "--context", "9", "--prefill-seqs", "2", "--prefill-len", "7"]
+    argv += ["--decode-steps", "2", "--prefill-steps", "1", "--decode-pairs", "2", "--prefill-pairs", "1"]
+    patched = [(attention_hook, "write_kv_cache"), (model_runner, "sample"), (fused_layers, "rms_norm")]
+    patched.append((model_runner, "fuse_decoder_layers"))
+    before = [getattr(module, name) for module, name in patched]
+    threads = torch.get_num_threads()
+    assert main([*argv, "--out", str(tmp_path), "--no-progress"]) == 0
+    # the profiling wrappers and the unfused runner's patch are gone, the thread count restored
+    assert [getattr(module, name) for module, name in patched] == before
+    assert torch.get_num_threads() == threads
+    doc = json.loads((tmp_path / "step-profile.json").read_text())
+    assert doc["benchmark"] == "step-profile"
+    assert doc["fused_layers"] == 2  # both tiny Llama layers were fused in the "fused" runner
+    assert doc["steps"]["decode"]["rows"] == 3 and doc["steps"]["prefill"]["rows"] == 14
+
+    profile_table, ab_table = doc["tables"]
+    assert profile_table["header"] == [
+        "op class",
+        "decode 3 x 9, transformers layers",
+        "decode 3 x 9, fused layers",
+        "prefill 2 x 7, transformers layers",
+        "prefill 2 x 7, fused layers",
+    ]
+    assert [r[0] for r in profile_table["rows"]] == [*PHASES.values(), "**step**"]
+    assert [r[:2] for r in ab_table["rows"]] == [["decode 3 x 9", "2"], ["prefill 2 x 7", "1"]]
+
+    for cls in ("decode", "prefill"):
+        for variant in VARIANTS:
+            p = doc["profile"][cls][variant]
+            assert list(p["phases"]) == list(PHASES)
+            assert p["step_ms"] > 0
+            # every labelled range fired in both variants and both step classes
+            for key in PHASES.keys() - {"other"}:
+                assert p["phases"][key]["ms"] > 0, (cls, variant, key)
+            assert sum(ph["share"] for ph in p["phases"].values()) == pytest.approx(1.0, abs=1e-6)
+            assert sum(ph["ms"] for ph in p["phases"].values()) == pytest.approx(p["step_ms"])
+        a = doc["ab"][cls]
+        assert set(a["median_ms"]) == set(VARIANTS) and a["speedup"] > 0
+
+
+def test_bad_sizes_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value, message in (("--context", "1", ">= 2"), ("--prefill-pairs", "0", ">= 1")):
+        assert main(["bench", "step-profile", flag, value, "--out", str(tmp_path), "--no-progress"]) != 0
+        assert f"{flag} must be {message}, got {value}" in capsys.readouterr().err
+    assert not (tmp_path / "step-profile.json").exists()
