@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -129,10 +130,12 @@ class Process:
 
     def __init__(self, argv: list[str], marker: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # stderr (the JSON logs) goes to a file, so that a start-up failure can say why.
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  # lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve", *argv],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._stderr,
             text=True,
             cwd=REPO,
             env=env,
@@ -145,8 +148,11 @@ class Process:
                 self.address = line.split(marker, 1)[1].split()[0].strip()
                 break
         else:
+            code = self.proc.wait()
+            self._stderr.seek(0)
+            tail = self._stderr.read()[-4000:]
             raise AssertionError(
-                f"`pagedserve {' '.join(argv)}` exited with {self.proc.wait()} before serving"
+                f"`pagedserve {' '.join(argv)}` exited with {code} before serving; stderr:\n{tail}"
             )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
