@@ -17,7 +17,8 @@ VOCAB = 384
 TIE_TOLERANCE = 1e-4  # fp32: batched and one-at-a-time matmuls may differ in the last bits
 
 
-def tiny_config(arch: str) -> Any:
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A tiny random-weight config of `arch`; `overrides` replace any of the shared fields."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
@@ -33,6 +34,7 @@ def tiny_config(arch: str) -> Any:
         eos_token_id=2,
         tie_word_embeddings=False,
     )
+    common.update(overrides)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "llama-mha":

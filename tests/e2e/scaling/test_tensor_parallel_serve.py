@@ -26,6 +26,7 @@ from dataplane import LLM, SamplingParams
 from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
 from tests.e2e.harness import wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Serve, generates, gone, http_status
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.real_model  # the default model's tokenizer
 
@@ -35,24 +36,13 @@ TEXT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     real = resolve_model_path(DEFAULT_MODEL)
     directory = tmp_path_factory.mktemp("tp-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
+    # SmolLM2's vocabulary (its tokenizer serves the text routes), tied embeddings like it.
+    config = tiny_config("llama", vocab_size=49152, tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (real / name).exists():
