@@ -128,13 +128,12 @@ class DataPlaneConnection:
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (client gone, stop string matched); its reservation is released."""
-        handle = self.handles.pop(request_id, None)
+        """Stop a request (client gone, stop string matched); its reservation is released.
+        Sent to a draining data plane too: it still runs the request, and the abort frees its
+        blocks there now rather than when the request would have ended."""
+        self._send_abort(dataplane_pb2.AbortCommand(request_id=request_id))
+        self.handles.pop(request_id, None)
         self.budget.release(request_id)
-        if handle is not None and self._outgoing is not None and self.healthy:
-            self._outgoing.put_nowait(
-                dataplane_pb2.ConnectRequest(abort=dataplane_pb2.AbortCommand(request_id=request_id))
-            )
         self.on_change()
 
     def abort_sample(self, request_id: str, index: int) -> bool:
@@ -142,11 +141,19 @@ class DataPlaneConnection:
         others run on; the request keeps its reservation. Sent only to a data plane that says
         it honours a sample's abort (an older one would abort them all). False when not sent:
         the sample then runs to its end and its events are dropped."""
-        if request_id not in self.handles or self._outgoing is None:
-            return False
         if self.info is None or not self.info.abort_sample:
             return False
-        abort = dataplane_pb2.AbortCommand(request_id=request_id, index=index)
+        return self._send_abort(dataplane_pb2.AbortCommand(request_id=request_id, index=index))
+
+    def _send_abort(self, abort: dataplane_pb2.AbortCommand) -> bool:
+        """Send `abort` if its request is in flight here and the stream is open; False if not.
+
+        Not gated on `healthy`: that says whether new work may be placed here, and a draining
+        data plane takes none, yet it runs its requests to their end on the same stream. (A
+        request in `handles` is on the current stream: a broken one takes them all with it.)
+        After close() the half-close is queued, so nothing more can go down the stream."""
+        if abort.request_id not in self.handles or self._outgoing is None or self._closed:
+            return False
         self._outgoing.put_nowait(dataplane_pb2.ConnectRequest(abort=abort))
         return True
 

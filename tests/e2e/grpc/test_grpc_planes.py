@@ -1,10 +1,10 @@
 """The two planes end to end on tiny models: real gRPC servers on ephemeral ports.
 
-Covers cancellation (blocks come back), INVALID_ARGUMENT / NOT_FOUND, the max_tokens default
-(the rest of the context), queue overflow (RESOURCE_EXHAUSTED), prefix-aware routing and load
-spreading over two data planes, a data plane killed mid-stream (UNAVAILABLE within 2 s, later
-requests succeed on the other) and a control plane killed mid-load (no data-plane block leaks;
-a new one serves at once).
+Covers cancellation (blocks come back, on a draining data plane too), INVALID_ARGUMENT /
+NOT_FOUND, the max_tokens default (the rest of the context), queue overflow
+(RESOURCE_EXHAUSTED), prefix-aware routing and load spreading over two data planes, a data
+plane killed mid-stream (UNAVAILABLE within 2 s, later requests succeed on the other) and a
+control plane killed mid-load (no data-plane block leaks; a new one serves at once).
 """
 
 from __future__ import annotations
@@ -353,6 +353,40 @@ def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "no data plane" in (err.value.details() or "")
             assert (await get_state(dp.address)).snapshot.stats.draining
+        finally:
+            await cp.stop()
+            await dp.stop()
+
+    asyncio.run(run())
+
+
+def test_a_cancel_reaches_a_draining_data_plane_and_frees_its_blocks(tiny: Path) -> None:
+    from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+
+    async def run() -> None:
+        dp = await start_dataplane(engine_config(tiny))
+        cp = await start_controlplane(tiny, [dp.address])
+        try:
+            async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
+                stream = client.generate_stream(prompt(11, 40), **LONG)
+                seen = 0
+                async for _ in stream:
+                    seen += 1
+                    if seen == 3:
+                        break
+                async with grpc.aio.insecure_channel(dp.address) as channel:
+                    stub = dataplane_pb2_grpc.DataPlaneServiceStub(channel)
+                    drained = await stub.Drain(dataplane_pb2.DrainRequest(wait=False), timeout=5)
+                    assert drained.num_remaining == 1
+                await wait_until_async(
+                    lambda: cp.dispatcher.healthy == [], what="the control plane sees the data plane draining"
+                )
+                assert len((await get_state(dp.address)).requests) == 1  # it still runs there
+                await stream.aclose()  # the client cancels: the abort must reach the draining data plane
+                idle = await wait_idle(dp.address, timeout_s=5)
+                assert idle.snapshot.stats.draining
+                assert idle.snapshot.stats.free_blocks == 64
+                assert idle.snapshot.stats.num_aborted_requests == 1  # aborted, not run to its end
         finally:
             await cp.stop()
             await dp.stop()
