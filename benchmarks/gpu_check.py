@@ -15,7 +15,8 @@ Steps, each in its own process under its own time limit, one after another:
    context, 16-bit and FP8 KV, GB/s against the device's datasheet HBM peak and its copy bandwidth.
 4. throughput: a random-weight Llama-shaped model of ~1.2B parameters (Llama-3.2-1B's shape) in
    bf16, offline, `ignore_eos`: our engine vs transformers `generate` with static batches
-   (left padding), the same prompts and lengths, one after the other in one process.
+   (benchmarks/peers.py's `run_transformers_static`, left padding), the same prompts and
+   lengths, one after the other in one process.
 
 It prints one table and writes `<out>/gpu_check.json` (every step's figures, the engine's
 `gpu_memory_planned` log lines) next to each step's log. `--dry-run` runs nothing on a GPU:
@@ -497,7 +498,7 @@ def run_throughput(args: argparse.Namespace, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.peers import _greedy_config, agreement, check_lengths
+    from benchmarks.peers import agreement, check_lengths, run_transformers_static
     from benchmarks.workloads import describe, output_lengths
     from dataplane import LLM, SamplingParams
 
@@ -538,10 +539,9 @@ def run_throughput(args: argparse.Namespace, device: str) -> dict[str, Any]:
         del llm, outs
         release(device)
 
-        peer_s, peer = transformers_static(
-            Path(tmp), prompts, lengths, args.peer_batch_size, _greedy_config, device
+        peer = run_transformers_static(
+            Path(tmp), prompts, lengths, args.peer_batch_size, device=device, dtype=torch.bfloat16
         )
-        check_lengths("transformers", peer, lengths)
     return {
         "model": {"shape": "Llama-3.2-1B", "parameters": params_count, "dtype": "bfloat16"},
         "workload": describe(prompts, lengths),
@@ -553,53 +553,13 @@ def run_throughput(args: argparse.Namespace, device: str) -> dict[str, Any]:
             "blocks": blocks,
         },
         "transformers_static": {
-            "seconds": peer_s,
-            "output_tok_s": useful / peer_s,
+            "seconds": peer.total_seconds,
+            "output_tok_s": useful / peer.total_seconds,
             "batch_size": args.peer_batch_size,
         },
-        "speedup": peer_s / ours_s,
-        "greedy_agreement": agreement(ours, peer),
+        "speedup": peer.total_seconds / ours_s,
+        "greedy_agreement": agreement(ours, peer.outputs),
     }
-
-
-def transformers_static(
-    path: Path,
-    prompts: list[list[int]],
-    lengths: list[int],
-    batch_size: int,
-    greedy_config: Any,
-    device: str,
-) -> tuple[float, list[list[int]]]:
-    """benchmarks.peers.run_transformers_static on CUDA in bf16: static batches in workload order,
-    left padding, each batch generating its longest request's length; (seconds, outputs)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # as in model_loader
-    pad = 0
-
-    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=greedy_config(model, pad, new_tokens)
-            )
-        rows: list[list[int]] = out[:, width:].tolist()
-        return rows
-
-    generate(prompts[:2], 4)  # warm-up, like our engine's
-    synchronize(device)
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        want = lengths[i : i + batch_size]
-        rows = generate(prompts[i : i + batch_size], max(want))
-        outputs.extend(row[:n] for row, n in zip(rows, want, strict=True))
-    synchronize(device)
-    return time.perf_counter() - start, outputs
 
 
 # -- entry point ----------------------------------------------------------------------------------

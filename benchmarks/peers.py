@@ -26,7 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads only when a peer runs: importing this module stays quick
+    import torch
 
 PEERS = ("transformers", "transformers-cb", "vllm")
 
@@ -46,15 +49,19 @@ def check_lengths(who: str, outputs: Sequence[Sequence[int]], lengths: Sequence[
         raise RuntimeError(f"{who}: {len(bad)} outputs have the wrong length (index, got, wanted): {bad[:5]}")
 
 
-def _load_transformers(model_path: Path) -> tuple[Any, float, int]:
+def _load_transformers(
+    model_path: Path, device: str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[Any, float, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_path), dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+        str(model_path), dtype=dtype or torch.float32, attn_implementation="sdpa", local_files_only=True
     )
-    model.eval()
+    # The copy to the device counts as loading (a no-op on the CPU). The ignore: transformers'
+    # stubs type `.to` oddly (as in dataplane's model loader).
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
     gen_cfg = model.generation_config
     # Padding is masked out, so any id works; prefer the model's own pad, else its (first) EOS.
     pad_candidates = (gen_cfg.pad_token_id, model.config.pad_token_id, gen_cfg.eos_token_id)
@@ -81,15 +88,22 @@ def run_transformers_static(
     lengths: list[int],
     batch_size: int,
     progress: Callable[[Sequence[int], str], Any] | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> PeerRun:
+    """The static-batching peer (module docstring) with the model on `device` in `dtype`
+    (None: torch.float32, the CPU benchmark's). Its clocks need no explicit synchronization on
+    a GPU: each batch ends in `.tolist()`, which waits for the device's work."""
     import torch
 
-    model, load_s, pad_id = _load_transformers(model_path)
+    model, load_s, pad_id = _load_transformers(model_path, device, dtype)
 
     def generate(batch: Sequence[Sequence[int]], new_tokens: int) -> tuple[list[list[int]], int]:
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long)
+        padded = [[pad_id] * (width - len(p)) + list(p) for p in batch]
+        ids = torch.tensor(padded, dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         cfg = _greedy_config(model, pad_id, new_tokens)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
