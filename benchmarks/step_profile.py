@@ -20,9 +20,12 @@ What it does, in one process:
 3. Profile: for each step class and runner, after one warm-up step, `--decode-steps` /
    `--prefill-steps` steps under `torch.profiler`, with `record_function` ranges around our
    phases: the decoder's linear layers, the LM head, RMSNorm (the module, or the fused
-   layers' `rms_norm`), the activation module, the KV cache write, paged attention, the
-   attention metadata and sampling. "other" is the step's wall time minus those (rotary,
-   residual adds, `act * up`, views, Python). Printed as ms per step and share of the step.
+   layers' norms, the second with the residual add it is fused with), rotary (transformers'
+   `apply_rotary_pos_emb`, or the fused layers'), the activation (the module, or the fused layers' SiLU x up), the KV cache write,
+   paged attention, the attention metadata and sampling. "other" is the step's wall time
+   minus those (residual adds, transformers' `act * up`, views, Python). Printed
+   as ms per step and share of the step. The fused layers run our C++ elementwise kernels
+   (kernels/cpu/layer_ops.cpp) on the CPU in fp32, as the engine does.
 4. A/B without the profiler: `--decode-pairs` / `--prefill-pairs` paired steps, alternating
    which runner goes first; the speed-up is the median transformers-layers step time over
    the median fused-layers step time.
@@ -52,12 +55,13 @@ PHASES: dict[str, str] = {
     "linear": "linear layers (q/k/v/o/gate/up/down)",
     "attention": "paged attention",
     "lm_head": "LM head",
-    "rmsnorm": "RMSNorm",
+    "rmsnorm": "RMSNorm (fused layers: with the residual add before it)",
+    "rotary": "rotary (q and k)",
     "kv_write": "KV cache write",
-    "activation": "activation (SiLU)",
+    "activation": "activation (fused layers: SiLU x up)",
     "sampling": "sampling",
     "metadata": "attention metadata",
-    "other": "other (rotary, residual adds, act*up, views, Python)",
+    "other": "other (residual adds, views, Python)",
 }
 VARIANTS: dict[str, str] = {"transformers": "transformers layers", "fused": "fused layers"}
 STEP_RANGE = "step"
@@ -128,7 +132,7 @@ def build_runner(model_path: Path, fused: bool, num_blocks: int, block_size: int
     model = load_model(model_path, "float32", "cpu")
     with ExitStack() as stack:
         if not fused:
-            stack.enter_context(_patched(model_runner, "fuse_decoder_layers", lambda _model: 0))
+            stack.enter_context(_patched(model_runner, "fuse_decoder_layers", lambda _model, **_: 0))
         return model_runner.ModelRunner(model, num_blocks, block_size, torch.float32, "cpu")
 
 
@@ -147,13 +151,22 @@ def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
             delattr(target, name)
 
 
-def _labelled(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+def _labelled(fn: Callable[..., Any], key: str, open_keys: set[str]) -> Callable[..., Any]:
+    """fn inside a `key` range, unless a `key` range is open already (the fused layers' torch
+    fallbacks call the activation module inside silu_and_mul): a nested range of the same
+    key would count its time twice."""
     from torch.profiler import record_function
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with record_function(LABEL_PREFIX + key):
+        if key in open_keys:
             return fn(*args, **kwargs)
+        open_keys.add(key)
+        try:
+            with record_function(LABEL_PREFIX + key):
+                return fn(*args, **kwargs)
+        finally:
+            open_keys.discard(key)
 
     return wrapper
 
@@ -177,10 +190,25 @@ def phase_ranges(runner: Any) -> Iterator[None]:
         (model_runner, "build_attention_metadata", "metadata"),
         (model_runner, "sample", "sampling"),
         (fused_layers, "rms_norm", "rmsnorm"),
+        (fused_layers, "input_rms_norm", "rmsnorm"),
+        (fused_layers, "add_rms_norm", "rmsnorm"),
+        (fused_layers, "apply_rotary", "rotary"),
+        (fused_layers, "silu_and_mul", "activation"),
     ]
+    # transformers' layers look apply_rotary_pos_emb up in their modeling module.
+    for m in runner.model.modules():
+        modeling = sys.modules.get(type(m).__module__)
+        if (
+            modeling is not None
+            and type(m).__name__.endswith("Attention")
+            and hasattr(modeling, "apply_rotary_pos_emb")
+        ):
+            functions.append((modeling, "apply_rotary_pos_emb", "rotary"))
+            break
+    open_keys: set[str] = set()
     with ExitStack() as stack:
         for module, name, key in functions:
-            stack.enter_context(_patched(module, name, _labelled(getattr(module, name), key)))
+            stack.enter_context(_patched(module, name, _labelled(getattr(module, name), key, open_keys)))
         for m in runner.model.modules():
             kind = type(m).__name__
             if m is runner.lm_head:
@@ -193,7 +221,7 @@ def phase_ranges(runner: Any) -> Iterator[None]:
                 key = "activation"
             else:
                 continue
-            stack.enter_context(_patched(m, "forward", _labelled(m.forward, key)))
+            stack.enter_context(_patched(m, "forward", _labelled(m.forward, key, open_keys)))
         yield
 
 

@@ -30,19 +30,30 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.cpp",)
+_CPU_DIR = Path(__file__).parent / "cpu"
+_SOURCES = (_CPU_DIR / "paged_attention.cpp", _CPU_DIR / "layer_ops.cpp")
+# Included by the sources. torch's JIT build hashes only the sources into its version, so
+# the headers' contents go into the extension's name instead: a changed header is a new build.
+_HEADERS = (_CPU_DIR / "vec.h",)
 # The TORCH_LIBRARY namespace the sources register their ops under.
 _OP_NAMESPACE = "pagedserve_cpu"
 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded extension's ops (see kernels/cpu/paged_attention.cpp for their contracts)."""
+    """The loaded extension's ops (their contracts: the comments atop kernels/cpu/*.cpp)."""
 
     # paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     #                        token_rows, scale, v_scale=1.0) -> None, writes out in place;
     # caches float32 or FP8 (float8_e4m3fn / float8_e5m2; scale then includes k_scale)
     paged_decode_attention: Callable[..., None]
+    # kernels/cpu/layer_ops.cpp, all float32, all write in place and return None:
+    # rms_norm(out, x, weight, eps); add_rms_norm(out, residual, delta, weight, eps) (also
+    # residual += delta); silu_and_mul(out, gate_up); rotary_neox(qk, cos, sin) (qk in place)
+    rms_norm: Callable[..., None]
+    add_rms_norm: Callable[..., None]
+    silu_and_mul: Callable[..., None]
+    rotary_neox: Callable[..., None]
     library_path: str
     cflags: tuple[str, ...]
 
@@ -125,7 +136,10 @@ def _build(verbose: bool) -> CpuKernels:
     # The source uses only torch's stable ABI; parallelism comes from libtorch's own
     # parallel_for, so no OpenMP flags (see kernels/cpu/paged_attention.cpp).
     attempts = [["-O3", "-march=native"], ["-O3"]]
-    fingerprint = hashlib.sha256(_cpu_fingerprint().encode()).hexdigest()[:12]
+    digest = hashlib.sha256(_cpu_fingerprint().encode())
+    for header in _HEADERS:
+        digest.update(header.read_bytes())
+    fingerprint = digest.hexdigest()[:12]
     old_path = os.environ.get("PATH")
     errors: list[str] = []
     # torch's build reads PATH when it runs; restored below.
@@ -148,8 +162,16 @@ def _build(verbose: bool) -> CpuKernels:
                 if "ninja" in str(exc).lower() and "required" in str(exc).lower():
                     break
                 continue
-            op = getattr(torch.ops, _OP_NAMESPACE).paged_decode_attention.default
-            return CpuKernels(paged_decode_attention=op, library_path=str(library), cflags=tuple(cflags))
+            ops = getattr(torch.ops, _OP_NAMESPACE)
+            return CpuKernels(
+                paged_decode_attention=ops.paged_decode_attention.default,
+                rms_norm=ops.rms_norm.default,
+                add_rms_norm=ops.add_rms_norm.default,
+                silu_and_mul=ops.silu_and_mul.default,
+                rotary_neox=ops.rotary_neox.default,
+                library_path=str(library),
+                cflags=tuple(cflags),
+            )
     finally:
         if old_path is None:
             del os.environ["PATH"]

@@ -15,6 +15,12 @@ o_proj/down_proj are called as the modules they are. Every math step is the one
 transformers computes, in the same order, so the results equal the unfused model's up to
 the accumulation order of the wider matmuls.
 
+On the CPU in fp32 the work between the matmuls runs in our C++ kernels
+(kernels/cpu/layer_ops.cpp, passed in as `cpu_ops`): RMSNorm, the residual add fused with the
+next RMSNorm, rotary for q and k, and SiLU times up, each one pass instead of a chain of
+torch ops. Residual adds and rotary are bit-identical to torch; RMSNorm and SiLU differ in
+the last bits (sum order, exp polynomial). Without `cpu_ops` the same steps run in torch.
+
 Unknown architectures keep transformers' modules (logged).
 """
 
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataplane.runner.attention_hook import PagedStep, paged_layer_attention
+from kernels.cpu_ext import CpuKernels
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,9 @@ log = logging.getLogger(__name__)
 FUSABLE_LAYERS = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 )
+
+# Activation classes that compute F.silu: torch's, and transformers' ACT2FN["silu"].
+SILU_ACTIVATIONS = frozenset({"SiLU", "SiLUActivation"})
 
 
 def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -90,6 +100,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(input_dtype)
 
 
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, ops: CpuKernels | None
+) -> torch.Tensor:
+    """residual += delta (in place), then returns rms_norm(residual): one pass with `ops`."""
+    if ops is None:
+        residual += delta
+        return rms_norm(residual, weight, eps)
+    out = torch.empty_like(residual)
+    ops.add_rms_norm(out, residual, delta, weight, eps)
+    return out
+
+
+def input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: CpuKernels | None) -> torch.Tensor:
+    """rms_norm(x) over the last dim of a [T, hidden] x: one pass with `ops`."""
+    if ops is None:
+        return rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def apply_rotary(
+    qk: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    tables: RotaryTables,
+    ops: CpuKernels | None,
+) -> torch.Tensor:
+    """q*cos + rotate_half(q)*sin for q and k at once; qk: [T, H + KVH, D]. With `ops` qk is
+    rotated in place (and returned), else a new tensor is returned."""
+    cos, sin = position_embeddings
+    if ops is not None:
+        # cos, sin: [1, T, D], contiguous as transformers' rotary module makes them
+        ops.rotary_neox(qk, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]))
+        return qk
+    c, sin_signed = tables.get(cos, sin)
+    return qk * c + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def silu_and_mul(gate_up: torch.Tensor, act_fn: nn.Module, ops: CpuKernels | None) -> torch.Tensor:
+    """act_fn(gate) * up for gate_up = [gate | up] side by side: [T, 2I] -> [T, I]. `ops` only
+    when act_fn is SiLU (the layer checks)."""
+    inter = gate_up.shape[-1] // 2
+    if ops is None:
+        return act_fn(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    out = gate_up.new_empty(gate_up.shape[0], inter)
+    ops.silu_and_mul(out, gate_up)
+    return out
+
+
 class RotaryTables:
     """cos and sign-folded sin in the [T, 1, D] layout our layers use, derived once per step.
 
@@ -130,11 +189,18 @@ class FusedDecoderLayer(nn.Module):
     input_layernorm: Any
     post_attention_layernorm: Any
 
-    def __init__(self, layer: Any, layer_idx: int, rotary: RotaryTables) -> None:
+    def __init__(
+        self, layer: Any, layer_idx: int, rotary: RotaryTables, cpu_ops: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = layer_idx
         self.rotary = rotary
+        # The C++ kernels only where they compute what this layer computes: fp32 CPU weights
+        # and SiLU (transformers' "silu" is its SiLUActivation, a plain F.silu).
+        fp32 = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in layer.parameters())
+        silu = type(mlp.act_fn).__name__ in SILU_ACTIVATIONS
+        self.cpu_ops = cpu_ops if fp32 and silu else None
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         # Local head counts from the (possibly sharded) projections, not from the config.
@@ -145,7 +211,6 @@ class FusedDecoderLayer(nn.Module):
                 f"layer {layer_idx}: v_proj has {attn.v_proj.out_features} outputs, k_proj "
                 f"{attn.k_proj.out_features}; they must match"
             )
-        self.intermediate_size = mlp.gate_proj.out_features
         self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
         self.o_proj = attn.o_proj
@@ -188,30 +253,32 @@ class FusedDecoderLayer(nn.Module):
         h = hidden_states[0]  # [T, hidden]; the residual stream, updated in place
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        ops = self.cpu_ops
         norm = self.input_layernorm
-        qkv = self.qkv_proj(rms_norm(h, norm.weight, norm.variance_epsilon))  # [T, (H + 2 KVH) D]
+        qkv = self.qkv_proj(input_rms_norm(h, norm.weight, norm.variance_epsilon, ops))  # [T, (H + 2 KVH) D]
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
-        cos, sin_signed = self.rotary.get(*position_embeddings)
-        # q*cos + rotate_half(q)*sin, for q and k at once; qk: [T, H + KVH, D]
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin_signed
+        qk = apply_rotary(qk, position_embeddings, self.rotary, ops)  # [T, H + KVH, D]
         out = paged_layer_attention(
             paged_step, self.layer_idx, qk[:, :heads], qk[:, heads:], v, self.scaling
         )  # [T, H, D]
-        h += self.o_proj(out.view(num_tokens, heads * head_dim))
         norm = self.post_attention_layernorm
-        gate_up = self.gate_up_proj(rms_norm(h, norm.weight, norm.variance_epsilon))  # [T, 2 I]
-        inter = self.intermediate_size
-        act = self.act_fn(gate_up[:, :inter])
-        h += self.down_proj(act.mul_(gate_up[:, inter:]))
+        attn_out = self.o_proj(out.view(num_tokens, heads * head_dim))
+        gate_up = self.gate_up_proj(
+            add_rms_norm(h, attn_out, norm.weight, norm.variance_epsilon, ops)
+        )  # [T, 2 I]
+        h += self.down_proj(silu_and_mul(gate_up, self.act_fn, ops))
         return hidden_states
 
 
-def fuse_decoder_layers(model: nn.Module) -> int:
+def fuse_decoder_layers(model: nn.Module, cpu_ops: CpuKernels | None = None) -> int:
     """Replace the decoder layers of a known architecture in place; returns how many were
-    replaced (0: the model keeps transformers' layers, which the attention hook serves)."""
+    replaced (0: the model keeps transformers' layers, which the attention hook serves).
+
+    cpu_ops: the C++ CPU kernels (kernels.cpu_ext.load_cpu_kernels) for the elementwise work,
+    used by layers whose weights are fp32 on the CPU; None: torch ops throughout."""
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     layers = getattr(decoder, "layers", None)
@@ -221,12 +288,23 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         )
         return 0
     kinds = {type(layer).__name__ for layer in layers}
+    if kinds == {FusedDecoderLayer.__name__}:
+        log.debug("fused layers: %s's layers are fused already", type(model).__name__)
+        return 0
     if not kinds <= FUSABLE_LAYERS:
         log.info("fused layers: no lean implementation of %s; keeping transformers' layers", sorted(kinds))
         return 0
     rotary = RotaryTables()
     for i, layer in enumerate(layers):
         attn: Any = layer.self_attn
-        layers[i] = FusedDecoderLayer(layer, int(attn.layer_idx), rotary)
-    log.info("fused layers: %d %s layers use fused q/k/v and gate/up projections", len(layers), sorted(kinds))
+        layers[i] = FusedDecoderLayer(layer, int(attn.layer_idx), rotary, cpu_ops)
+    with_ops = sum(
+        1 for layer in layers if isinstance(layer, FusedDecoderLayer) and layer.cpu_ops is not None
+    )
+    log.info(
+        "fused layers: %d %s layers use fused q/k/v and gate/up projections%s",
+        len(layers),
+        sorted(kinds),
+        f", {with_ops} of them the C++ elementwise kernels" if cpu_ops is not None else "",
+    )
     return len(layers)

@@ -17,6 +17,7 @@ from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata, swap_blocks
 from kernels.backend import resolve_backend
+from kernels.cpu_ext import CpuKernels, load_cpu_kernels
 from kernels.fp8 import is_fp8
 
 
@@ -83,7 +84,7 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         # After any tensor-parallel sharding (the fused layers read the local shapes), before
         # packing (which then packs the fused projections too).
-        fuse_decoder_layers(model)
+        fuse_decoder_layers(model, cpu_ops=self._layer_kernels(model))
         if onednn_linear_available(model.dtype, self.device):
             pack_linears(model)
             self.lm_head = model.get_output_embeddings()
@@ -118,6 +119,14 @@ class ModelRunner:
         ]
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _layer_kernels(self, model: Any) -> CpuKernels | None:
+        """The C++ kernels for the fused layers' elementwise work: on the CPU in fp32, where
+        they build (the same build as the C++ decode attention; None logs once and the layers
+        use torch ops)."""
+        if self.device.type != "cpu" or model.dtype != torch.float32:
+            return None
+        return load_cpu_kernels()
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)

@@ -15,6 +15,7 @@ from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.fused_layers import FusedDecoderLayer, fuse_decoder_layers, rms_norm
 from dataplane.runner.model_loader import load_model
 from kernels import build_attention_metadata, resolve_backend
+from kernels.cpu_ext import load_cpu_kernels
 from tests.tiny_models import assert_same_greedy, load_reference_model, make_tiny_model, reference_greedy
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -70,12 +71,15 @@ def chunked_schedule() -> list[list[tuple[int, int, int]]]:
     ]
 
 
+@pytest.mark.parametrize("elementwise", ["torch", "cpp"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_logits_equal_unfused(model_dirs: dict[str, Path], arch: str) -> None:
+def test_fused_logits_equal_unfused(model_dirs: dict[str, Path], arch: str, elementwise: str) -> None:
     plain = load_model(model_dirs[arch], "float32", "cpu")
     fused = load_model(model_dirs[arch], "float32", "cpu")
-    assert fuse_decoder_layers(fused) == fused.config.num_hidden_layers
+    ops = load_cpu_kernels(strict=True) if elementwise == "cpp" else None
+    assert fuse_decoder_layers(fused, cpu_ops=ops) == fused.config.num_hidden_layers
     assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.get_decoder().layers)
+    assert all(layer.cpu_ops is ops for layer in fused.get_decoder().layers)
     assert not any(isinstance(layer, FusedDecoderLayer) for layer in plain.get_decoder().layers)
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(3, 384, (16,), generator=gen).tolist() for _ in range(3)]
@@ -98,7 +102,10 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     llm = LLM(
         str(model_dirs[arch]), max_model_len=128, block_size=4, max_num_batched_tokens=6, max_num_seqs=4
     )
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in llm.engine.runner.decoder.layers)
+    layers = llm.engine.runner.decoder.layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
+    # fp32 on the CPU: the engine runs the C++ elementwise kernels
+    assert all(layer.cpu_ops is not None for layer in layers)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
     outs = llm.generate(
@@ -179,6 +186,21 @@ def test_unknown_architectures_keep_their_layers() -> None:
     assert fuse_decoder_layers(model) == 0
     assert list(model.decoder.layers) == before
     assert fuse_decoder_layers(nn.Linear(2, 2)) == 0
+
+
+def test_fusing_twice_keeps_the_fused_layers(model_dirs: dict[str, Path]) -> None:
+    model = load_model(model_dirs["llama"], "float32", "cpu")
+    assert fuse_decoder_layers(model) == model.config.num_hidden_layers
+    before = list(model.get_decoder().layers)
+    assert fuse_decoder_layers(model) == 0
+    assert list(model.get_decoder().layers) == before
+
+
+def test_elementwise_kernels_only_for_fp32(model_dirs: dict[str, Path]) -> None:
+    ops = load_cpu_kernels(strict=True)
+    model = load_model(model_dirs["llama"], "bfloat16", "cpu")
+    fuse_decoder_layers(model, cpu_ops=ops)
+    assert all(layer.cpu_ops is None for layer in model.get_decoder().layers)
 
 
 def test_rms_norm_is_bit_identical_to_transformers() -> None:
