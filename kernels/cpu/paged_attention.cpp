@@ -393,7 +393,11 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
 
 template <int NV, int kCache>
 void run(const Problem& p, int64_t num_seqs) {
-  const int64_t num_items = num_seqs * p.num_kv_heads;
+  // Whole sequences per item when there are enough of them: a sequence's kv heads share
+  // cache lines and DRAM pages (rows interleave heads), which then stay on one core.
+  const int64_t threads_hint = torch::stable::get_num_threads();
+  const int64_t heads_per_item = num_seqs >= 4 * threads_hint ? p.num_kv_heads : 1;
+  const int64_t num_items = num_seqs * p.num_kv_heads / heads_per_item;
   std::atomic<int64_t> next{0};
   // One task per intra-op thread; each pulls (sequence, kv head) items until none are left,
   // so ragged lengths balance without a cost model (the caller orders sequences longest
@@ -405,7 +409,11 @@ void run(const Problem& p, int64_t num_seqs) {
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= num_items) break;
-      attend_one<NV, kCache>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
+      if (heads_per_item == 1) {
+        attend_one<NV, kCache>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
+      } else {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h) attend_one<NV, kCache>(p, item, h, scratch);
+      }
     }
   });
 }
