@@ -6,8 +6,10 @@ One vocabulary:
   dtype, else torch.
 - `AttentionImpl` ("torch" | "cpp" | "triton"): a concrete attention path. The torch backend
   runs "cpp" (the C++ decode kernel, kernels.cpu_ext; prefill stays torch) on the CPU for an
-  fp32 model over an fp32 or FP8 (e4m3 / e5m2) cache when the kernel builds, else "torch". Cache ops have no third path: their concrete
-  implementations are the two backends.
+  fp32 model over an fp32 or FP8 (e4m3 / e5m2) cache when the kernel builds, else "torch".
+- `CacheWriteImpl` ("torch" | "cpp" | "triton"): write_kv_cache's path; where attention is
+  "cpp" an fp32 cache is written by the C++ copy too. Block copies and swaps have no third
+  path: their concrete implementations are the two backends.
 - `ResolvedBackends`: the concrete implementation of each op for one engine, from
   `resolve_backend`, called once when the model runner is built. Every layer call receives
   it, so the hot path never looks at the device, the dtypes or the C++ build again.
@@ -37,12 +39,24 @@ AttentionImpl = Literal["torch", "cpp", "triton"]
 ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("torch", "cpp", "triton")
 
 
+# write_kv_cache's concrete paths: the two backends, and "cpp" (kernels/cpu/cache_ops.cpp), a
+# plain copy for fp32 caches on the CPU (FP8 caches quantize on write, in torch).
+CacheWriteImpl = Literal["torch", "cpp", "triton"]
+CACHE_WRITE_IMPLS: tuple[CacheWriteImpl, ...] = ("torch", "cpp", "triton")
+
+
 @dataclass(frozen=True)
 class ResolvedBackends:
     """The concrete implementation of each op, for caches of one device and dtype."""
 
     attention: AttentionImpl
-    cache: Backend  # write_kv_cache (and block copies)
+    cache: Backend  # block copies and swaps, and write_kv_cache unless cache_write is set
+    cache_write: CacheWriteImpl | None = None
+
+    @property
+    def write(self) -> CacheWriteImpl:
+        """write_kv_cache's implementation."""
+        return self.cache_write if self.cache_write is not None else self.cache
 
 
 @functools.cache
@@ -131,7 +145,11 @@ def resolve_backend(
     if backend == "triton":
         require_triton(device, cache_dtype, "--attention-backend triton")
         return ResolvedBackends(attention="triton", cache="triton")
-    return ResolvedBackends(attention=_torch_attention(device, query_dtype, cache_dtype), cache="torch")
+    attention = _torch_attention(device, query_dtype, cache_dtype)
+    # The C++ kernels are built when attention uses them; an fp32 cache is then written by
+    # their copy too.
+    cpp_write = attention == "cpp" and cache_dtype == torch.float32
+    return ResolvedBackends(attention=attention, cache="torch", cache_write="cpp" if cpp_write else None)
 
 
 def attention_impl_for(

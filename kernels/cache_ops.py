@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.backend import cache_impl_for, triton_interpreting
+from kernels.backend import CacheWriteImpl, cache_impl_for, triton_interpreting
 from kernels.checks import as_bits, check_block_pairs, check_kv_caches, check_layer_caches, check_write_inputs
+from kernels.cpu_ext import load_cpu_kernels
 from kernels.fp8 import is_fp8, quantize_fp8
 from kernels.names import Backend
 
@@ -30,14 +31,32 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
-    impl: Backend | None = None,
+    impl: CacheWriteImpl | None = None,
 ) -> None:
     """Store the step's new keys/values in their cache slots, in place.
 
     key, value: [T, num_kv_heads, head_dim] (head_dim contiguous); slot_mapping: [T] int64.
     Slots must be distinct and in range (build_attention_metadata guarantees it). An FP8
     cache stores fp8(x / scale), saturating, round-to-nearest-even (kernels.fp8).
+
+    impl "cpp" (fp32 CPU caches; the engine's choice there, ResolvedBackends.write) is the
+    C++ copy, which checks its own inputs (RuntimeError naming the tensor or slot): the
+    Python checks would cost more than the copy at decode row counts.
     """
+    if impl == "cpp":
+        if (
+            key_cache.device.type != "cpu"
+            or key_cache.dtype != torch.float32
+            or (k_scale, v_scale) != (1.0, 1.0)
+        ):
+            raise ValueError(
+                f"impl='cpp' writes float32 CPU caches without scales, got a {key_cache.dtype} cache on "
+                f"{key_cache.device} with k_scale={k_scale}, v_scale={v_scale}"
+            )
+        kernels = load_cpu_kernels(strict=True)
+        assert kernels is not None  # strict: a failed build raised instead
+        kernels.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
+        return
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if cache_impl_for(impl, key_cache.device, key_cache.dtype) == "triton":
         from kernels.triton_ops import write_kv_cache_triton

@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).parent / "cpu"
-_SOURCES = (_CPU_DIR / "paged_attention.cpp", _CPU_DIR / "layer_ops.cpp")
+_SOURCES = (_CPU_DIR / "paged_attention.cpp", _CPU_DIR / "layer_ops.cpp", _CPU_DIR / "cache_ops.cpp")
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
 _HEADERS = (_CPU_DIR / "vec.h",)
@@ -54,6 +54,9 @@ class CpuKernels:
     add_rms_norm: Callable[..., None]
     silu_and_mul: Callable[..., None]
     rotary_neox: Callable[..., None]
+    # kernels/cpu/cache_ops.cpp: write_kv_cache(key_cache, value_cache, key, value,
+    # slot_mapping), float32 caches, in place
+    write_kv_cache: Callable[..., None]
     library_path: str
     cflags: tuple[str, ...]
 
@@ -169,6 +172,7 @@ def _build(verbose: bool) -> CpuKernels:
                 add_rms_norm=ops.add_rms_norm.default,
                 silu_and_mul=ops.silu_and_mul.default,
                 rotary_neox=ops.rotary_neox.default,
+                write_kv_cache=ops.write_kv_cache.default,
                 library_path=str(library),
                 cflags=tuple(cflags),
             )

@@ -121,3 +121,27 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
         ext.rotary_neox(torch.randn(4, 2, 32).transpose(1, 2), torch.ones(4, 2), torch.ones(4, 2))
     with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 \[4, 32\]"):
         ext.rotary_neox(torch.randn(4, 2, 32), torch.ones(4, 16), torch.ones(4, 32))
+
+
+def test_cpp_cache_write_equals_torch_and_checks_slots(ext: CpuKernels) -> None:
+    from kernels import write_kv_cache
+    from kernels.cache_ops import write_kv_cache_torch
+
+    gen = torch.Generator().manual_seed(9)
+    shape = (6, 4, 3, 64)  # 6 blocks of 4 slots, 3 kv heads
+    # key/value as the fused layers pass them: strided views into one qkv output
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, generator=gen)
+    key = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)
+    value = qkv[:, 12 * 64 :].view(5, 3, 64)
+    slots = torch.tensor([23, 0, 7, 8, 13])
+    want = torch.zeros(shape), torch.zeros(shape)
+    got = torch.zeros(shape), torch.zeros(shape)
+    write_kv_cache_torch(key, value, *want, slots)
+    write_kv_cache(key, value, *got, slots, impl="cpp")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = got[0].clone()
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 24 is not a slot of the cache \(24 slots\)"):
+        write_kv_cache(key[:2], value[:2], *got, torch.tensor([3, 24]), impl="cpp")
+    assert torch.equal(got[0], before)  # checked before anything was written
+    with pytest.raises(ValueError, match="impl='cpp' writes float32 CPU caches"):
+        write_kv_cache(key, value, got[0].double(), got[1].double(), slots, impl="cpp")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dataplane import LLM, SamplingParams
+from kernels.backend import ResolvedBackends, resolve_backend
 from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all, workload
 from tests.tiny_models import Reference, load_reference_model, make_tiny_model, reference_greedy
 
@@ -160,3 +161,15 @@ def test_backend_and_dtype_validation(tiny: dict[str, Any]) -> None:
         CacheConfig(kv_scales_path="x.json")
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(attention_backend="flash")
+
+
+def test_cpu_engine_resolves_the_cpp_paths() -> None:
+    cpu = torch.device("cpu")
+    fp32 = resolve_backend(None, cpu, torch.float32, torch.float32)
+    assert fp32 == ResolvedBackends(attention="cpp", cache="torch", cache_write="cpp")
+    assert fp32.write == "cpp"
+    # FP8 caches quantize on write: the torch write, with the C++ attention
+    fp8 = resolve_backend(None, cpu, torch.float32, torch.float8_e4m3fn)
+    assert (fp8.attention, fp8.write) == ("cpp", "torch")
+    bf16 = resolve_backend(None, cpu, torch.bfloat16, torch.bfloat16)
+    assert (bf16.attention, bf16.write) == ("torch", "torch")
