@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -483,6 +484,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--roofline-reps", type=int, default=3, help="timed runs per machine measurement (median)"
     )
     ap.add_argument("--also-generate", action="store_true", help="also time LLM.generate on the workload")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run our engine and every peer this many times, interleaved (ours, peers, ours, peers, ...), "
+        "and report each round's ratio and their median: on a noisy machine one round's ratio moves "
+        "with whatever else ran during it (default: %(default)s)",
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -490,8 +499,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("need 1 <= --min-output <= --max-output")
     if args.min_prompt > args.max_prompt:
         raise ValueError("need --min-prompt <= --max-prompt")
-    if args.num_prompts < 1 or args.peer_batch_size < 1 or args.threads < 1:
-        raise ValueError("--num-prompts, --peer-batch-size and --threads must be >= 1")
+    if args.num_prompts < 1 or args.peer_batch_size < 1 or args.threads < 1 or args.repeats < 1:
+        raise ValueError("--num-prompts, --peer-batch-size, --threads and --repeats must be >= 1")
+    if args.repeats > 1 and args.skip_engine:
+        raise ValueError("--repeats compares our engine with the peers: drop --skip-engine")
     if "vllm" in [*args.peers, *args.peer] and args.vllm_python is None:
         from benchmarks.vllm_env import ensure_vllm_python
 
@@ -557,6 +568,20 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         done.append(phase(name, runners[name]))
         gc.collect()  # drop the peer's model before the next one loads
 
+    rounds: list[tuple[float, dict[str, float]]] = []
+    if ours is not None:
+        rounds.append((ours.total_seconds, {peer.name: peer.total_seconds for peer in done}))
+    for r in range(2, args.repeats + 1):
+        again = phase(f"engine, round {r}", lambda: run_engine(args, str(model_path), prompts, lengths))
+        if again.outputs != ours.outputs:  # type: ignore[union-attr]
+            raise RuntimeError(f"round {r}: our engine's tokens differ from round 1's")
+        peer_seconds: dict[str, float] = {}
+        for name in dict.fromkeys([*args.peers, *args.peer]):
+            peer = phase(f"{name}, round {r}", runners[name])
+            peer_seconds[peer.name] = peer.total_seconds
+            gc.collect()
+        rounds.append((again.total_seconds, peer_seconds))
+
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
     notes = [
         f"workload: {rep['workload']['summary']}",
@@ -569,9 +594,46 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         table_rows(rep),
         notes,
     )
+    if len(rounds) > 1:
+        rep["rounds"] = rounds_report(rounds, sum(lengths))
+        report.table("Rounds, interleaved", *rounds_table(rep["rounds"]))
     print_details(rep)
     plot(report, rep)
     return rep
+
+
+def rounds_report(rounds: Sequence[tuple[float, dict[str, float]]], useful_tokens: int) -> dict[str, Any]:
+    """Each round's seconds (ours and each peer's) and speed-ups, and the median speed-up per peer."""
+    names = list(rounds[0][1])
+    speedups = [{name: peer_s[name] / ours_s for name in names} for ours_s, peer_s in rounds]
+    per_round = [
+        {"ours_seconds": ours_s, "peer_seconds": peer_s, "speedup": speedup}
+        for (ours_s, peer_s), speedup in zip(rounds, speedups, strict=True)
+    ]
+    return {
+        "useful_output_tokens": useful_tokens,
+        "rounds": per_round,
+        "median_speedup": {name: statistics.median(s[name] for s in speedups) for name in names},
+    }
+
+
+def rounds_table(rounds: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
+    names = list(rounds["median_speedup"])
+    tokens = rounds["useful_output_tokens"]
+    header = ["round", "pagedserve tok/s", *(f"{n} tok/s" for n in names), *(f"vs {n}" for n in names)]
+    rows = []
+    for i, r in enumerate(rounds["rounds"], start=1):
+        rows.append(
+            [
+                str(i),
+                f"{tokens / r['ours_seconds']:.1f}",
+                *(f"{tokens / r['peer_seconds'][n]:.1f}" for n in names),
+                *(f"{r['speedup'][n]:.2f}x" for n in names),
+            ]
+        )
+    rows.append(["median", "", *("" for _ in names), *(f"{rounds['median_speedup'][n]:.2f}x" for n in names)])
+    notes = ["rounds ran one after another: ours, then each peer, then ours again; ratio = peer time / ours"]
+    return header, rows, notes
 
 
 def main(argv: Sequence[str] | None = None) -> int:

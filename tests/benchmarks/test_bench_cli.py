@@ -93,6 +93,29 @@ def test_throughput_against_both_transformers_peers(tiny_chat_model: Path, tmp_p
     ]
 
 
+def test_throughput_rounds_interleave_ours_and_the_peer(tiny_chat_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_chat_model), "--num-prompts", "2", "--min-output", "2", "--max-output", "3"]
+    args += ["--peers", "transformers", "--peer-batch-size", "2", "--skip-roofline", "--repeats", "2"]
+    assert main(["bench", "throughput", *args, "--out", str(tmp_path), "--no-progress"]) == 0
+    doc = outputs(tmp_path, "throughput")
+    rounds = doc["rounds"]  # type: ignore[index]
+    name = "transformers generate, static batch 2"
+    assert len(rounds["rounds"]) == 2 and list(rounds["median_speedup"]) == [name]
+    # round 1 is the main table's run
+    assert rounds["rounds"][0]["ours_seconds"] == doc["engine"]["total_seconds"]  # type: ignore[index]
+    for r in rounds["rounds"]:
+        assert r["speedup"][name] == pytest.approx(r["peer_seconds"][name] / r["ours_seconds"])
+    speedups = sorted(r["speedup"][name] for r in rounds["rounds"])
+    assert rounds["median_speedup"][name] == pytest.approx(sum(speedups) / 2)
+    table = next(t for t in doc["tables"] if t["title"] == "Rounds, interleaved")  # type: ignore[union-attr]
+    assert [row[0] for row in table["rows"]] == ["1", "2", "median"]
+
+
+def test_repeats_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--repeats", "0", "--out", str(tmp_path), "--no-progress"]) != 0
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.real_model
 def test_trace_then_prefix_caching(tiny_chat_model: Path, tmp_path: Path) -> None:
     traces = tmp_path / "traces"
