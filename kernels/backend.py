@@ -42,7 +42,6 @@ ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("torch", "cpp", "triton")
 # write_kv_cache's concrete paths: the two backends, and "cpp" (kernels/cpu/cache_ops.cpp), a
 # plain copy for fp32 caches on the CPU (FP8 caches quantize on write, in torch).
 CacheWriteImpl = Literal["torch", "cpp", "triton"]
-CACHE_WRITE_IMPLS: tuple[CacheWriteImpl, ...] = ("torch", "cpp", "triton")
 
 
 @dataclass(frozen=True)
@@ -50,13 +49,8 @@ class ResolvedBackends:
     """The concrete implementation of each op, for caches of one device and dtype."""
 
     attention: AttentionImpl
-    cache: Backend  # block copies and swaps, and write_kv_cache unless cache_write is set
-    cache_write: CacheWriteImpl | None = None
-
-    @property
-    def write(self) -> CacheWriteImpl:
-        """write_kv_cache's implementation."""
-        return self.cache_write if self.cache_write is not None else self.cache
+    cache: Backend  # block copies and swaps
+    cache_write: CacheWriteImpl  # write_kv_cache
 
 
 @functools.cache
@@ -144,12 +138,12 @@ def resolve_backend(
     backend = default_backend(device, cache_dtype) if requested is None else requested
     if backend == "triton":
         require_triton(device, cache_dtype, "--attention-backend triton")
-        return ResolvedBackends(attention="triton", cache="triton")
+        return ResolvedBackends(attention="triton", cache="triton", cache_write="triton")
     attention = _torch_attention(device, query_dtype, cache_dtype)
     # The C++ kernels are built when attention uses them; an fp32 cache is then written by
     # their copy too.
     cpp_write = attention == "cpp" and cache_dtype == torch.float32
-    return ResolvedBackends(attention=attention, cache="torch", cache_write="cpp" if cpp_write else None)
+    return ResolvedBackends(attention=attention, cache="torch", cache_write="cpp" if cpp_write else "torch")
 
 
 def attention_impl_for(

@@ -39,7 +39,7 @@ def write_kv_cache(
     Slots must be distinct and in range (build_attention_metadata guarantees it). An FP8
     cache stores fp8(x / scale), saturating, round-to-nearest-even (kernels.fp8).
 
-    impl "cpp" (fp32 CPU caches; the engine's choice there, ResolvedBackends.write) is the
+    impl "cpp" (fp32 CPU caches; the engine's choice there, ResolvedBackends.cache_write) is the
     C++ copy, which checks its own inputs (RuntimeError naming the tensor or slot): the
     Python checks would cost more than the copy at decode row counts.
     """

@@ -73,6 +73,18 @@ def load_cpu_kernels(*, strict: bool = False, verbose: bool = False) -> CpuKerne
     raises RuntimeError instead with strict=True (for tests, where a missing kernel is a
     failure). verbose shows the compiler's command lines and output.
     """
+    # Fast path, no lock: the engine asks on every layer call once the build is done.
+    result = _loaded[0] if _loaded else None
+    if result is None:
+        result = _load_once(verbose)
+    if isinstance(result, BaseException):
+        if strict:
+            raise RuntimeError(f"the C++ CPU kernels could not be built: {result}") from result
+        return None
+    return result
+
+
+def _load_once(verbose: bool) -> CpuKernels | BaseException:
     with _lock:
         if not _loaded:
             try:
@@ -84,12 +96,7 @@ def load_cpu_kernels(*, strict: bool = False, verbose: bool = False) -> CpuKerne
                     _summarise(exc),
                 )
                 _loaded.append(exc)
-        result = _loaded[0]
-    if isinstance(result, BaseException):
-        if strict:
-            raise RuntimeError(f"the C++ CPU kernels could not be built: {result}") from result
-        return None
-    return result
+        return _loaded[0]
 
 
 def _summarise(exc: BaseException, max_lines: int = 15) -> str:

@@ -82,7 +82,14 @@ def paged_layer_attention(
         step.observer(layer_idx, k, v)
     k_scale, v_scale = step.kv_scales[layer_idx] if step.kv_scales is not None else (1.0, 1.0)
     write_kv_cache(
-        k, v, key_cache, value_cache, step.metadata.slot_mapping, k_scale, v_scale, impl=step.backends.write
+        k,
+        v,
+        key_cache,
+        value_cache,
+        step.metadata.slot_mapping,
+        k_scale,
+        v_scale,
+        impl=step.backends.cache_write,
     )
     return paged_attention(
         q,

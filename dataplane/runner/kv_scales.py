@@ -160,7 +160,12 @@ def calibrate_kv_scales(model: Any, token_ids: list[int], fp8: torch.dtype, bloc
     # The by-device backend for both ops: a prefill never reaches the C++ decode kernel, so
     # calibration skips resolve_backend's build of it (the engine builds it afterwards).
     backend = default_backend(device, model.dtype)
-    step = PagedStep(meta, caches, ResolvedBackends(attention=backend, cache=backend), observer=observe)
+    step = PagedStep(
+        meta,
+        caches,
+        ResolvedBackends(attention=backend, cache=backend, cache_write=backend),
+        observer=observe,
+    )
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     pos = torch.arange(n, device=device).unsqueeze(0)
     model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, paged_step=step)

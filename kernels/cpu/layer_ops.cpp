@@ -57,6 +57,12 @@ void check_rows(const Tensor& t, const char* name, int64_t rows, int64_t cols) {
   STD_TORCH_CHECK(t.stride(1) == 1, name, " needs a contiguous last dim");
 }
 
+void check_weight(const Tensor& weight, int64_t n) {
+  STD_TORCH_CHECK(weight.is_cpu() && weight.scalar_type() == ScalarType::Float && weight.dim() == 1 &&
+                      weight.size(0) == n && weight.is_contiguous(),
+                  "weight must be a contiguous float32 [", n, "]");
+}
+
 // The normalised, weighted row: out = w * (x * inv), inv = 1 / sqrt(sum(x^2) / n + eps).
 inline void norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
   int64_t i = 0;
@@ -78,9 +84,7 @@ void rms_norm(Tensor out, Tensor x, Tensor weight, double eps) {
   const int64_t n = x.dim() == 2 ? x.size(1) : 0;
   check_rows(x, "x", rows, n);
   check_rows(out, "out", rows, n);
-  STD_TORCH_CHECK(weight.is_cpu() && weight.scalar_type() == ScalarType::Float && weight.dim() == 1 &&
-                      weight.size(0) == n && weight.is_contiguous(),
-                  "weight must be a contiguous float32 [", n, "]");
+  check_weight(weight, n);
   const float* xp = x.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const float* wp = weight.const_data_ptr<float>();
@@ -97,9 +101,7 @@ void add_rms_norm(Tensor out, Tensor residual, Tensor delta, Tensor weight, doub
   check_rows(residual, "residual", rows, n);
   check_rows(delta, "delta", rows, n);
   check_rows(out, "out", rows, n);
-  STD_TORCH_CHECK(weight.is_cpu() && weight.scalar_type() == ScalarType::Float && weight.dim() == 1 &&
-                      weight.size(0) == n && weight.is_contiguous(),
-                  "weight must be a contiguous float32 [", n, "]");
+  check_weight(weight, n);
   float* rp = residual.mutable_data_ptr<float>();
   const float* dp = delta.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();

@@ -167,9 +167,8 @@ def test_cpu_engine_resolves_the_cpp_paths() -> None:
     cpu = torch.device("cpu")
     fp32 = resolve_backend(None, cpu, torch.float32, torch.float32)
     assert fp32 == ResolvedBackends(attention="cpp", cache="torch", cache_write="cpp")
-    assert fp32.write == "cpp"
     # FP8 caches quantize on write: the torch write, with the C++ attention
     fp8 = resolve_backend(None, cpu, torch.float32, torch.float8_e4m3fn)
-    assert (fp8.attention, fp8.write) == ("cpp", "torch")
+    assert (fp8.attention, fp8.cache_write) == ("cpp", "torch")
     bf16 = resolve_backend(None, cpu, torch.bfloat16, torch.bfloat16)
-    assert (bf16.attention, bf16.write) == ("torch", "torch")
+    assert (bf16.attention, bf16.cache_write) == ("torch", "torch")

@@ -240,7 +240,7 @@ def test_e4m3_needs_sm89_in_compiled_triton(monkeypatch: pytest.MonkeyPatch) -> 
     assert backend.default_backend(cuda, torch.float8_e5m2) == "triton"
     assert backend.default_backend(cuda, torch.bfloat16) == "triton"
     by_device = backend.resolve_backend(None, cuda, torch.bfloat16, torch.float8_e4m3fn)
-    assert by_device == backend.ResolvedBackends(attention="torch", cache="torch")
+    assert by_device == backend.ResolvedBackends(attention="torch", cache="torch", cache_write="torch")
     with pytest.raises(ValueError, match="sm_89"):
         backend.cache_impl_for("triton", cuda, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="sm_89"):  # the engine's choice, refused at start-up
