@@ -22,6 +22,13 @@ Reported side by side: completed, failed, output tok/s, req/s, goodput, TTFT / I
 and p99, E2E p50, and pagedserve / vLLM for each (above 1 is better for rates, below 1 for
 latencies); plus whether each server read exactly the prompt ids sent (its usage chunk) and
 how many completions have the same text on both (greedy, fp32: expected all).
+
+`--repeats N` runs N interleaved rounds (ours, vLLM, ours, vLLM, ...; every server launched
+afresh, same prompts, output lengths and warm-up): one round's ratio moves with whatever else
+the machine ran during it. The side-by-side table is then the median round by output tok/s
+ours / vLLM (without a peer: by our output tok/s), and "Rounds, interleaved" lists every
+round and the median ratio against GOAL_RATIO; our completions must not change between
+rounds (greedy), and the requests whose text did are counted.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ import argparse
 import asyncio
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -72,6 +81,14 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--warmup", type=int, default=4, help="untimed requests (other prompts) before the run")
     g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="launch and run ours and the peer this many times, interleaved (ours, peer, ours, peer, ...), "
+        "and report each round's ratio and their median: on a noisy machine one round's ratio moves "
+        "with whatever else ran during it (default: %(default)s)",
+    )
+    g.add_argument(
         "--launch-timeout",
         type=float,
         default=600.0,
@@ -94,6 +111,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and not launching(args):
+        raise ValueError("--repeats: needs --launch or --peer (every round launches the servers afresh)")
     if not launching(args):
         args.api = args.api or "grpc"
         return
@@ -270,12 +291,106 @@ def ratios(first: dict[str, Any], second: dict[str, Any]) -> dict[str, float | N
     return out
 
 
+def _texts(outcomes: list[Any]) -> dict[int, str]:
+    """Completion text by workload index, of the requests that completed."""
+    return {o.index: "".join(o.text) for o in outcomes if o.finished and o.error is None}
+
+
 def same_text(first: list[Any], second: list[Any]) -> int:
     """Requests (by workload index) that completed on both with the same text."""
-    texts = [
-        {o.index: "".join(o.text) for o in run if o.finished and o.error is None} for run in (first, second)
-    ]
+    texts = [_texts(first), _texts(second)]
     return sum(1 for i, text in texts[0].items() if texts[1].get(i) == text)
+
+
+def text_changed(rounds: Sequence[list[Any]]) -> int:
+    """Requests whose text differs from round 1's in some later round. A request that did not
+    complete in a round (round 1 included) counts as changed: it was not the same text."""
+    first = _texts(rounds[0])
+    later = [_texts(outcomes) for outcomes in rounds[1:]]
+    sent = {o.index for outcomes in rounds for o in outcomes}
+    return sum(1 for i in sent if i not in first or any(t.get(i) != first[i] for t in later))
+
+
+def round_figures(runs: Sequence[ServedRun]) -> dict[str, Any]:
+    """One round's numbers: ours (runs[0]) and, when there is one, the peer's (runs[1])."""
+    ours = runs[0].summary
+    peer = runs[1].summary if len(runs) == 2 else None
+    return {
+        "ours_output_tok_s": ours["output_tokens_per_s"],
+        "peer_output_tok_s": peer["output_tokens_per_s"] if peer else None,
+        "ratio": ratios(ours, peer)["output tok/s"] if peer else None,
+        "ours_itl_p50_ms": _ms(ours, "ITL", "p50"),
+        "peer_itl_p50_ms": _ms(peer, "ITL", "p50") if peer else None,
+        "ours_failed": ours["failed"],
+        "peer_failed": peer["failed"] if peer else None,
+    }
+
+
+def median_round(figures: Sequence[dict[str, Any]]) -> int:
+    """Index of the median round by ratio (by our tok/s without a peer, or if no round has a
+    ratio): a round that ran, so for an even count the lower of the two middle ones."""
+    key = "ratio" if any(f["ratio"] is not None for f in figures) else "ours_output_tok_s"
+    ranked = sorted((f[key], i) for i, f in enumerate(figures) if f[key] is not None)
+    return ranked[(len(ranked) - 1) // 2][1]
+
+
+def rounds_report(rounds: Sequence[Sequence[ServedRun]]) -> dict[str, Any]:
+    """Each round's figures, the median round (1-based), the median ratio and whether it meets
+    GOAL_RATIO (None without a peer), and how many of our completions changed across rounds."""
+    figures = [{"round": i, **round_figures(runs)} for i, runs in enumerate(rounds, start=1)]
+    valid = [f["ratio"] for f in figures if f["ratio"] is not None]
+    median = statistics.median(valid) if valid else None
+    return {
+        "rounds": figures,
+        "median_round": median_round(figures) + 1,
+        "median_ratio": median,
+        "median_ratio_meets_goal": None if median is None else median >= GOAL_RATIO,
+        "our_text_changed": text_changed([runs[0].outcomes for runs in rounds]),
+    }
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def rounds_table(
+    names: list[str], rep: dict[str, Any], requests: int
+) -> tuple[list[str], list[list[str]], list[str]]:
+    """The "Rounds, interleaved" table: a row per round, then the median (no peer: 3 columns)."""
+    pair = len(names) == 2
+    header = ["round", f"{names[0]} tok/s", *([f"{names[1]} tok/s", "ratio"] if pair else [])]
+    header += [f"{names[0]} ITL p50 ms", *([f"{names[1]} ITL p50 ms"] if pair else [])]
+    rows = []
+    for f in rep["rounds"]:
+        row = [str(f["round"]), f"{f['ours_output_tok_s']:.1f}"]
+        row += [f"{f['peer_output_tok_s']:.1f}", _x(f["ratio"])] if pair else []
+        row += [f"{f['ours_itl_p50_ms']:.1f}", *([f"{f['peer_itl_p50_ms']:.1f}"] if pair else [])]
+        rows.append(row)
+    if pair:
+        rows.append(["median", "", "", _x(rep["median_ratio"]), "", ""])
+    else:
+        median = statistics.median(f["ours_output_tok_s"] for f in rep["rounds"])
+        rows.append(["median", f"{median:.1f}", ""])
+    order = f"{names[0]}, then {names[1]}, then {names[0]} again" if pair else f"{names[0]} each time"
+    notes = [f"rounds ran one after another: {order}; every server launched afresh, same workload"]
+    if pair:
+        met = rep["median_ratio_meets_goal"]
+        verdict = "-" if met is None else "met" if met else "missed"
+        notes.append(
+            f"ratio = output tok/s {names[0]} / {names[1]}; median {_x(rep['median_ratio'])}, "
+            f"goal >= {GOAL_RATIO}x {verdict}"
+        )
+    notes.append(
+        f"{names[0]} completion text changed from round 1 (or not completed): "
+        f"{rep['our_text_changed']}/{requests} requests (greedy: expected 0)"
+    )
+    return header, rows, notes
+
+
+def log_name(spec: ServerSpec, round_no: int, repeats: int) -> str:
+    """`pagedserve-serve.log` / `vllm-serve.log`; with --repeats one per round."""
+    stem = f"{spec.name.split()[0].lower()}-serve"
+    return f"{stem}.log" if repeats == 1 else f"{stem}-round{round_no}.log"
 
 
 def run_launched(args: argparse.Namespace, report: Report) -> dict[str, Any]:
@@ -292,18 +407,26 @@ def run_launched(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     print(f"workload: {workload}", file=sys.stderr)
     logs = report.out_dir or Path(tempfile.mkdtemp(prefix="pagedserve-bench-serve-"))
     makers = [pagedserve_spec, *([vllm_spec] if args.peer == "vllm" else [])]
-    runs: list[ServedRun] = []
+    rounds: list[list[ServedRun]] = []
     with sigterm_exits():
-        for make in makers:
-            spec = make(args, model)
-            log = logs / f"{spec.name.split()[0].lower()}-serve.log"
-            runs.append(phase(spec.name, partial(measure, args, spec, log, prompts, lengths, warm, report)))
-    return _report(args, report, model, workload, runs)
+        # Interleaved (ours, peer, ours, peer, ...): a slow spell of the machine hits both.
+        for r in range(1, args.repeats + 1):
+            runs: list[ServedRun] = []
+            for make in makers:
+                spec = make(args, model)  # fresh ports each round
+                log = logs / log_name(spec, r, args.repeats)
+                label = spec.name if args.repeats == 1 else f"{spec.name}, round {r}"
+                runs.append(phase(label, partial(measure, args, spec, log, prompts, lengths, warm, report)))
+            rounds.append(runs)
+    return _report(args, report, model, workload, rounds)
 
 
 def _report(
-    args: argparse.Namespace, report: Report, model: Path, workload: str, runs: list[ServedRun]
+    args: argparse.Namespace, report: Report, model: Path, workload: str, rounds: list[list[ServedRun]]
 ) -> dict[str, Any]:
+    """The side-by-side table of the only round or, with --repeats, of the median one."""
+    repeated = rounds_report(rounds) if len(rounds) > 1 else None
+    runs = rounds[repeated["median_round"] - 1] if repeated else rounds[0]
     names = [r.spec.name for r in runs]
     summaries = [r.summary for r in runs]
     mode = f"{args.concurrency} streams" if args.concurrency else f"Poisson {args.request_rate:g} req/s"
@@ -333,8 +456,18 @@ def _report(
         notes.append(f"same completion text on both: {result['same_text']}/{len(runs[0].outcomes)}")
         if any(r.spec.env for r in runs):
             notes.append(f"{names[1]} settings: {runs[1].spec.settings}")
+    if repeated:
+        by = f"output tok/s {names[0]} / {names[1]}" if len(runs) == 2 else f"{names[0]} output tok/s"
+        notes.insert(
+            1 if len(runs) == 2 else 0,
+            f"median of {len(rounds)} interleaved rounds by {by}: round {repeated['median_round']} "
+            '(every round in "Rounds, interleaved")',
+        )
     header, rows = side_by_side(names, summaries)
     report.table(f"served over the OpenAI API, {mode}", header, rows, notes)
+    if repeated:
+        result |= repeated
+        report.table("Rounds, interleaved", *rounds_table(names, repeated, len(runs[0].outcomes)))
     _plot(report, runs)
     result["servers"] = [
         {
