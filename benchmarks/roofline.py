@@ -1,13 +1,23 @@
 """The roofline of an offline run: the machine's own limits, measured in the same run.
 
 `LinearShapes` gives a llama-style decoder's matmul shapes (FLOPs per token, LM head per
-sampled row, weight bytes); `measure_machine` measures this machine's two limits: the peak
-fp32 GFLOP/s of a large square sgemm (the faster of plain `torch.matmul` and a oneDNN
-prepacked linear, the library our engine uses) and the memory read bandwidth (a streaming
-sum over a buffer far larger than the caches). A step's roofline time is
-max(FLOPs / peak, weight bytes / bandwidth): at small row counts every weight must still be
-read once per step, so its attainable GFLOP/s is min(peak, bandwidth line) at its row count.
-`roofline_by_class` sums that over the engine's decode and prefill steps, so "roofline time /
+sampled row, weight bytes) and its attention shape (KV bytes per context token, FLOPs per
+query-key pair); `measure_machine` measures this machine's two limits: the peak fp32 GFLOP/s
+of a large square sgemm (the faster of plain `torch.matmul` and a oneDNN prepacked linear,
+the library our engine uses) and the memory read bandwidth (a streaming sum over a buffer far
+larger than the caches).
+
+A step's roofline time is the sum of two phases, which cannot overlap within a layer (the
+attention needs the q/k/v projections, the o projection needs the attention):
+
+- linears: max(linear FLOPs / peak, weight bytes / bandwidth): at small row counts every
+  weight must still be read once per step;
+- attention: max(attention FLOPs / peak, KV bytes / bandwidth): every K and V element of
+  every scheduled sequence's context (its cached tokens and this step's) must be read from
+  the paged cache at least once.
+
+The linears-only figure (the definition before attention was counted) is kept alongside.
+`roofline_by_class` sums both over the engine's decode and prefill steps, so "roofline time /
 measured time" is the fraction of the machine's limit each step class reached. torch is
 imported only when something is timed.
 """
@@ -46,15 +56,25 @@ class Step(Protocol):
     @property
     def seconds(self) -> float: ...
 
+    @property
+    def context_tokens(self) -> int: ...  # tokens whose K and V attention reads (0: unknown)
+
+    @property
+    def attention_pairs(self) -> int: ...  # (query, key) pairs attention scores (0: unknown)
+
 
 # -- model FLOPs ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearShapes:
-    """The matmul shapes of one forward pass, as (name, in_features, out_features)."""
+    """The matmul shapes of one forward pass, as (name, in_features, out_features), and the
+    attention shape (0 heads: attention not counted)."""
 
     layer: tuple[tuple[str, int, int], ...]  # one decoder layer
     num_layers: int
     lm_head: tuple[int, int]  # (hidden, vocab): applied to sampled rows only
+    num_heads: int = 0  # query heads
+    num_kv_heads: int = 0  # K/V heads held in the cache (grouped-query attention shares them)
+    head_dim: int = 0
 
     @property
     def flops_per_token(self) -> int:
@@ -75,13 +95,40 @@ class LinearShapes:
         head = self.lm_head[0] * self.lm_head[1] if num_sampled else 0
         return element_bytes * (layer + head)
 
+    def kv_bytes_per_token(self, element_bytes: int = FP32_BYTES) -> int:
+        """K and V of one context token, every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+    def step_kv_bytes(self, context_tokens: int, element_bytes: int = FP32_BYTES) -> int:
+        """KV-cache bytes a step's attention must read at least once: `context_tokens` is the
+        sum over its sequences of their length after this step's tokens."""
+        return self.kv_bytes_per_token(element_bytes) * context_tokens
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one query token against one key, every layer: QK^T and PV, each
+        2 x head_dim per head (GQA shares K/V, not the work)."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def step_attention_flops(self, attention_pairs: int) -> int:
+        """Attention FLOPs of a step that scores `attention_pairs` (query, key) pairs; a decode
+        step's pairs are its context tokens (one query per sequence)."""
+        return self.attention_flops_per_pair * attention_pairs
+
     def describe(self) -> str:
         shapes = ", ".join(f"{n} {i}x{o}" for n, i, o in self.layer)
-        return (
+        text = (
             f"{self.num_layers} layers x ({shapes}) = {self.flops_per_token / 1e6:.1f} MFLOP/token; "
             f"LM head {self.lm_head[0]}x{self.lm_head[1]} = {self.lm_head_flops_per_row / 1e6:.1f} "
             f"MFLOP per sampled row"
         )
+        if self.num_heads:
+            text += (
+                f"; attention {self.num_heads} heads ({self.num_kv_heads} KV) x {self.head_dim}: "
+                f"{self.attention_flops_per_pair / 1e3:.1f} kFLOP per query-key pair, "
+                f"{self.kv_bytes_per_token()} B of fp32 KV per context token"
+            )
+        return text
 
 
 def linear_shapes(cfg: Any) -> LinearShapes:
@@ -100,7 +147,14 @@ def linear_shapes(cfg: Any) -> LinearShapes:
         ("up", hidden, inter),
         ("down", inter, hidden),
     )
-    return LinearShapes(layer, int(cfg.num_hidden_layers), (hidden, int(cfg.vocab_size)))
+    return LinearShapes(
+        layer,
+        int(cfg.num_hidden_layers),
+        (hidden, int(cfg.vocab_size)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
 
 
 # -- the machine's limits -----------------------------------------------------------------------
@@ -114,10 +168,18 @@ class MachineLimits:
     bandwidth_gbs: float
     setup_seconds: float = 0.0
 
-    def step_seconds(self, flops: int, weight_bytes: int) -> float:
-        """The least time a step can take: its FLOPs at the peak or its weight reads at the
-        bandwidth, whichever is longer."""
-        return max(flops / (self.peak_gflops * 1e9), weight_bytes / (self.bandwidth_gbs * 1e9))
+    def phase_seconds(self, flops: int, nbytes: int) -> float:
+        """The least time of one phase: its FLOPs at the peak or its reads at the bandwidth,
+        whichever is longer."""
+        return max(flops / (self.peak_gflops * 1e9), nbytes / (self.bandwidth_gbs * 1e9))
+
+    def step_seconds(
+        self, flops: int, weight_bytes: int, attention_flops: int = 0, kv_bytes: int = 0
+    ) -> float:
+        """The least time a step can take: its linears' phase plus its attention's phase.
+        They add rather than overlap: within a layer the attention waits for q/k/v and the
+        o projection waits for the attention. With no attention work it is the linears alone."""
+        return self.phase_seconds(flops, weight_bytes) + self.phase_seconds(attention_flops, kv_bytes)
 
     def attainable_gflops(self, flops: int, weight_bytes: int) -> float:
         """min(compute peak, bandwidth line) for a step of these FLOPs and weight bytes."""
@@ -177,9 +239,13 @@ class ClassRoofline:
     kind: str
     steps: int
     seconds: float  # measured
-    roofline_seconds: float  # sum over the steps of MachineLimits.step_seconds
-    flops: int
+    roofline_seconds: float  # sum over the steps of MachineLimits.step_seconds: linears + attention
+    flops: int  # linear FLOPs
     mean_rows: float
+    linear_roofline_seconds: float = 0.0  # the same sum with the linears alone (no attention)
+    attention_flops: int = 0
+    kv_bytes: int = 0  # KV-cache bytes the attention reads at least once
+    mean_context_tokens: float = 0.0  # per step: tokens whose K and V attention reads
 
     @property
     def achieved_gflops(self) -> float:
@@ -193,6 +259,15 @@ class ClassRoofline:
     def fraction(self) -> float:
         """Roofline time / measured time: 1.0 means the steps ran at the machine's limit."""
         return self.roofline_seconds / self.seconds if self.seconds else 0.0
+
+    @property
+    def linear_roofline_gflops(self) -> float:
+        return self.flops / self.linear_roofline_seconds / 1e9 if self.linear_roofline_seconds else 0.0
+
+    @property
+    def linear_fraction(self) -> float:
+        """Linears-only roofline time / measured time (attention counted as free)."""
+        return self.linear_roofline_seconds / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -210,34 +285,56 @@ class Roofline:
     decode_curve: list[RooflinePoint] = field(default_factory=list)  # decode steps of `rows` rows
 
 
+def _class_roofline(
+    kind: str,
+    shapes: LinearShapes,
+    machine: MachineLimits,
+    members: Sequence[Step],
+    kv_element_bytes: int,
+) -> ClassRoofline:
+    linear = [
+        (shapes.step_flops(s.num_batched_tokens, s.num_sampled), shapes.step_weight_bytes(s.num_sampled))
+        for s in members
+    ]
+    attention = [
+        (
+            shapes.step_attention_flops(s.attention_pairs),
+            shapes.step_kv_bytes(s.context_tokens, kv_element_bytes),
+        )
+        for s in members
+    ]
+    return ClassRoofline(
+        kind=kind,
+        steps=len(members),
+        seconds=sum(s.seconds for s in members),
+        roofline_seconds=sum(
+            machine.step_seconds(*lin, *att) for lin, att in zip(linear, attention, strict=True)
+        ),
+        flops=sum(f for f, _ in linear),
+        mean_rows=sum(s.num_batched_tokens for s in members) / len(members),
+        linear_roofline_seconds=sum(machine.step_seconds(*lin) for lin in linear),
+        attention_flops=sum(f for f, _ in attention),
+        kv_bytes=sum(b for _, b in attention),
+        mean_context_tokens=sum(s.context_tokens for s in members) / len(members),
+    )
+
+
 def roofline_by_class(
-    shapes: LinearShapes, machine: MachineLimits, steps: Sequence[Step]
+    shapes: LinearShapes, machine: MachineLimits, steps: Sequence[Step], kv_element_bytes: int = FP32_BYTES
 ) -> dict[str, ClassRoofline]:
-    """Decode steps and prefill steps (mixed steps count as prefill) against the machine's limits."""
+    """Decode steps and prefill steps (mixed steps count as prefill) against the machine's
+    limits; `kv_element_bytes` is the KV cache's element size (fp32: 4)."""
     out: dict[str, ClassRoofline] = {}
     for kind in ("decode", "prefill"):
         members = [s for s in steps if (s.kind == "decode") == (kind == "decode")]
-        if not members:
-            continue
-        out[kind] = ClassRoofline(
-            kind=kind,
-            steps=len(members),
-            seconds=sum(s.seconds for s in members),
-            roofline_seconds=sum(
-                machine.step_seconds(
-                    shapes.step_flops(s.num_batched_tokens, s.num_sampled),
-                    shapes.step_weight_bytes(s.num_sampled),
-                )
-                for s in members
-            ),
-            flops=sum(shapes.step_flops(s.num_batched_tokens, s.num_sampled) for s in members),
-            mean_rows=sum(s.num_batched_tokens for s in members) / len(members),
-        )
+        if members:
+            out[kind] = _class_roofline(kind, shapes, machine, members, kv_element_bytes)
     return out
 
 
 def decode_curve(shapes: LinearShapes, machine: MachineLimits, max_rows: int) -> list[RooflinePoint]:
-    """Roofline time of a decode step (every row sampled) at row counts up to max_rows."""
+    """Linears-only roofline time of a decode step (every row sampled) at row counts up to
+    max_rows: its attention depends on the rows' context lengths, not on the row count."""
     points = []
     for rows in sorted({r for r in CURVE_ROWS if r < max_rows} | {max(1, max_rows)}):
         flops, nbytes = shapes.step_flops(rows, rows), shapes.step_weight_bytes(rows)
@@ -252,11 +349,15 @@ def decode_curve(shapes: LinearShapes, machine: MachineLimits, max_rows: int) ->
 
 
 def measure_roofline(
-    shapes: LinearShapes, steps: Sequence[Step], reps: int, skip_prefill: bool = False
+    shapes: LinearShapes,
+    steps: Sequence[Step],
+    reps: int,
+    skip_prefill: bool = False,
+    kv_element_bytes: int = FP32_BYTES,
 ) -> Roofline:
     """Measure the machine, then place the engine's steps against it (prefill left out with skip_prefill)."""
     machine = measure_machine(reps)
-    classes = roofline_by_class(shapes, machine, steps)
+    classes = roofline_by_class(shapes, machine, steps, kv_element_bytes)
     if skip_prefill:
         classes.pop("prefill", None)
     decode_rows = [s.num_batched_tokens for s in steps if s.kind == "decode"]

@@ -25,9 +25,11 @@ What it does, in one process and strictly one phase after another (never side by
    `--also-generate` additionally times `llm.generate` on the same workload.
 3. Roofline (`benchmarks.roofline`): the machine's limits, measured after our engine ran: peak
    fp32 GFLOP/s of a large sgemm (the faster of `torch.matmul` and oneDNN prepacked) and the
-   memory read bandwidth. Each step's least possible time is max(its linear FLOPs / peak, its
-   weight bytes / bandwidth); summed over the decode steps and over the prefill steps it is
-   set against their measured time.
+   memory read bandwidth. Each step's least possible time is its linears' phase, max(linear
+   FLOPs / peak, weight bytes / bandwidth), plus its attention's, max(attention FLOPs / peak,
+   KV-cache bytes / bandwidth), the KV bytes being every K and V of every scheduled
+   sequence's context (from the scheduler's output); summed over the decode steps and over the
+   prefill steps it is set against their measured time, next to the linears-only figure.
 4. Peers (`benchmarks.peers`, `--peers`, in that order): transformers `generate` with static
    batches of `--peer-batch-size` (left padding, each batch runs to its longest request; only
    each request's own length counts as useful), transformers' continuous batching (the
@@ -37,9 +39,10 @@ What it does, in one process and strictly one phase after another (never side by
 
 Reported: useful output tok/s for every run and our speed-up over each (goal >= 2.0x over
 static transformers), our total/decode/prefill time, linear-layer GFLOP/s achieved in decode and
-prefill steps and the fraction of the machine's roofline each reached at its own row counts
-(goal: decode >= 70%). The JSON holds everything, steps included; the PNG shows tok/s per run
-and our per-step decode time against the roofline time at each row count.
+prefill steps and the fraction of the machine's roofline each reached at its own row counts,
+with attention and linears-only (goal: decode >= 70% of the one with attention). The JSON
+holds everything, steps included; the PNG shows tok/s per run and our per-step decode time
+against the linears-only roofline time at each row count.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
 from benchmarks.common import default_model, engine_from_args, phase, warn_if_busy
 from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
 from benchmarks.report import Report
-from benchmarks.roofline import LinearShapes, Roofline, linear_shapes, measure_roofline
+from benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
 from benchmarks.workloads import chat_prompts, describe, output_lengths
 from pagedserve.common.settings import parse_bytes
 
@@ -77,6 +80,11 @@ class StepRecord:
     num_sampled: int
     num_seqs: int
     num_preempted: int
+    # Tokens whose K and V the step's attention reads: per scheduled sequence its length after
+    # this step (cached + computed + new tokens). 0 without the scheduler hook.
+    context_tokens: int = 0
+    # (query, key) pairs the attention scores, causal: the context_tokens of a decode step.
+    attention_pairs: int = 0
 
 
 @dataclass
@@ -109,18 +117,40 @@ class EngineRun:
     num_preemptions: int
     generate_seconds: float | None = None  # --also-generate
     classified_by: str = "scheduler"
+    kv_element_bytes: int = FP32_BYTES  # the engine's KV-cache element size
 
 
-def _classify(scheduled: Any) -> tuple[str, int]:
-    """(kind, num_seqs) of a SchedulerOutput, read before the step mutates the requests."""
-    decode = prefill = 0
+@dataclass(frozen=True)
+class Scheduled:
+    """What a step's SchedulerOutput says of its shape (see StepRecord)."""
+
+    kind: str
+    num_seqs: int
+    context_tokens: int
+    attention_pairs: int
+
+
+def _classify(scheduled: Any) -> Scheduled:
+    """The shape of a SchedulerOutput, read before the step mutates the requests: at schedule
+    time `num_computed_tokens` already counts the prefix-cache hits of a joining request."""
+    decode = prefill = context = pairs = 0
     for item in scheduled.scheduled:
         if item.num_new_tokens == 1 and item.samples:
             decode += 1
         else:
             prefill += 1
+        cached, new = item.request.num_computed_tokens, item.num_new_tokens
+        context += cached + new
+        # New token j (1-based) attends to the cached tokens and new tokens 1..j.
+        pairs += new * cached + new * (new + 1) // 2
     kind = "decode" if not prefill else ("prefill" if not decode else "mixed")
-    return kind, decode + prefill
+    return Scheduled(kind, decode + prefill, context, pairs)
+
+
+def _kv_element_bytes(engine: Any) -> int:
+    """The engine's KV-cache element size (its budget's shape), fp32 where it has none."""
+    shape = getattr(getattr(engine, "budget", None), "shape", None)
+    return int(getattr(shape, "bytes_per_element", FP32_BYTES))
 
 
 def run_engine(
@@ -153,7 +183,7 @@ def run_engine(
 
     engine = llm.engine
     # Capture each step's scheduler output to classify it (instance attribute: no engine edit).
-    pending: list[tuple[str, int]] = []
+    pending: list[Scheduled] = []
     scheduler = getattr(engine, "scheduler", None)
     original = getattr(scheduler, "schedule", None)
     hooked = original is not None
@@ -178,20 +208,22 @@ def run_engine(
             if bar is not None and result.finished:
                 bar.update(len(result.finished))
             if pending:
-                kind, seqs = pending.pop()
+                shape = pending.pop()
                 pending.clear()
             else:  # no hook: a step is decode-only when every batched token was sampled
                 sampled = len(result.new_tokens)
                 kind = "decode" if result.num_batched_tokens == sampled else "unknown"
-                seqs = sampled
+                shape = Scheduled(kind, sampled, 0, 0)
             steps.append(
                 StepRecord(
-                    kind,
+                    shape.kind,
                     s1 - s0,
                     result.num_batched_tokens,
                     len(result.new_tokens),
-                    seqs,
+                    shape.num_seqs,
                     result.num_preempted,
+                    shape.context_tokens,
+                    shape.attention_pairs,
                 )
             )
             if result.num_batched_tokens == 0 and engine.has_unfinished_requests():
@@ -209,6 +241,7 @@ def run_engine(
     if reasons != {"length"}:
         print(f"warning: engine finish reasons {sorted(reasons)} (expected only 'length')", file=sys.stderr)
     preemptions = sum(int(getattr(r, "num_preemptions", 0)) for r in requests)
+    kv_element_bytes = _kv_element_bytes(engine)
     del llm, engine, requests
     gc.collect()
     return EngineRun(
@@ -220,6 +253,7 @@ def run_engine(
         preemptions,
         generate_s,
         "scheduler" if hooked else "step-result",
+        kv_element_bytes,
     )
 
 
@@ -266,6 +300,7 @@ def build_report(
         "flops": {
             "per_token_linear": shapes.flops_per_token,
             "per_sampled_row_lm_head": shapes.lm_head_flops_per_row,
+            "attention_per_query_key_pair": shapes.attention_flops_per_pair,
             "shapes": shapes.describe(),
         },
     }
@@ -294,22 +329,29 @@ def build_report(
         m = roof.machine
         r: dict[str, Any] = {
             "machine": asdict(m),
+            "kv_element_bytes": ours.kv_element_bytes,
+            "kv_bytes_per_context_token": shapes.kv_bytes_per_token(ours.kv_element_bytes),
             "classes": {
                 k: {
                     **asdict(c),
                     "fraction": c.fraction,
+                    "linear_fraction": c.linear_fraction,
                     "achieved_gflops": c.achieved_gflops,
                     "roofline_gflops": c.roofline_gflops,
+                    "linear_roofline_gflops": c.linear_roofline_gflops,
                 }
                 for k, c in roof.classes.items()
             },
             "decode_curve": [asdict(p) for p in roof.decode_curve],
         }
+        # The goal is checked on the full roofline (linears + attention).
         if "decode" in roof.classes:
             r["decode_fraction"] = roof.classes["decode"].fraction
+            r["decode_linear_fraction"] = roof.classes["decode"].linear_fraction
             goals["roofline_met"] = r["decode_fraction"] >= GOAL_ROOFLINE
         if "prefill" in roof.classes:
             r["prefill_fraction"] = roof.classes["prefill"].fraction
+            r["prefill_linear_fraction"] = roof.classes["prefill"].linear_fraction
         rep["roofline"] = r
     rep["peers"] = []
     for peer in peers:
@@ -353,6 +395,21 @@ def table_rows(rep: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _class_line(name: str, c: dict[str, Any], goal_met: bool | None) -> str:
+    """One step class against the full roofline (the goal's) and the linears-only one."""
+    goal = f"   goal >= {100 * GOAL_ROOFLINE:.0f}%: {_met(goal_met)}" if name == "decode" else ""
+    steps = c["steps"]
+    return (
+        f"  {name:8} {steps:5d} steps, {c['mean_rows']:.1f} rows/step, {c['mean_context_tokens']:.0f} "
+        f"context tokens/step ({c['kv_bytes'] / steps / 1e6:.0f} MB KV/step): measured "
+        f"{1e3 * c['seconds'] / steps:.2f} ms/step, linears {c['achieved_gflops']:.1f} GFLOP/s\n"
+        f"           roofline (linears + attention) {1e3 * c['roofline_seconds'] / steps:.2f} ms/step = "
+        f"{100 * c['fraction']:.1f}% of the machine's limit{goal}\n"
+        f"           linears-only roofline {1e3 * c['linear_roofline_seconds'] / steps:.2f} ms/step = "
+        f"{100 * c['linear_fraction']:.1f}% (attainable {c['linear_roofline_gflops']:.1f} GFLOP/s)"
+    )
+
+
 def print_details(rep: dict[str, Any]) -> None:
     """The engine's phases and the roofline, below the main table."""
     eng, roof, goals = rep.get("engine"), rep.get("roofline"), rep["goals"]
@@ -382,23 +439,18 @@ def print_details(rep: dict[str, Any]) -> None:
         m = roof["machine"]
         print(
             f"machine (same run): peak {m['peak_gflops']:.1f} GFLOP/s ({m['peak_source']} sgemm; "
-            f"torch.matmul {m['matmul_gflops']:.1f}), read bandwidth {m['bandwidth_gbs']:.1f} GB/s; "
-            "roofline per step = max(FLOPs / peak, weight bytes / bandwidth)"
+            f"torch.matmul {m['matmul_gflops']:.1f}), read bandwidth {m['bandwidth_gbs']:.1f} GB/s"
+        )
+        print(
+            "  roofline per step = linears max(FLOPs / peak, weight bytes / bandwidth) + attention "
+            f"max(attention FLOPs / peak, KV bytes / bandwidth), KV {roof['kv_bytes_per_context_token']} B "
+            "per context token"
         )
         curve = ", ".join(f"{p['rows']}:{p['gflops']:.0f}" for p in roof["decode_curve"])
         if curve:
-            print(f"  attainable GFLOP/s by decode rows: {curve}")
+            print(f"  attainable linear GFLOP/s by decode rows (linears only): {curve}")
         for name, c in roof["classes"].items():
-            goal = (
-                f"   goal >= {100 * GOAL_ROOFLINE:.0f}%: {_met(goals.get('roofline_met'))}"
-                if name == "decode"
-                else ""
-            )
-            print(
-                f"  {name:8} {c['steps']:5d} steps, {c['mean_rows']:.1f} rows/step: achieved "
-                f"{c['achieved_gflops']:.1f} GFLOP/s vs attainable {c['roofline_gflops']:.1f} = "
-                f"{100 * c['fraction']:.1f}% of the roofline{goal}"
-            )
+            print(_class_line(name, c, goals.get("roofline_met") if name == "decode" else None))
     print(flush=True)
 
 
@@ -537,10 +589,12 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         bar = report.bar(len(prompts), "pagedserve requests")
         ours = phase("engine", lambda: run_engine(args, str(model_path), prompts, lengths, bar))
         if not args.skip_roofline:
-            steps = ours.steps
+            steps, kv_bytes = ours.steps, ours.kv_element_bytes
             roof = phase(
                 "roofline",
-                lambda: measure_roofline(shapes, steps, args.roofline_reps, args.skip_prefill_roofline),
+                lambda: measure_roofline(
+                    shapes, steps, args.roofline_reps, args.skip_prefill_roofline, kv_bytes
+                ),
             )
 
     def progress(items: Sequence[int], desc: str) -> Any:
