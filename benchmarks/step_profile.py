@@ -182,7 +182,7 @@ def phase_ranges(runner: Any) -> Iterator[None]:
     import dataplane.runner.attention_hook as attention_hook
     import dataplane.runner.fused_layers as fused_layers
     import dataplane.runner.model_runner as model_runner
-    from dataplane.runner.cpu_linear import PackedLinear
+    from dataplane.runner.cpu_linear import PackedLinear, PanelLinear
 
     functions = [
         (attention_hook, "write_kv_cache", "kv_write"),
@@ -213,7 +213,7 @@ def phase_ranges(runner: Any) -> Iterator[None]:
             kind = type(m).__name__
             if m is runner.lm_head:
                 key = "lm_head"
-            elif isinstance(m, nn.Linear | PackedLinear):
+            elif isinstance(m, nn.Linear | PackedLinear | PanelLinear):
                 key = "linear"
             elif kind.endswith("RMSNorm"):
                 key = "rmsnorm"

@@ -31,7 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).parent / "cpu"
-_SOURCES = (_CPU_DIR / "paged_attention.cpp", _CPU_DIR / "layer_ops.cpp", _CPU_DIR / "cache_ops.cpp")
+_SOURCES = tuple(
+    _CPU_DIR / name for name in ("paged_attention.cpp", "layer_ops.cpp", "cache_ops.cpp", "linear.cpp")
+)
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
 _HEADERS = (_CPU_DIR / "vec.h",)
@@ -57,6 +59,9 @@ class CpuKernels:
     # kernels/cpu/cache_ops.cpp: write_kv_cache(key_cache, value_cache, key, value,
     # slot_mapping), float32 caches, in place
     write_kv_cache: Callable[..., None]
+    # kernels/cpu/linear.cpp: panel_linear(out, x, packed, bias), float32, out written; packed
+    # by kernels.linear.pack_panels, bias empty for none
+    panel_linear: Callable[..., None]
     library_path: str
     cflags: tuple[str, ...]
 
@@ -180,6 +185,7 @@ def _build(verbose: bool) -> CpuKernels:
                 silu_and_mul=ops.silu_and_mul.default,
                 rotary_neox=ops.rotary_neox.default,
                 write_kv_cache=ops.write_kv_cache.default,
+                panel_linear=ops.panel_linear.default,
                 library_path=str(library),
                 cflags=tuple(cflags),
             )

@@ -84,9 +84,10 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         # After any tensor-parallel sharding (the fused layers read the local shapes), before
         # packing (which then packs the fused projections too).
-        fuse_decoder_layers(model, cpu_ops=self._layer_kernels(model))
-        if onednn_linear_available(model.dtype, self.device):
-            pack_linears(model)
+        cpu_ops = self._layer_kernels(model)
+        fuse_decoder_layers(model, cpu_ops=cpu_ops)
+        if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
+            pack_linears(model, panel_ops=cpu_ops)
             self.lm_head = model.get_output_embeddings()
         self.block_size = block_size
         cfg = model.config
@@ -121,9 +122,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def _layer_kernels(self, model: Any) -> CpuKernels | None:
-        """The C++ kernels for the fused layers' elementwise work: on the CPU in fp32, where
-        they build (the same build as the C++ decode attention; None logs once and the layers
-        use torch ops)."""
+        """The C++ kernels for the fused layers' elementwise work and the panel-packed
+        linears: on the CPU in fp32, where they build (the same build as the C++ decode
+        attention; None logs once, and the layers use torch ops and oneDNN's linears)."""
         if self.device.type != "cpu" or model.dtype != torch.float32:
             return None
         return load_cpu_kernels()

@@ -1,4 +1,4 @@
-// Portable SIMD helpers shared by the C++ CPU kernels (paged_attention.cpp, layer_ops.cpp).
+// Portable SIMD helpers shared by the C++ CPU kernels (paged_attention.cpp, layer_ops.cpp, linear.cpp).
 //
 // Header-only and internal to the extension: everything is in an unnamed namespace, so each
 // source gets its own inlined copy and the library exports no symbol from here.

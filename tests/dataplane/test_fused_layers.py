@@ -12,6 +12,7 @@ from torch import nn
 
 from dataplane import LLM, SamplingParams
 from dataplane.runner.attention_hook import PagedStep
+from dataplane.runner.cpu_linear import PackedLinear, PanelLinear
 from dataplane.runner.fused_layers import FusedDecoderLayer, fuse_decoder_layers, rms_norm
 from dataplane.runner.model_loader import load_model
 from kernels import build_attention_metadata, resolve_backend
@@ -104,8 +105,13 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     )
     layers = llm.engine.runner.decoder.layers
     assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
-    # fp32 on the CPU: the engine runs the C++ elementwise kernels
+    # fp32 on the CPU: the engine runs the C++ elementwise kernels, and every linear (the
+    # LM head too) is the C++ panel linear
     assert all(layer.cpu_ops is not None for layer in layers)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PanelLinear)]
+    assert len(linears) == 4 * len(layers) + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert isinstance(llm.engine.runner.lm_head, PanelLinear)
+    assert not any(isinstance(m, nn.Linear | PackedLinear) for m in llm.engine.runner.model.modules())
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
     outs = llm.generate(
