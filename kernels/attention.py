@@ -11,9 +11,11 @@ Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
 with the scales folded in as the Triton kernel folds them. Otherwise they take the torch path: length-sorted groups,
 each gathering its sequences' K/V blocks with one index_select per tensor (whole blocks are
 contiguous in the cache, so this is a memcpy per block) and running one batched SDPA with a
-key-length mask. Prefill chunks always run one SDPA per sequence with the right causal
-alignment. SDPA's CPU flash kernel accepts the strided K/V views directly and handles GQA
-without repeating KV heads.
+key-length mask. Prefill chunks with an fp32 query over an fp32 cache take the C++ prefill
+kernel under "cpp" (kernels/cpu/prefill_attention.cpp: every prefill sequence in one call,
+K/V read in place); otherwise one SDPA per sequence with the right causal alignment. SDPA's
+CPU flash kernel accepts the strided K/V views directly and handles GQA without repeating KV
+heads.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kernels.metadata import AttentionMetadata
 def _decode_kernels(
     query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, impl: AttentionImpl
 ) -> CpuKernels | None:
-    """The C++ kernels if this call's decode tokens use them (impl "cpp"), else None (torch path)."""
+    """The C++ kernels if this call's decode or prefill tokens use them (impl "cpp"), else None."""
     if impl != "cpp":
         return None
     if not (query.device.type == "cpu" and query.dtype == torch.float32 and cpp_cache_dtype(key_cache.dtype)):
@@ -39,7 +41,8 @@ def _decode_kernels(
             f"impl='cpp' needs a float32 CPU query and a float32 or FP8 cache, got {query.dtype} / "
             f"{key_cache.dtype} on {query.device}; use impl=None (by device)"
         )
-    if meta.num_decode_tokens == 0:
+    # The prefill kernel is fp32 only: FP8 prefills keep SDPA.
+    if meta.num_decode_tokens == 0 and (not meta.prefills or is_fp8(key_cache.dtype)):
         return None
     return load_cpu_kernels(strict=True)
 
@@ -64,7 +67,8 @@ def paged_attention(
 
     impl (kernels.backend) is the concrete path: "torch" (SDPA); "cpp", the C++ decode kernel
     (ValueError unless the query is fp32 on the CPU and the cache fp32 or FP8, RuntimeError if
-    it cannot be built; prefill tokens still take SDPA); "triton", the Triton kernels (CUDA,
+    it cannot be built) and, over an fp32 cache, the C++ prefill kernel (over FP8, prefill
+    tokens take SDPA); "triton", the Triton kernels (CUDA,
     or the CPU under TRITON_INTERPRET=1). The engine passes the one resolve_backend chose at
     start-up; None resolves by device on each call (Triton on CUDA; on the CPU "cpp" for an
     fp32 query over an fp32 or FP8 cache where the kernel builds, building it on the first
@@ -99,7 +103,8 @@ def paged_attention_torch(
     *,
     decode_kernels: CpuKernels | None = None,
 ) -> torch.Tensor:
-    """The torch reference (inputs already checked); decode_kernels: use the C++ decode kernel.
+    """The torch reference (inputs already checked); decode_kernels: use the C++ kernels for
+    the decode tokens and, over an fp32 cache, the prefill tokens.
 
     FP8 K/V are gathered as stored, widened to the query dtype (exact: every FP8 value is a
     bf16/fp16/fp32 value) and their scales folded into the softmax scale and the output. The
@@ -117,21 +122,37 @@ def paged_attention_torch(
     # out_grouped: [T, KVH, group, D], a view of out in the per-kv-head layout
     out_grouped = out.view(num_tokens, num_kv_heads, group, head_dim)
 
+    prefills = meta.prefills
     if kernels is not None:
-        # The kernel reads any [T, H, D] strides but needs head_dim contiguous.
+        # The kernels read any [T, H, D] strides but need head_dim contiguous.
         q = query if query.stride(2) == 1 else query.contiguous()
-        kernels.paged_decode_attention(
-            out,
-            q,
-            key_cache,
-            value_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            meta.decode_token_rows,
-            scale,
-            v_scale if fp8 else 1.0,
-        )
-        if not meta.prefills:
+        if meta.num_decode_tokens:
+            kernels.paged_decode_attention(
+                out,
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.decode_token_rows,
+                scale,
+                v_scale if fp8 else 1.0,
+            )
+        if prefills and not fp8:
+            # Every prefill sequence in one call, per-sequence tensors built once per step.
+            kernels.paged_prefill_attention(
+                out,
+                q,
+                key_cache,
+                value_cache,
+                meta.prefill_block_tables,
+                meta.prefill_seq_lens,
+                meta.prefill_query_starts,
+                meta.prefill_query_lens,
+                scale,
+            )
+            prefills = ()
+        if not prefills:
             return out
     # Gathers go into step-wide scratch buffers; each group's attention finishes with its
     # slice before the next group overwrites it (ops on one device run in order).
@@ -163,7 +184,7 @@ def paged_attention_torch(
             o = o * v_scale
         out_grouped.index_copy_(0, g.token_indices, o)
 
-    for p in meta.prefills:
+    for p in prefills:
         nblocks = p.block_ids.shape[0]
         # k, v: [seq_len, KVH, D] after slicing, the sequence's contiguous context
         k = torch.index_select(key_cache, 0, p.block_ids, out=k_buf[:nblocks])

@@ -32,7 +32,14 @@ logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).parent / "cpu"
 _SOURCES = tuple(
-    _CPU_DIR / name for name in ("paged_attention.cpp", "layer_ops.cpp", "cache_ops.cpp", "linear.cpp")
+    _CPU_DIR / name
+    for name in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "layer_ops.cpp",
+        "cache_ops.cpp",
+        "linear.cpp",
+    )
 )
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
@@ -49,6 +56,10 @@ class CpuKernels:
     #                        token_rows, scale, v_scale=1.0) -> None, writes out in place;
     # caches float32 or FP8 (float8_e4m3fn / float8_e5m2; scale then includes k_scale)
     paged_decode_attention: Callable[..., None]
+    # kernels/cpu/prefill_attention.cpp: paged_prefill_attention(out, query, key_cache,
+    #     value_cache, block_tables, seq_lens, query_starts, query_lens, scale) -> None, causal
+    #     attention of the prefill rows, written in place; float32 query and caches only
+    paged_prefill_attention: Callable[..., None]
     # kernels/cpu/layer_ops.cpp, all float32, all write in place and return None:
     # rms_norm(out, x, weight, eps); add_rms_norm(out, residual, delta, weight, eps) (also
     # residual += delta); silu_and_mul(out, gate_up); rotary_neox(qk, cos, sin) (qk in place)
@@ -180,6 +191,7 @@ def _build(verbose: bool) -> CpuKernels:
             ops = getattr(torch.ops, _OP_NAMESPACE)
             return CpuKernels(
                 paged_decode_attention=ops.paged_decode_attention.default,
+                paged_prefill_attention=ops.paged_prefill_attention.default,
                 rms_norm=ops.rms_norm.default,
                 add_rms_norm=ops.add_rms_norm.default,
                 silu_and_mul=ops.silu_and_mul.default,

@@ -145,6 +145,14 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor = field(repr=False)
     decode_seq_lens: torch.Tensor = field(repr=False)
     decode_token_rows: torch.Tensor = field(repr=False)
+    # The prefill sequences (query_len > 1) for the C++ prefill kernel, in batch order (the
+    # kernel orders its own work items): prefill_block_tables: [S_pre, max_prefill_blocks]
+    # int32, rows padded with 0; prefill_seq_lens, prefill_query_lens: [S_pre] int32;
+    # prefill_query_starts: [S_pre] int64, the first query row of each.
+    prefill_block_tables: torch.Tensor = field(repr=False)
+    prefill_seq_lens: torch.Tensor = field(repr=False)
+    prefill_query_lens: torch.Tensor = field(repr=False)
+    prefill_query_starts: torch.Tensor = field(repr=False)
     # Most blocks any single prefill sequence gathers.
     max_prefill_blocks: int
     _decode_group_spec: _DecodeGroupSpec = field(repr=False, compare=False)
@@ -402,8 +410,10 @@ def build_attention_metadata(
     # Longest first; stable, so equal lengths keep batch order.
     decode_order = decode_seqs[np.argsort(-s_lens[decode_seqs], kind="stable")]
     decode_width = int(needed[decode_order].max()) if decode_order.size else 0
+    prefill_seqs = np.flatnonzero(~is_decode)
+    prefill_width = int(needed[prefill_seqs].max()) if prefill_seqs.size else 0
     prefills: list[PrefillSeq] = []
-    for s in np.flatnonzero(~is_decode).tolist():
+    for s in prefill_seqs.tolist():
         q_len, s_len = int(q_lens[s]), int(s_lens[s])
         mask: torch.Tensor | None = None
         if s_len > q_len:
@@ -438,7 +448,13 @@ def build_attention_metadata(
         ).to(device),
         decode_seq_lens=torch.from_numpy(s_lens[decode_order].astype(np.int32)).to(device),
         decode_token_rows=torch.from_numpy(query_start[decode_order]).to(device),
-        max_prefill_blocks=max((p.block_ids.shape[0] for p in prefills), default=0),
+        prefill_block_tables=torch.from_numpy(
+            np.ascontiguousarray(table[prefill_seqs, :prefill_width], dtype=np.int32)
+        ).to(device),
+        prefill_seq_lens=torch.from_numpy(s_lens[prefill_seqs].astype(np.int32)).to(device),
+        prefill_query_lens=torch.from_numpy(q_lens[prefill_seqs].astype(np.int32)).to(device),
+        prefill_query_starts=torch.from_numpy(query_start[prefill_seqs]).to(device),
+        max_prefill_blocks=prefill_width,
         _decode_group_spec=group_spec,
         _host=_HostBatch(q_lens, s_lens, query_start, decode_order),
     )

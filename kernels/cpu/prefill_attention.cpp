@@ -1,0 +1,398 @@
+// CPU prefill (causal) paged attention: several query tokens per sequence, K/V read in place
+// from the paged cache through the block table (no gather copy), fp32 only.
+//
+// Op: pagedserve_cpu::paged_prefill_attention(out, query, key_cache, value_cache,
+//     block_tables, seq_lens, query_starts, query_lens, scale) -> ()
+//   out, query:   [T, H, D] float32, head_dim contiguous (out is written in place, only at
+//                 the prefill rows)
+//   key_cache, value_cache: [num_blocks, block_size, KVH, D] float32, contiguous
+//   block_tables: [S, max_blocks] int32, contiguous; seq_lens, query_lens: [S] int32;
+//   query_starts: [S] int64. Sequence s's queries are rows query_starts[s] .. + query_lens[s]
+//   of the batch; query j sits at position seq_lens[s] - query_lens[s] + j and sees keys
+//   0 .. that position (a cached prefix or earlier chunk is simply the first keys).
+//
+// Rows: the G = H / KVH query heads sharing a kv head are flattened with the query tokens
+// into rows r = token * G + head, and a work item is (sequence, kv head, kRows = 48
+// consecutive rows), i.e. 16 tokens at G = 3. Every row of an item reads the same K and V,
+// so each key is loaded once per item for 48 rows, whatever G is (MHA, GQA, MQA).
+//
+// Layout: the item's rows live in the SIMD lanes. The scaled queries are transposed once
+// per item into qt[D][kRows]; scores are computed key-major, s[key][rows] = sum_d
+// k[key][d] * qt[d][rows], one broadcast of a cache element against kRV row vectors per
+// FMA group, so K is read in place and never transposed. The accumulator is transposed
+// too, acc[D][rows] += v[key][d] * p[key][rows], again a broadcast of a cache element. The
+// online softmax's per-row max, sum and rescale are then plain vector ops across rows (no
+// horizontal reductions), and only the final 1 / sum and the output are written row-wise.
+// Register blocks of 8 keys (or 8 head_dim columns) x 3 row vectors = 24 accumulators.
+//
+// Keys are walked kTileKeys at a time (flash-style online softmax); an item stops at its
+// last row's causal limit, and only the tiles that cross some row's limit are masked.
+// Masked keys get probability exactly 0, and keys past the limit are never loaded, so
+// stale inf/NaN in unused cache slots cannot reach the output.
+//
+// Threads: items are sorted by key count (longest first) and handed out from an atomic
+// counter inside one torch::stable::parallel_for (torch's intra-op threads). Each item is
+// computed whole by one thread in a fixed order, so results do not depend on the thread
+// count. Stable ABI only, like paged_attention.cpp (fast JIT build, no OpenMP).
+#define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 10) << 48))
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+constexpr int kRV = 3;                 // row vectors per item
+constexpr int64_t kRows = kRV * kW;    // rows (token x query head) per item
+constexpr int64_t kTileKeys = 32;      // keys per online-softmax step
+// Keys (scores) or head_dim columns (P @ V) per register block: kBlk x kRV accumulators
+// must fit with kRV operand vectors and a broadcast. AVX-512 has 32 registers of 16
+// floats; elsewhere a 16-float vector spans 2 (AVX2) or 4 (NEON) registers.
+#if defined(__AVX512F__)
+constexpr int kBlk = 8;
+#else
+constexpr int kBlk = 2;
+#endif
+
+// x in every lane. vec.h's splat is 0 + x, which the compiler must keep (0 + -0 is +0): a
+// scalar add before each broadcast. x - 0 is x for every x, so this folds into the FMA's
+// embedded broadcast from memory.
+inline vfloat bcast(float x) { return x - vfloat{}; }
+
+// s[j][0:kRows] = sum_d k[j][d] * qt[d][0:kRows] for the N keys j (rows of the cache).
+template <int N>
+void scores_block(const float* const* k, const float* qt, int64_t head_dim, float* s) {
+  const float* kr[N];
+  for (int j = 0; j < N; ++j) kr[j] = k[j];
+  vfloat acc[N][kRV] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    vfloat q[kRV];
+    for (int c = 0; c < kRV; ++c) q[c] = load(qt + d * kRows + c * kW);
+    for (int j = 0; j < N; ++j) {
+      const vfloat kj = bcast(kr[j][d]);
+      for (int c = 0; c < kRV; ++c) acc[j][c] += kj * q[c];
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    for (int c = 0; c < kRV; ++c) store(s + j * kRows + c * kW, acc[j][c]);
+  }
+}
+
+// acc[d0 + i][0:kRows] = acc[d0 + i] * alpha + sum_{j < nk} v[j][d0 + i] * p[j][0:kRows]
+// for the N columns i: the online softmax's rescale folded into the P @ V pass.
+template <int N>
+void pv_block(const float* const* v, int64_t d0, const float* p, int64_t nk, const vfloat* alpha, float* acc) {
+  vfloat a[N][kRV];
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < kRV; ++c) a[i][c] = load(acc + (d0 + i) * kRows + c * kW) * alpha[c];
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    vfloat pj[kRV];
+    for (int c = 0; c < kRV; ++c) pj[c] = load(p + j * kRows + c * kW);
+    const float* vj = v[j] + d0;
+    for (int i = 0; i < N; ++i) {
+      const vfloat vi = bcast(vj[i]);
+      for (int c = 0; c < kRV; ++c) a[i][c] += vi * pj[c];
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < kRV; ++c) store(acc + (d0 + i) * kRows + c * kW, a[i][c]);
+  }
+}
+
+// Blocks of 1 .. kBlk, so ragged key tiles and any head_dim use the same register code.
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, float*);
+using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, const vfloat*, float*);
+template <int... I>
+constexpr std::array<ScoresFn, kBlk> scores_fns(std::integer_sequence<int, I...>) {
+  return {&scores_block<I + 1>...};
+}
+template <int... I>
+constexpr std::array<PvFn, kBlk> pv_fns(std::integer_sequence<int, I...>) {
+  return {&pv_block<I + 1>...};
+}
+constexpr std::array<ScoresFn, kBlk> kScores = scores_fns(std::make_integer_sequence<int, kBlk>{});
+constexpr std::array<PvFn, kBlk> kPv = pv_fns(std::make_integer_sequence<int, kBlk>{});
+
+struct Problem {
+  float* out;
+  const float* query;
+  const float* key_cache;
+  const float* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int64_t* query_starts;
+  const int32_t* query_lens;
+  int64_t out_stride_t, out_stride_h;
+  int64_t q_stride_t, q_stride_h;
+  int64_t max_blocks;
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t group;
+  int64_t head_dim;
+  float scale;
+};
+
+struct Item {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t row0;    // first flattened row (token * G + query head) of the sequence
+  int64_t kv_end;  // keys the item reads: its last row's position + 1
+};
+
+// Per-thread scratch: transposed scaled queries [D][kRows], one tile's scores /
+// probabilities [kTileKeys][kRows], the transposed accumulator [D][kRows] and the tile's
+// K and V row pointers.
+struct Scratch {
+  std::vector<float> qt, s, acc;
+  std::array<const float*, kTileKeys> k_rows{}, v_rows{};
+  explicit Scratch(int64_t head_dim) : qt(head_dim * kRows), s(kTileKeys * kRows), acc(head_dim * kRows) {}
+};
+
+void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
+  const int64_t D = p.head_dim;
+  const int64_t G = p.group;
+  const int64_t s = it.seq;
+  const int64_t q_len = p.query_lens[s];
+  const int64_t first_pos = p.seq_lens[s] - q_len;
+  const int64_t nrows = std::min(kRows, q_len * G - it.row0);
+  float* qt = scratch.qt.data();
+  float* sc = scratch.s.data();
+  float* acc = scratch.acc.data();
+
+  // Transposed scaled queries; padding rows are zero queries at the last row's position
+  // (they see every key the item reads, so their softmax is well defined; never written).
+  alignas(64) int32_t pos[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t flat = it.row0 + std::min(r, nrows - 1);
+    pos[r] = static_cast<int32_t>(first_pos + flat / G);
+    if (r < nrows) {
+      const float* src = p.query + (p.query_starts[s] + flat / G) * p.q_stride_t +
+                         (it.kv_head * G + flat % G) * p.q_stride_h;
+      for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = src[d] * p.scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = 0.0f;
+    }
+  }
+  vint pos_v[kRV];
+  std::memcpy(pos_v, pos, sizeof(pos_v));
+  const int64_t min_pos = pos[0];
+
+  const vfloat neg_inf = splat(-std::numeric_limits<float>::infinity());
+  vfloat m[kRV], l[kRV];
+  for (int c = 0; c < kRV; ++c) {
+    m[c] = neg_inf;
+    l[c] = vfloat{};
+  }
+  std::fill(acc, acc + D * kRows, 0.0f);
+
+  const int64_t row_stride = p.num_kv_heads * D;
+  const int32_t* table = p.block_tables + s * p.max_blocks;
+  const int64_t head_offset = it.kv_head * D;
+  for (int64_t k0 = 0; k0 < it.kv_end; k0 += kTileKeys) {
+    const int64_t nk = std::min(kTileKeys, it.kv_end - k0);
+    // The tile's row pointers, walking the block table (no division per key: at block
+    // size 1 every key is its own block).
+    int64_t b = k0 / p.block_size, off = k0 % p.block_size;
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t slot = static_cast<int64_t>(table[b]) * p.block_size + off;
+      scratch.k_rows[j] = p.key_cache + slot * row_stride + head_offset;
+      scratch.v_rows[j] = p.value_cache + slot * row_stride + head_offset;
+      if (++off == p.block_size) {
+        off = 0;
+        ++b;
+      }
+    }
+    for (int64_t j = 0; j < nk; j += kBlk) {
+      kScores[std::min<int64_t>(kBlk, nk - j) - 1](scratch.k_rows.data() + j, qt, D, sc + j * kRows);
+    }
+
+    // Online softmax, vectorised across rows. Only a tile reaching past some row's causal
+    // limit needs the mask; there a masked key's probability is set to exactly 0.
+    const bool masked = k0 + nk - 1 > min_pos;
+    vfloat alpha[kRV];
+    for (int c = 0; c < kRV; ++c) {
+      vfloat tile_max = neg_inf;
+      for (int64_t j = 0; j < nk; ++j) {
+        vfloat x = load(sc + j * kRows + c * kW);
+        if (masked) {
+          x = pos_v[c] < static_cast<int32_t>(k0 + j) ? neg_inf : x;
+          store(sc + j * kRows + c * kW, x);
+        }
+        tile_max = x > tile_max ? x : tile_max;
+      }
+      // Key 0 is in every row's range and in the first tile, so m is finite from then on.
+      const vfloat m_new = m[c] > tile_max ? m[c] : tile_max;
+      alpha[c] = exp_nonpositive(m[c] - m_new);
+      m[c] = m_new;
+      vfloat sum = {};
+      for (int64_t j = 0; j < nk; ++j) {
+        const vfloat x = load(sc + j * kRows + c * kW);
+        vfloat e = exp_nonpositive(x - m_new);
+        if (masked) e = x == neg_inf ? vfloat{} : e;
+        store(sc + j * kRows + c * kW, e);
+        sum += e;
+      }
+      l[c] = l[c] * alpha[c] + sum;
+    }
+
+    for (int64_t d0 = 0; d0 < D; d0 += kBlk) {
+      kPv[std::min<int64_t>(kBlk, D - d0) - 1](scratch.v_rows.data(), d0, sc, nk, alpha, acc);
+    }
+  }
+
+  alignas(64) float inv[kRows];
+  for (int c = 0; c < kRV; ++c) store(inv + c * kW, splat(1.0f) / l[c]);
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t flat = it.row0 + r;
+    float* dst = p.out + (p.query_starts[s] + flat / G) * p.out_stride_t + (it.kv_head * G + flat % G) * p.out_stride_h;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * kRows + r] * inv[r];
+  }
+}
+
+void run(const Problem& p, int64_t num_seqs) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = static_cast<int64_t>(p.query_lens[s]) * p.group;
+    const int64_t first_pos = p.seq_lens[s] - p.query_lens[s];
+    for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
+      const int64_t last = std::min(rows, row0 + kRows) - 1;
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, row0, first_pos + last / p.group + 1});
+    }
+  }
+  // Most keys first, so the long items start early and short ones fill in at the end.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.kv_end > b.kv_end; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t threads = torch::stable::get_num_threads();
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, num_items));
+  torch::stable::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    Scratch scratch(p.head_dim);
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= num_items) break;
+      attend_item(p, items[i], scratch);
+    }
+  });
+}
+
+void check_int_vector(const Tensor& t, ScalarType type, int64_t n, const char* what) {
+  STD_TORCH_CHECK(t.dim() == 1 && t.scalar_type() == type && t.is_contiguous() && t.size(0) == n && t.is_cpu(),
+                  what);
+}
+
+void paged_prefill_attention(
+    Tensor out,
+    Tensor query,
+    Tensor key_cache,
+    Tensor value_cache,
+    Tensor block_tables,
+    Tensor seq_lens,
+    Tensor query_starts,
+    Tensor query_lens,
+    double scale) {
+  STD_TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
+  STD_TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, KVH, D]");
+  for (int64_t i = 0; i < 4; ++i) {
+    STD_TORCH_CHECK(value_cache.size(i) == key_cache.size(i), "value_cache shape != key_cache shape");
+  }
+  for (int64_t i = 0; i < 3; ++i) {
+    STD_TORCH_CHECK(out.size(i) == query.size(i), "out shape != query shape");
+  }
+  for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
+    STD_TORCH_CHECK(t->is_cpu(), "paged_prefill_attention is a CPU kernel");
+    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float,
+                    "paged_prefill_attention supports float32 only (query, out and both caches)");
+  }
+  STD_TORCH_CHECK(std::isfinite(scale), "scale must be finite");
+  STD_TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  STD_TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
+  STD_TORCH_CHECK(
+      block_tables.dim() == 2 && block_tables.scalar_type() == ScalarType::Int && block_tables.is_contiguous() &&
+          block_tables.is_cpu(),
+      "block_tables must be a contiguous int32 [S, max_blocks] CPU tensor");
+  const int64_t num_seqs = block_tables.size(0);
+  check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
+  check_int_vector(query_lens, ScalarType::Int, num_seqs, "query_lens must be a contiguous int32 [S] CPU tensor");
+  check_int_vector(query_starts, ScalarType::Long, num_seqs,
+                   "query_starts must be a contiguous int64 [S] CPU tensor");
+
+  const int64_t num_tokens = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t head_dim = key_cache.size(3);
+  STD_TORCH_CHECK(query.size(2) == head_dim && head_dim > 0, "query head_dim != cache head_dim");
+  STD_TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of KVH");
+  const int64_t max_blocks = block_tables.size(1);
+
+  // Validate the indices up front (a few hundred ints), so the hot loop needs no checks.
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* q_lens = query_lens.const_data_ptr<int32_t>();
+  const int64_t* starts = query_starts.const_data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s];
+    const int64_t q_len = q_lens[s];
+    STD_TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len, " out of range");
+    STD_TORCH_CHECK(q_len >= 1 && q_len <= len, "query_lens[", s, "] = ", q_len, " out of range");
+    STD_TORCH_CHECK(starts[s] >= 0 && starts[s] + q_len <= num_tokens, "query_starts[", s, "] = ", starts[s],
+                    " out of range");
+    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b) {
+      const int64_t block = tables[s * max_blocks + b];
+      STD_TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                      " is not a block of the cache");
+    }
+  }
+  if (num_seqs == 0) {
+    return;
+  }
+
+  Problem p{};
+  p.out = out.mutable_data_ptr<float>();
+  p.query = query.const_data_ptr<float>();
+  p.key_cache = key_cache.const_data_ptr<float>();
+  p.value_cache = value_cache.const_data_ptr<float>();
+  p.block_tables = tables;
+  p.seq_lens = lens;
+  p.query_starts = starts;
+  p.query_lens = q_lens;
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.q_stride_t = query.stride(0);
+  p.q_stride_h = query.stride(1);
+  p.max_blocks = max_blocks;
+  p.block_size = block_size;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_heads / num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = static_cast<float>(scale);
+  run(p, num_seqs);
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, float scale) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_prefill_attention", TORCH_BOX(&paged_prefill_attention));
+}
