@@ -20,6 +20,7 @@ from dataplane.config import DataPlaneConfig, EngineConfig
 from dataplane.server.auth import DataPlaneTokenInterceptor
 from dataplane.server.engine_api import DataPlaneIdentity
 from dataplane.server.engine_loop import EngineLoop
+from dataplane.server.openmp import release_openmp_threads
 from dataplane.server.servicer import DataPlaneServicer
 from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
 from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, check_port_free
@@ -136,6 +137,9 @@ def run(config: DataPlaneConfig, tls: ServerTLS | None = None, token: str | None
             resolve_model_path(model.model, model.model_home)  # not pulled: say so before importing torch
             print(f"pagedserve dataplane loading {model.model} (port {port} bound)", flush=True)
             engine_loop = build_engine_loop(config.engine, config.dataplane_id)
+            # The engine steps in its own thread from here on: end the OpenMP workers the load
+            # started in this one (dataplane/server/openmp.py says why).
+            release_openmp_threads()
         except BaseException:
             runner.run(server.stop(None))
             raise

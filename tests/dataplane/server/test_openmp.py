@@ -1,0 +1,58 @@
+"""release_openmp_threads ends the calling thread's libgomp worker threads (dataplane/server/openmp.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from dataplane.server.openmp import loaded_libgomp, release_openmp_threads
+
+
+def _num_os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture(autouse=True)
+def _needs_libgomp() -> None:
+    if loaded_libgomp() is None:
+        pytest.skip("this torch build does not use libgomp")
+
+
+def test_the_loaded_libgomp_is_found() -> None:
+    path = loaded_libgomp()
+    assert path is not None and path.name.startswith("libgomp.so") and path.exists()
+
+
+def test_release_ends_this_threads_workers_and_a_new_region_starts_them_again() -> None:
+    """In a fresh thread (its own OpenMP pool): a 3-thread region starts 2 workers, the release
+    ends them, and the next parallel op starts them again and still computes right."""
+    seen: dict[str, object] = {}
+
+    def body() -> None:
+        torch.set_num_threads(3)
+        a = torch.randn(256, 256)
+        before = _num_os_threads()
+        expected = a @ a  # a parallel region: this thread's pool gets its 2 workers
+        seen["with_pool"] = _num_os_threads() - before
+        seen["released"] = release_openmp_threads()
+        seen["after_release"] = _num_os_threads() - before
+        seen["same_result"] = torch.equal(a @ a, expected)
+        seen["restarted"] = _num_os_threads() - before
+
+    previous = torch.get_num_threads()
+    try:
+        worker = threading.Thread(target=body)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == {
+        "with_pool": 2,
+        "released": True,
+        "after_release": 0,
+        "same_result": True,
+        "restarted": 2,
+    }
