@@ -43,7 +43,7 @@ _SOURCES = tuple(
 )
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
-_HEADERS = (_CPU_DIR / "vec.h",)
+_HEADERS = (_CPU_DIR / "vec.h", _CPU_DIR / "attention_checks.h")
 # The TORCH_LIBRARY namespace the sources register their ops under.
 _OP_NAMESPACE = "pagedserve_cpu"
 

@@ -44,6 +44,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_checks.h"
 #include "vec.h"
 
 #if defined(__F16C__) && defined(__AVX__) && defined(__SSE4_1__)
@@ -445,17 +446,7 @@ void paged_decode_attention(
     Tensor token_rows,
     double scale,
     double v_scale) {
-  STD_TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
-  STD_TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, KVH, D]");
-  for (int64_t i = 0; i < 4; ++i) {
-    STD_TORCH_CHECK(value_cache.size(i) == key_cache.size(i), "value_cache shape != key_cache shape");
-  }
-  for (int64_t i = 0; i < 3; ++i) {
-    STD_TORCH_CHECK(out.size(i) == query.size(i), "out shape != query shape");
-  }
-  for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
-    STD_TORCH_CHECK(t->is_cpu(), "paged_decode_attention is a CPU kernel");
-  }
+  check_query_and_caches(out, query, key_cache, value_cache, "paged_decode_attention");
   for (const Tensor* t : {&out, &query}) {
     STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float, "paged_decode_attention supports float32 only");
   }
@@ -468,23 +459,9 @@ void paged_decode_attention(
   const bool fp8 = cache_type != ScalarType::Float;
   STD_TORCH_CHECK(fp8 || v_scale == 1.0, "v_scale must be 1.0 for a float32 cache");
   STD_TORCH_CHECK(std::isfinite(v_scale) && std::isfinite(scale), "scale and v_scale must be finite");
-  STD_TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  STD_TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
-  STD_TORCH_CHECK(
-      block_tables.dim() == 2 && block_tables.scalar_type() == ScalarType::Int && block_tables.is_contiguous(),
-      "block_tables must be a contiguous int32 [S, max_blocks]");
-  const int64_t num_seqs = block_tables.size(0);
-  STD_TORCH_CHECK(
-      seq_lens.dim() == 1 && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous() &&
-          seq_lens.size(0) == num_seqs,
-      "seq_lens must be a contiguous int32 [S]");
-  STD_TORCH_CHECK(
-      token_rows.dim() == 1 && token_rows.scalar_type() == ScalarType::Long && token_rows.is_contiguous() &&
-          token_rows.size(0) == num_seqs,
-      "token_rows must be a contiguous int64 [S]");
-  for (const Tensor* t : {&block_tables, &seq_lens, &token_rows}) {
-    STD_TORCH_CHECK(t->is_cpu(), "metadata tensors must be on the CPU");
-  }
+  const int64_t num_seqs = check_block_tables(block_tables);
+  check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
+  check_int_vector(token_rows, ScalarType::Long, num_seqs, "token_rows must be a contiguous int64 [S] CPU tensor");
 
   const int64_t num_tokens = query.size(0);
   const int64_t num_heads = query.size(1);
@@ -492,8 +469,6 @@ void paged_decode_attention(
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
-  STD_TORCH_CHECK(query.size(2) == head_dim, "query head_dim != cache head_dim");
-  STD_TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of KVH");
   const int64_t max_blocks = block_tables.size(1);
 
   // Validate the indices up front (a few thousand ints), so the hot loop needs no checks.
@@ -505,11 +480,7 @@ void paged_decode_attention(
     const int64_t len = lens[s];
     STD_TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len, " out of range");
     STD_TORCH_CHECK(rows[s] >= 0 && rows[s] < num_tokens, "token_rows[", s, "] = ", rows[s], " out of range");
-    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b) {
-      const int64_t block = tables[s * max_blocks + b];
-      STD_TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
-                  " is not a block of the cache");
-    }
+    check_block_row(tables + s * max_blocks, s, len, block_size, num_blocks);
     max_seq_len = std::max(max_seq_len, len);
   }
   if (num_seqs == 0) {

@@ -49,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_checks.h"
 #include "vec.h"
 
 namespace {
@@ -290,11 +291,6 @@ void run(const Problem& p, int64_t num_seqs) {
   });
 }
 
-void check_int_vector(const Tensor& t, ScalarType type, int64_t n, const char* what) {
-  STD_TORCH_CHECK(t.dim() == 1 && t.scalar_type() == type && t.is_contiguous() && t.size(0) == n && t.is_cpu(),
-                  what);
-}
-
 void paged_prefill_attention(
     Tensor out,
     Tensor query,
@@ -305,27 +301,13 @@ void paged_prefill_attention(
     Tensor query_starts,
     Tensor query_lens,
     double scale) {
-  STD_TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
-  STD_TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, KVH, D]");
-  for (int64_t i = 0; i < 4; ++i) {
-    STD_TORCH_CHECK(value_cache.size(i) == key_cache.size(i), "value_cache shape != key_cache shape");
-  }
-  for (int64_t i = 0; i < 3; ++i) {
-    STD_TORCH_CHECK(out.size(i) == query.size(i), "out shape != query shape");
-  }
+  check_query_and_caches(out, query, key_cache, value_cache, "paged_prefill_attention");
   for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
-    STD_TORCH_CHECK(t->is_cpu(), "paged_prefill_attention is a CPU kernel");
     STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float,
                     "paged_prefill_attention supports float32 only (query, out and both caches)");
   }
   STD_TORCH_CHECK(std::isfinite(scale), "scale must be finite");
-  STD_TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  STD_TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
-  STD_TORCH_CHECK(
-      block_tables.dim() == 2 && block_tables.scalar_type() == ScalarType::Int && block_tables.is_contiguous() &&
-          block_tables.is_cpu(),
-      "block_tables must be a contiguous int32 [S, max_blocks] CPU tensor");
-  const int64_t num_seqs = block_tables.size(0);
+  const int64_t num_seqs = check_block_tables(block_tables);
   check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
   check_int_vector(query_lens, ScalarType::Int, num_seqs, "query_lens must be a contiguous int32 [S] CPU tensor");
   check_int_vector(query_starts, ScalarType::Long, num_seqs,
@@ -337,8 +319,6 @@ void paged_prefill_attention(
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
-  STD_TORCH_CHECK(query.size(2) == head_dim && head_dim > 0, "query head_dim != cache head_dim");
-  STD_TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of KVH");
   const int64_t max_blocks = block_tables.size(1);
 
   // Validate the indices up front (a few hundred ints), so the hot loop needs no checks.
@@ -353,11 +333,7 @@ void paged_prefill_attention(
     STD_TORCH_CHECK(q_len >= 1 && q_len <= len, "query_lens[", s, "] = ", q_len, " out of range");
     STD_TORCH_CHECK(starts[s] >= 0 && starts[s] + q_len <= num_tokens, "query_starts[", s, "] = ", starts[s],
                     " out of range");
-    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b) {
-      const int64_t block = tables[s * max_blocks + b];
-      STD_TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
-                      " is not a block of the cache");
-    }
+    check_block_row(tables + s * max_blocks, s, len, block_size, num_blocks);
   }
   if (num_seqs == 0) {
     return;
