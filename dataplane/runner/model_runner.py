@@ -148,6 +148,12 @@ class ModelRunner:
         if not swap_out and not swap_in:
             return
         if self.step_listener is not None:
+            # The workers replay a forward's swaps as all outs, then all ins. Swaps pend across
+            # steps only while no forward runs, and a step that swaps in always runs one (the
+            # request swapped in is scheduled), so an out never follows a pending in; if one
+            # did, replaying it before that in would copy stale blocks.
+            if swap_out and self._pending_swap_in:
+                raise RuntimeError("a swap-out after a pending swap-in cannot be replayed in order")
             self._pending_swap_out.extend(swap_out)
             self._pending_swap_in.extend(swap_in)
         self._copy_blocks(swap_out, swap_in)

@@ -111,6 +111,33 @@ def test_throughput_rounds_interleave_ours_and_the_peer(tiny_chat_model: Path, t
     assert [row[0] for row in table["rows"]] == ["1", "2", "median"]
 
 
+@pytest.mark.real_model
+def test_offline_throughput_reports_two_ranks_and_their_communication_share(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    figures = tmp_path / "tp.json"
+    args = ["--tensor-parallel-size", "2", "--model", str(tiny_chat_model), "--num-prompts", "3"]
+    args += ["--max-prompt", "60", "--min-output", "4", "--max-output", "8", "--threads", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offline_throughput", *args, "--json-out", str(figures)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(figures.read_text())
+    # The peers (one rank with both threads, one rank with one), then two ranks of one thread.
+    runs = doc["runs"]
+    assert [(r["tensor_parallel_size"], r["threads_per_rank"]) for r in runs] == [(1, 2), (1, 1), (2, 1)]
+    assert len({r["output_tokens"] for r in runs}) == 1 and runs[0]["output_tokens"] >= 3 * 4
+    assert [r["comm_seconds"] for r in runs[:2]] == [0.0, 0.0]
+    assert 0.0 < runs[2]["comm_share"] < 1.0
+    assert runs[2]["comm_share"] == pytest.approx(runs[2]["comm_seconds"] / runs[2]["step_seconds"])
+    assert doc["same_greedy_requests"] == 3
+    assert "comm share" in proc.stdout and "same greedy tokens as tp=1: 3/3" in proc.stdout
+
+
 def test_repeats_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "throughput", "--repeats", "0", "--out", str(tmp_path), "--no-progress"]) != 0
     assert "--repeats must be >= 1" in capsys.readouterr().err

@@ -5,9 +5,12 @@ a model whose heads do not divide is refused by name; a dead worker is reported.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,8 @@ from dataplane import LLM, SamplingParams
 from dataplane.config import engine_config
 from dataplane.kvcache import cdiv
 from dataplane.parallel.driver import TensorParallelDriver
+from dataplane.runner.model_runner import ModelRunner
+from pagedserve.common.lifecycle import EXIT_ERROR
 from tests.tiny_models import (
     Reference,
     assert_same_greedy,
@@ -29,6 +34,7 @@ from tests.tiny_models import (
 )
 
 BLOCK_SIZE = 4
+REPO = Path(__file__).resolve().parents[3]
 Item = tuple[list[int], int]  # prompt, max_tokens
 
 
@@ -92,9 +98,23 @@ def check(llm: LLM, tokens: list[list[int]], refs: list[Reference], context: str
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_ranks_give_the_reference_greedy_tokens(
-    models: dict[str, tuple[Path, list[Reference]]], llms: list[LLM], arch: str
+    models: dict[str, tuple[Path, list[Reference]]],
+    llms: list[LLM],
+    arch: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     path, refs = models[arch]
+    # Rank 0's forwards, counted (the workers are other processes: their forwards are not).
+    forwards = 0
+    real_forward = ModelRunner._forward
+
+    def counting_forward(self: ModelRunner, inputs: Any) -> Any:
+        nonlocal forwards
+        forwards += 1
+        return real_forward(self, inputs)
+
+    monkeypatch.setattr(ModelRunner, "_forward", counting_forward)
     llm, tokens = run_tp2(llms, path, block_size=16, max_num_seqs=16, kv_cache_memory=4 * 2**20)
     check(llm, tokens, refs, f"{arch} tp=2")
     # Each rank's pool: the same blocks (ids agree across ranks), half the KV heads. The
@@ -108,8 +128,15 @@ def test_two_ranks_give_the_reference_greedy_tokens(
     assert engine.parallel.worker_kv_pool_shape(1) == pool_shape
     per_rank_bytes = 2 * cfg.num_hidden_layers * 16 * (cfg.num_key_value_heads // 2) * head_dim * 4
     assert engine.pool.num_blocks == 4 * 2**20 // per_rank_bytes
-    # One plan per forward reached the worker; rank 0 timed its collectives.
-    assert engine.parallel.num_plans > 0
+    # The start-up log counts one rank's bytes too.
+    planned = [
+        json.loads(line) for line in capsys.readouterr().err.splitlines() if '"kv_cache_planned"' in line
+    ]
+    assert [(p["tensor_parallel_size"], p["blocks"]) for p in planned] == [(2, engine.pool.num_blocks)]
+    assert planned[0]["bytes_per_token"] == per_rank_bytes // 16
+    # Exactly one plan per forward of rank 0 reached the workers; rank 0 timed its collectives.
+    assert forwards > 0
+    assert engine.parallel.num_plans == forwards
     assert engine.parallel.group is not None and engine.parallel.group.comm_seconds > 0
 
 
@@ -170,3 +197,38 @@ def test_a_dead_worker_is_reported_with_its_rank(models: dict[str, tuple[Path, l
     finally:
         driver.shutdown()
     assert all(p.poll() is not None for p in driver.workers)  # shutdown ended the other one
+
+
+def test_a_worker_killed_mid_generation_ends_the_process_with_a_clear_error(
+    models: dict[str, tuple[Path, list[Reference]]],
+) -> None:
+    """The default reaction, in a process of its own: a worker killed while rank 0 is stepping
+    (and may be waiting in a collective with it) ends the process with the named rank, never a
+    hang until the collective timeout."""
+    path, _ = models["llama"]
+    script = f"""
+import os, signal, threading, time
+from dataplane import LLM, SamplingParams
+llm = LLM({str(path)!r}, tensor_parallel_size=2, max_model_len=1024, max_num_seqs=4)
+driver = llm.engine.parallel
+def kill_after_some_steps():
+    while driver.num_plans < 5:
+        time.sleep(0.005)
+    print("killing rank 1 after", driver.num_plans, "plans", flush=True)
+    os.kill(driver.workers[0].pid, signal.SIGKILL)
+threading.Thread(target=kill_after_some_steps, daemon=True).start()
+params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+llm.generate([[5, 6, 7, 8]] * 4, params, use_tqdm=False)
+print("generate returned", flush=True)
+"""
+    # The timeout (far below the collectives' 300 s) is the hang check.
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert "killing rank 1 after" in proc.stdout, proc.stderr[-3000:]
+    assert "generate returned" not in proc.stdout
+    assert proc.returncode == EXIT_ERROR, proc.stderr[-3000:]
+    assert (
+        f"tensor-parallel worker rank 1 died (exit code {-signal.SIGKILL}); the data plane exits"
+        in proc.stderr
+    )
