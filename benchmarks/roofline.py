@@ -283,6 +283,7 @@ class Roofline:
     machine: MachineLimits
     classes: dict[str, ClassRoofline] = field(default_factory=dict)
     decode_curve: list[RooflinePoint] = field(default_factory=list)  # decode steps of `rows` rows
+    decode_bands: list[ClassRoofline] = field(default_factory=list)  # decode steps by row band
 
 
 def _class_roofline(
@@ -332,6 +333,32 @@ def roofline_by_class(
     return out
 
 
+# Decode steps grouped by row count: below the ridge point (~14 rows here) a step is bound by
+# streaming the weights, near it by both, above it by compute; the bands show which regime
+# the class's fraction loses in.
+DECODE_ROW_BANDS = ((1, 8), (9, 16), (17, 32), (33, 64), (65, None))
+
+
+def roofline_by_decode_rows(
+    shapes: LinearShapes, machine: MachineLimits, steps: Sequence[Step], kv_element_bytes: int = FP32_BYTES
+) -> list[ClassRoofline]:
+    """The decode steps per row band of DECODE_ROW_BANDS (kind "decode 9-16 rows"; empty bands
+    left out), each against the same roofline as the decode class."""
+    out = []
+    for lo, hi in DECODE_ROW_BANDS:
+        members = [
+            s
+            for s in steps
+            if s.kind == "decode"
+            and s.num_batched_tokens >= lo
+            and (hi is None or s.num_batched_tokens <= hi)
+        ]
+        if members:
+            name = f"decode {lo}-{hi} rows" if hi is not None else f"decode {lo}+ rows"
+            out.append(_class_roofline(name, shapes, machine, members, kv_element_bytes))
+    return out
+
+
 def decode_curve(shapes: LinearShapes, machine: MachineLimits, max_rows: int) -> list[RooflinePoint]:
     """Linears-only roofline time of a decode step (every row sampled) at row counts up to
     max_rows: its attention depends on the rows' context lengths, not on the row count."""
@@ -362,4 +389,5 @@ def measure_roofline(
         classes.pop("prefill", None)
     decode_rows = [s.num_batched_tokens for s in steps if s.kind == "decode"]
     curve = decode_curve(shapes, machine, max(decode_rows)) if decode_rows else []
-    return Roofline(machine, classes, curve)
+    bands = roofline_by_decode_rows(shapes, machine, steps, kv_element_bytes)
+    return Roofline(machine, classes, curve, bands)

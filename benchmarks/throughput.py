@@ -343,6 +343,10 @@ def build_report(
                 for k, c in roof.classes.items()
             },
             "decode_curve": [asdict(p) for p in roof.decode_curve],
+            "decode_bands": [
+                {**asdict(c), "fraction": c.fraction, "linear_fraction": c.linear_fraction}
+                for c in roof.decode_bands
+            ],
         }
         # The goal is checked on the full roofline (linears + attention).
         if "decode" in roof.classes:
@@ -393,6 +397,17 @@ def table_rows(rep: dict[str, Any]) -> list[list[str]]:
         speedup = f"{p['speedup']:.2f}x" if "speedup" in p else "-"
         rows.append([p["name"], f"{p['output_tok_s']:.1f}", f"{p['total_seconds']:.1f}", speedup, same])
     return rows
+
+
+def _band_line(c: dict[str, Any]) -> str:
+    """One row band of the decode steps: its share of the decode time and its fractions."""
+    steps = c["steps"]
+    return (
+        f"    {c['kind'][len('decode ') :]:>10}: {steps:4d} steps, {c['seconds']:6.2f} s, "
+        f"{c['mean_context_tokens'] / c['mean_rows']:.0f} context tokens/row: "
+        f"{1e3 * c['seconds'] / steps:7.2f} ms/step vs roofline {1e3 * c['roofline_seconds'] / steps:7.2f} = "
+        f"{100 * c['fraction']:.1f}% (linears-only {100 * c['linear_fraction']:.1f}%)"
+    )
 
 
 def _class_line(name: str, c: dict[str, Any], goal_met: bool | None) -> str:
@@ -451,6 +466,9 @@ def print_details(rep: dict[str, Any]) -> None:
             print(f"  attainable linear GFLOP/s by decode rows (linears only): {curve}")
         for name, c in roof["classes"].items():
             print(_class_line(name, c, goals.get("roofline_met") if name == "decode" else None))
+            if name == "decode":
+                for band in roof.get("decode_bands", []):
+                    print(_band_line(band))
     print(flush=True)
 
 

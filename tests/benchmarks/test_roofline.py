@@ -3,6 +3,7 @@ classes placed against them: linears (weights) plus attention (the KV cache's co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from benchmarks.roofline import (
     linear_shapes,
     measure_machine,
     roofline_by_class,
+    roofline_by_decode_rows,
 )
 
 # A llama-style shape small enough to reason about: hidden 4, 2 heads of 2, 1 kv head, MLP 8.
@@ -175,6 +177,36 @@ def test_step_classes_count_each_steps_kv_reads_and_attention_flops() -> None:
     assert pre.linear_roofline_seconds == pytest.approx(4.32e-7 + 1.888e-7)
     assert pre.roofline_seconds == pytest.approx(4.32e-7 + 6.12e-7 + 1.888e-7 + 2.832e-7)
     assert (pre.kv_bytes, pre.attention_flops, pre.mean_context_tokens) == (48 * 109, 48 * 1685, 54.5)
+
+
+def test_decode_steps_split_into_row_bands_that_add_up_to_the_class() -> None:
+    shapes = linear_shapes(CFG)
+    steps = [
+        FakeStep("decode", 2, 2, 1.0, context_tokens=10, attention_pairs=10),
+        FakeStep("decode", 8, 8, 2.0, context_tokens=40, attention_pairs=40),
+        FakeStep("decode", 9, 9, 3.0, context_tokens=90, attention_pairs=90),
+        FakeStep("decode", 64, 64, 4.0, context_tokens=640, attention_pairs=640),
+        FakeStep("decode", 65, 65, 5.0, context_tokens=650, attention_pairs=650),
+        FakeStep("prefill", 50, 0, 2.0, context_tokens=50, attention_pairs=1275),
+        FakeStep("mixed", 20, 1, 2.0, context_tokens=59, attention_pairs=410),
+    ]
+    bands = roofline_by_decode_rows(shapes, MACHINE, steps)
+    # the 17-32 band has no step and is left out; prefill and mixed steps are in none
+    assert [(b.kind, b.steps, b.seconds) for b in bands] == [
+        ("decode 1-8 rows", 2, 3.0),
+        ("decode 9-16 rows", 1, 3.0),
+        ("decode 33-64 rows", 1, 4.0),
+        ("decode 65+ rows", 1, 5.0),
+    ]
+    # each band is the decode class's roofline over its own steps
+    first = roofline_by_class(shapes, MACHINE, steps[:2])["decode"]
+    assert dataclasses.replace(bands[0], kind="decode") == first
+    # 9 rows: linears 9 x 944 + 9 x 80 FLOP (9.216 kFLOP, 9.2e-8 s) < 1888 B (1.888e-7 s);
+    # attention 90 x 48 FLOP (4.3e-8 s) < 90 x 48 B of KV (4.32e-7 s)
+    assert bands[1].roofline_seconds == pytest.approx(1.888e-7 + 4.32e-7)
+    decode = roofline_by_class(shapes, MACHINE, steps)["decode"]
+    assert sum(b.roofline_seconds for b in bands) == pytest.approx(decode.roofline_seconds)
+    assert sum(b.seconds for b in bands) == pytest.approx(decode.seconds)
 
 
 def test_no_context_tokens_gives_the_linears_only_roofline() -> None:
