@@ -146,6 +146,8 @@ def test_chunked_prefill_prefix_hits_and_preemption(
 ) -> None:
     path, refs = models["llama"]
     items = workload()
+    # The longest prompts take several 16-token prefill chunks.
+    assert sum(len(p) > 16 for p, _ in items) >= 4
     demand = sum(cdiv(len(p) + n, BLOCK_SIZE) for p, n in items)
     llm, tokens = run_tp2(
         llms,
