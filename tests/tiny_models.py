@@ -50,12 +50,13 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     raise ValueError(arch)
 
 
-def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
-    """Save a random-weight model of `arch` (config + safetensors, no tokenizer) to `directory`."""
+def make_tiny_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight model of `arch` (config + safetensors, no tokenizer) to `directory`;
+    `overrides` replace config fields (as in tiny_config)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

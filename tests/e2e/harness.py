@@ -161,9 +161,9 @@ class Process:
         self.proc.wait(timeout=20)
 
 
-def dataplane_process(model: Path, num_blocks: int = 64) -> Process:
+def dataplane_process(model: Path, num_blocks: int = 64, max_model_len: int = 1024) -> Process:
     argv = ["dataplane", "--port", "0", "--model", str(model), "--threads", "1"]
-    argv += ["--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "1024"]
+    argv += ["--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len)]
     return Process(argv, "listening on ")
 
 

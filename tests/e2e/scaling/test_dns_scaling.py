@@ -38,12 +38,17 @@ from tests.e2e.harness import (
 from tests.tiny_models import make_tiny_model
 
 DNS_NAME = "pagedserve-dataplane.test.svc.cluster.local:50052"
-LONG = 600  # tokens per long stream: seconds of decoding, so scaling happens while they run
+# Tokens per long stream: seconds of decoding, so scaling happens while they run (the tiny model
+# decodes a token in ~2 ms, so 600 tokens once took seconds and now take ~1 s: too short).
+LONG = 3000
+MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return make_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=MAX_MODEL_LEN
+    )
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -73,7 +78,8 @@ async def start_cp(tiny: Path, dns: FakeDNS, **kw: float) -> ControlPlane:
 def start_processes(tiny: Path, n: int) -> list[Process]:
     """`n` data-plane processes, started side by side (each imports torch and loads the model)."""
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(dataplane_process, tiny, 256) for _ in range(n)]
+        # Each takes 2 long streams: 2 x (12 + LONG) tokens in blocks of 16, with room to spare.
+        futures = [pool.submit(dataplane_process, tiny, 512, MAX_MODEL_LEN) for _ in range(n)]
     started = [f.result() for f in futures if f.exception() is None]
     if len(started) < n:
         for p in started:
