@@ -146,26 +146,14 @@ inline void widen(const uint8_t* s, float* d, int64_t n, const float* lut) {
   for (; i < n; ++i) d[i] = lut[s[i]];
 }
 
-struct Problem {
-  float* out;
-  const float* query;
+struct Problem : PagedLayout {
   const char* key_cache;  // float or FP8 (one byte) elements, see elem_size / lut
   const char* value_cache;
   int64_t elem_size;      // bytes per cache element: 4 (fp32) or 1 (FP8)
   const float* lut;       // FP8 code -> fp32 value; nullptr for an fp32 cache
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
   const int64_t* token_rows;
-  int64_t out_stride_t, out_stride_h;
-  int64_t q_stride_t, q_stride_h;
-  int64_t max_blocks;
-  int64_t block_size;
-  int64_t num_kv_heads;
-  int64_t group;
-  int64_t head_dim;
   int64_t max_seq_len;
-  float scale;    // softmax scale (times k_scale for FP8)
-  float v_scale;  // output multiplier (1 for fp32)
+  float v_scale;  // output multiplier (1 for fp32); scale (PagedLayout) is times k_scale for FP8
 };
 
 // Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D],
@@ -463,53 +451,28 @@ void paged_decode_attention(
   check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
   check_int_vector(token_rows, ScalarType::Long, num_seqs, "token_rows must be a contiguous int64 [S] CPU tensor");
 
-  const int64_t num_tokens = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t num_blocks = key_cache.size(0);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t head_dim = key_cache.size(3);
-  const int64_t max_blocks = block_tables.size(1);
-
+  Problem p{};
+  static_cast<PagedLayout&>(p) = paged_layout(out, query, key_cache, block_tables, seq_lens, scale);
   // Validate the indices up front (a few thousand ints), so the hot loop needs no checks.
-  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t num_tokens = query.size(0);
   const int64_t* rows = token_rows.const_data_ptr<int64_t>();
   int64_t max_seq_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s];
-    STD_TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len, " out of range");
+    max_seq_len = std::max(max_seq_len, check_sequence(p, s, key_cache.size(0)));
     STD_TORCH_CHECK(rows[s] >= 0 && rows[s] < num_tokens, "token_rows[", s, "] = ", rows[s], " out of range");
-    check_block_row(tables + s * max_blocks, s, len, block_size, num_blocks);
-    max_seq_len = std::max(max_seq_len, len);
   }
   if (num_seqs == 0) {
     return;
   }
 
-  Problem p{};
-  p.out = out.mutable_data_ptr<float>();
-  p.query = query.const_data_ptr<float>();
   p.key_cache = static_cast<const char*>(key_cache.const_data_ptr());
   p.value_cache = static_cast<const char*>(value_cache.const_data_ptr());
   p.elem_size = fp8 ? 1 : static_cast<int64_t>(sizeof(float));
   p.lut = !fp8                                    ? nullptr
           : cache_type == ScalarType::Float8_e4m3fn ? fp8_tables().e4m3fn
                                                     : fp8_tables().e5m2;
-  p.block_tables = tables;
-  p.seq_lens = lens;
   p.token_rows = rows;
-  p.out_stride_t = out.stride(0);
-  p.out_stride_h = out.stride(1);
-  p.q_stride_t = query.stride(0);
-  p.q_stride_h = query.stride(1);
-  p.max_blocks = max_blocks;
-  p.block_size = block_size;
-  p.num_kv_heads = num_kv_heads;
-  p.group = num_heads / num_kv_heads;
-  p.head_dim = head_dim;
   p.max_seq_len = max_seq_len;
-  p.scale = static_cast<float>(scale);
   p.v_scale = static_cast<float>(v_scale);
 
   if (!fp8) {

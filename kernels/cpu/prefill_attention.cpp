@@ -129,23 +129,11 @@ constexpr std::array<PvFn, kBlk> pv_fns(std::integer_sequence<int, I...>) {
 constexpr std::array<ScoresFn, kBlk> kScores = scores_fns(std::make_integer_sequence<int, kBlk>{});
 constexpr std::array<PvFn, kBlk> kPv = pv_fns(std::make_integer_sequence<int, kBlk>{});
 
-struct Problem {
-  float* out;
-  const float* query;
+struct Problem : PagedLayout {
   const float* key_cache;
   const float* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
   const int64_t* query_starts;
   const int32_t* query_lens;
-  int64_t out_stride_t, out_stride_h;
-  int64_t q_stride_t, q_stride_h;
-  int64_t max_blocks;
-  int64_t block_size;
-  int64_t num_kv_heads;
-  int64_t group;
-  int64_t head_dim;
-  float scale;
 };
 
 struct Item {
@@ -313,51 +301,27 @@ void paged_prefill_attention(
   check_int_vector(query_starts, ScalarType::Long, num_seqs,
                    "query_starts must be a contiguous int64 [S] CPU tensor");
 
-  const int64_t num_tokens = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t num_blocks = key_cache.size(0);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t head_dim = key_cache.size(3);
-  const int64_t max_blocks = block_tables.size(1);
-
+  Problem p{};
+  static_cast<PagedLayout&>(p) = paged_layout(out, query, key_cache, block_tables, seq_lens, scale);
   // Validate the indices up front (a few hundred ints), so the hot loop needs no checks.
-  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t num_tokens = query.size(0);
   const int32_t* q_lens = query_lens.const_data_ptr<int32_t>();
   const int64_t* starts = query_starts.const_data_ptr<int64_t>();
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s];
+    const int64_t len = check_sequence(p, s, key_cache.size(0));
     const int64_t q_len = q_lens[s];
-    STD_TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len, " out of range");
     STD_TORCH_CHECK(q_len >= 1 && q_len <= len, "query_lens[", s, "] = ", q_len, " out of range");
     STD_TORCH_CHECK(starts[s] >= 0 && starts[s] + q_len <= num_tokens, "query_starts[", s, "] = ", starts[s],
                     " out of range");
-    check_block_row(tables + s * max_blocks, s, len, block_size, num_blocks);
   }
   if (num_seqs == 0) {
     return;
   }
 
-  Problem p{};
-  p.out = out.mutable_data_ptr<float>();
-  p.query = query.const_data_ptr<float>();
   p.key_cache = key_cache.const_data_ptr<float>();
   p.value_cache = value_cache.const_data_ptr<float>();
-  p.block_tables = tables;
-  p.seq_lens = lens;
   p.query_starts = starts;
   p.query_lens = q_lens;
-  p.out_stride_t = out.stride(0);
-  p.out_stride_h = out.stride(1);
-  p.q_stride_t = query.stride(0);
-  p.q_stride_h = query.stride(1);
-  p.max_blocks = max_blocks;
-  p.block_size = block_size;
-  p.num_kv_heads = num_kv_heads;
-  p.group = num_heads / num_kv_heads;
-  p.head_dim = head_dim;
-  p.scale = static_cast<float>(scale);
   run(p, num_seqs);
 }
 
