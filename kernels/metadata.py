@@ -7,6 +7,7 @@ arithmetic and no host-side work beyond launching a few tensor ops.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,14 +61,24 @@ class PrefillSeq:
     seq_len: int  # context length including the new tokens
     # block_ids: [ceil(seq_len / block_size)] int64
     block_ids: torch.Tensor = field(repr=False)
-    # causal_mask: [query_len, seq_len] bool (True = may attend), or None when there is no
-    # cached prefix: then the mask is plain top-left causal and SDPA's is_causal skips the
-    # masked half of the work instead of computing and discarding it.
-    causal_mask: torch.Tensor | None = field(repr=False)
 
     @property
     def query_len(self) -> int:
         return self.token_end - self.token_start
+
+    @functools.cached_property
+    def causal_mask(self) -> torch.Tensor | None:
+        """[query_len, seq_len] bool (True = may attend), or None when there is no cached
+        prefix: then the mask is plain top-left causal and SDPA's is_causal skips the masked
+        half of the work instead of computing and discarding it. Built on first use, once per
+        step (the torch path's layers share it); the C++ prefill kernel never needs it."""
+        q_len, s_len = self.query_len, self.seq_len
+        if s_len == q_len:
+            return None
+        # the chunk's query j sits at position s_len - q_len + j and sees keys 0..that position
+        device = self.block_ids.device
+        query_pos = torch.arange(s_len - q_len, s_len, device=device)
+        return torch.arange(s_len, device=device)[None, :] <= query_pos[:, None]
 
 
 @dataclass(frozen=True)
@@ -414,20 +425,13 @@ def build_attention_metadata(
     prefill_width = int(needed[prefill_seqs].max()) if prefill_seqs.size else 0
     prefills: list[PrefillSeq] = []
     for s in prefill_seqs.tolist():
-        q_len, s_len = int(q_lens[s]), int(s_lens[s])
-        mask: torch.Tensor | None = None
-        if s_len > q_len:
-            # the chunk's query j sits at position s_len - q_len + j and sees keys 0..that position
-            query_pos = torch.arange(s_len - q_len, s_len, device=device)
-            mask = torch.arange(s_len, device=device)[None, :] <= query_pos[:, None]
         start = int(query_start[s])
         prefills.append(
             PrefillSeq(
                 token_start=start,
-                token_end=start + q_len,
-                seq_len=s_len,
+                token_end=start + int(q_lens[s]),
+                seq_len=int(s_lens[s]),
                 block_ids=torch.from_numpy(np.ascontiguousarray(table[s, : int(needed[s])])).to(device),
-                causal_mask=mask,
             )
         )
 
