@@ -39,11 +39,12 @@ _SOURCES = tuple(
         "layer_ops.cpp",
         "cache_ops.cpp",
         "linear.cpp",
+        "decoder_block.cpp",
     )
 )
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
-_HEADERS = (_CPU_DIR / "vec.h", _CPU_DIR / "attention_checks.h")
+_HEADERS = tuple(_CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "row_ops.h"))
 # The TORCH_LIBRARY namespace the sources register their ops under.
 _OP_NAMESPACE = "pagedserve_cpu"
 
@@ -73,6 +74,14 @@ class CpuKernels:
     # kernels/cpu/linear.cpp: panel_linear(out, x, packed, bias), float32, out written; packed
     # by kernels.linear.pack_panels, bias empty for none
     panel_linear: Callable[..., None]
+    # kernels/cpu/decoder_block.cpp, float32, a decoder layer's halves around attention:
+    # decoder_attention_input(hidden, norm_weight, eps, qkv_packed, qkv_bias, qkv_features, cos,
+    #     sin, rotary_heads) -> qkv (normed, projected, q/k rotated);
+    # decoder_mlp(hidden, attn, o_packed, o_bias, norm_weight, eps, gate_up_packed, gate_up_bias,
+    #     intermediate_size, down_packed, down_bias) -> None (o_proj, residual, norm, MLP,
+    #     residual: hidden in place)
+    decoder_attention_input: Callable[..., torch.Tensor]
+    decoder_mlp: Callable[..., None]
     library_path: str
     cflags: tuple[str, ...]
 
@@ -198,6 +207,8 @@ def _build(verbose: bool) -> CpuKernels:
                 rotary_neox=ops.rotary_neox.default,
                 write_kv_cache=ops.write_kv_cache.default,
                 panel_linear=ops.panel_linear.default,
+                decoder_attention_input=ops.decoder_attention_input.default,
+                decoder_mlp=ops.decoder_mlp.default,
                 library_path=str(library),
                 cflags=tuple(cflags),
             )

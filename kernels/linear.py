@@ -16,7 +16,8 @@ from kernels.cpu_ext import CpuKernels
 # Output columns per panel; kernels/cpu/linear.cpp's kPanel (it checks packed.size(2)).
 PANEL_WIDTH = 32
 
-_NO_BIAS = torch.empty(0)
+# What the C++ ops take for "no bias".
+NO_BIAS = torch.empty(0)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -41,5 +42,5 @@ def panel_linear(
 ) -> torch.Tensor:
     """x [rows, in] (last dim contiguous) @ weight.T (+ bias) -> a new [rows, out_features]."""
     out = x.new_empty(x.shape[0], out_features)
-    ops.panel_linear(out, x, packed, _NO_BIAS if bias is None else bias)
+    ops.panel_linear(out, x, packed, NO_BIAS if bias is None else bias)
     return out

@@ -21,6 +21,13 @@ next RMSNorm, rotary for q and k, and SiLU times up, each one pass instead of a 
 torch ops. Residual adds and rotary are bit-identical to torch; RMSNorm and SiLU differ in
 the last bits (sum order, exp polynomial). Without `cpu_ops` the same steps run in torch.
 
+Once the linears are panel-packed (`pack_linears`), `bind_block_kernels` lets each layer run
+its two halves around attention as one C++ op each (kernels/cpu/decoder_block.cpp): norm,
+q/k/v projection and rotary; then o_proj with its residual add, norm, gate/up, SiLU, down
+with its residual add. Same kernels in the same order, so bit-identical to the op-by-op path,
+without its ~10 Python-level calls per layer. A half whose linears are not all panel-packed
+(tensor-parallel o/down wrappers) or that has a q/k norm (Qwen3) keeps the op-by-op path.
+
 Unknown architectures keep transformers' modules (logged).
 """
 
@@ -34,7 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataplane.runner.attention_hook import PagedStep, paged_layer_attention
+from dataplane.runner.cpu_linear import PanelLinear
 from kernels.cpu_ext import CpuKernels
+from kernels.linear import NO_BIAS
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +140,7 @@ def apply_rotary(
     rotated in place (and returned), else a new tensor is returned."""
     cos, sin = position_embeddings
     if ops is not None:
-        # cos, sin: [1, T, D], contiguous as transformers' rotary module makes them
-        ops.rotary_neox(qk, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]))
+        ops.rotary_neox(qk, *tables.flat(cos, sin))
         return qk
     c, sin_signed = tables.get(cos, sin)
     return qk * c + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
@@ -164,6 +172,16 @@ class RotaryTables:
     def __init__(self) -> None:
         self._source: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._flat_source: torch.Tensor | None = None
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def flat(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as the [T, D] tables the C++ rotary reads (views, once per step)."""
+        if self._flat is None or self._flat_source is not cos:
+            # cos, sin: [1, T, D], contiguous as transformers' rotary module makes them
+            self._flat = (cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]))
+            self._flat_source = cos
+        return self._flat
 
     def get(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._source is not cos:
@@ -218,6 +236,10 @@ class FusedDecoderLayer(nn.Module):
         self.act_fn = mlp.act_fn
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
+        # bind_block_kernels: the C++ ops' arguments after hidden_states for each half of the
+        # layer (None: that half runs op by op).
+        self.attention_input_args: tuple[Any, ...] | None = None
+        self.mlp_args: tuple[Any, ...] | None = None
         # Qwen3: per-head RMSNorm of q and k before rotary. q and k are adjacent in the fused
         # output, so one norm over [T, H + KVH, D] with the two weights stacked per head
         # computes both (each row is normalised on its own, as in the separate norms).
@@ -254,16 +276,26 @@ class FusedDecoderLayer(nn.Module):
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         ops = self.cpu_ops
-        norm = self.input_layernorm
-        qkv = self.qkv_proj(input_rms_norm(h, norm.weight, norm.variance_epsilon, ops))  # [T, (H + 2 KVH) D]
-        qk = qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-        v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
-        if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
-        qk = apply_rotary(qk, position_embeddings, self.rotary, ops)  # [T, H + KVH, D]
+        qk_width = (heads + kv_heads) * head_dim
+        if self.attention_input_args is not None and ops is not None:
+            qkv = ops.decoder_attention_input(
+                h, *self.attention_input_args, *self.rotary.flat(*position_embeddings), heads + kv_heads
+            )  # [T, (H + 2 KVH) D], q and k rotated
+            qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim)
+        else:
+            norm = self.input_layernorm
+            qkv = self.qkv_proj(input_rms_norm(h, norm.weight, norm.variance_epsilon, ops))
+            qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim)
+            if self.qk_norm_weight is not None:
+                qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
+            qk = apply_rotary(qk, position_embeddings, self.rotary, ops)  # [T, H + KVH, D]
+        v = qkv[:, qk_width:].view(num_tokens, kv_heads, head_dim)
         out = paged_layer_attention(
             paged_step, self.layer_idx, qk[:, :heads], qk[:, heads:], v, self.scaling
         )  # [T, H, D]
+        if self.mlp_args is not None and ops is not None:
+            ops.decoder_mlp(h, out.view(num_tokens, heads * head_dim), *self.mlp_args)
+            return hidden_states
         norm = self.post_attention_layernorm
         attn_out = self.o_proj(out.view(num_tokens, heads * head_dim))
         gate_up = self.gate_up_proj(
@@ -271,6 +303,46 @@ class FusedDecoderLayer(nn.Module):
         )  # [T, 2 I]
         h += self.down_proj(silu_and_mul(gate_up, self.act_fn, ops))
         return hidden_states
+
+    def bind_block_kernels(self) -> tuple[bool, bool]:
+        """Let each half of the layer run as one C++ op where it can (module docstring);
+        returns whether the attention-input half and the MLP half do."""
+        if self.cpu_ops is None:
+            return False, False
+        qkv, o, gate_up, down = self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
+        def bias(linear: PanelLinear) -> torch.Tensor:
+            return NO_BIAS if linear.bias is None else linear.bias.detach()
+
+        if isinstance(qkv, PanelLinear) and self.qk_norm_weight is None:
+            norm = self.input_layernorm
+            self.attention_input_args = (
+                norm.weight.detach(),
+                float(norm.variance_epsilon),
+                qkv.panels,
+                bias(qkv),
+                qkv.out_features,
+            )
+        if isinstance(o, PanelLinear) and isinstance(gate_up, PanelLinear) and isinstance(down, PanelLinear):
+            norm = self.post_attention_layernorm
+            self.mlp_args = (
+                o.panels, bias(o), norm.weight.detach(), float(norm.variance_epsilon),
+                gate_up.panels, bias(gate_up), gate_up.out_features // 2, down.panels, bias(down),
+            )  # fmt: skip
+        return self.attention_input_args is not None, self.mlp_args is not None
+
+
+def bind_block_kernels(model: nn.Module) -> tuple[int, int]:
+    """After `pack_linears`: each fused layer runs its attention-input and MLP halves as one
+    C++ op each where it can; returns how many layers do, per half."""
+    bound = [layer.bind_block_kernels() for layer in model.modules() if isinstance(layer, FusedDecoderLayer)]
+    attention_input, mlp = sum(a for a, _ in bound), sum(m for _, m in bound)
+    if bound:
+        log.info(
+            "fused layers: %d of %d run attention input as one C++ op, %d the MLP half",
+            attention_input, len(bound), mlp,
+        )  # fmt: skip
+    return attention_input, mlp
 
 
 def fuse_decoder_layers(model: nn.Module, cpu_ops: CpuKernels | None = None) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
-from dataplane.runner.fused_layers import fuse_decoder_layers
+from dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
 from dataplane.runner.kv_scales import KVScales
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
@@ -89,6 +89,7 @@ class ModelRunner:
         if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
             pack_linears(model, panel_ops=cpu_ops)
             self.lm_head = model.get_output_embeddings()
+            bind_block_kernels(model)
         self.block_size = block_size
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers

@@ -12,8 +12,13 @@ from torch import nn
 
 from dataplane import LLM, SamplingParams
 from dataplane.runner.attention_hook import PagedStep
-from dataplane.runner.cpu_linear import PackedLinear, PanelLinear
-from dataplane.runner.fused_layers import FusedDecoderLayer, fuse_decoder_layers, rms_norm
+from dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
+from dataplane.runner.fused_layers import (
+    FusedDecoderLayer,
+    bind_block_kernels,
+    fuse_decoder_layers,
+    rms_norm,
+)
 from dataplane.runner.model_loader import load_model
 from kernels import build_attention_metadata, resolve_backend
 from kernels.cpu_ext import load_cpu_kernels
@@ -108,6 +113,10 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     # fp32 on the CPU: the engine runs the C++ elementwise kernels, and every linear (the
     # LM head too) is the C++ panel linear
     assert all(layer.cpu_ops is not None for layer in layers)
+    # ... and each layer's halves around attention as one C++ op each (Qwen3's q/k norm keeps
+    # its attention input op by op)
+    assert all((layer.attention_input_args is not None) == (arch != "qwen3") for layer in layers)
+    assert all(layer.mlp_args is not None for layer in layers)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PanelLinear)]
     assert len(linears) == 4 * len(layers) + 1  # qkv, o, gate_up, down per layer; the LM head
     assert isinstance(llm.engine.runner.lm_head, PanelLinear)
@@ -221,3 +230,46 @@ def test_rms_norm_is_bit_identical_to_transformers() -> None:
     x16 = torch.randn(4, 96).bfloat16()
     norm16 = norm.to(torch.bfloat16)
     assert torch.equal(rms_norm(x16, norm16.weight, norm16.variance_epsilon), norm16(x16))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_block_kernels_are_bit_identical_to_the_op_by_op_layers(
+    model_dirs: dict[str, Path], arch: str
+) -> None:
+    """Each layer's halves as one C++ op each (bind_block_kernels) give the very same logits
+    and cached K/V as the same layers op by op, over prefills, chunks and decodes."""
+    ops = load_cpu_kernels(strict=True)
+    models = []
+    for bind in (False, True):
+        model = load_model(model_dirs[arch], "float32", "cpu")
+        fuse_decoder_layers(model, cpu_ops=ops)
+        pack_linears(model, panel_ops=ops)
+        layers = model.config.num_hidden_layers
+        if bind:
+            # Qwen3's q/k norm sits between the projection and rotary: that half stays op by op.
+            assert bind_block_kernels(model) == (0 if arch == "qwen3" else layers, layers)
+        models.append(model)
+    gen = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(3, 384, (16,), generator=gen).tolist() for _ in range(3)]
+    tables = [list(range(0, 4)), list(range(10, 14)), list(range(20, 24))]
+    drivers = PagedDriver(models[0]), PagedDriver(models[1])
+    for plan in chunked_schedule():
+        seqs = [(tokens[s], start, n, tables[s]) for s, start, n in plan]
+        want, got = (d.step(seqs) for d in drivers)
+        assert torch.equal(got, want)
+    for (k0, v0), (k1, v1) in zip(drivers[0].caches, drivers[1].caches, strict=True):
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)
+
+
+def test_block_kernels_need_panel_linears_and_the_cpu_kernels(model_dirs: dict[str, Path]) -> None:
+    ops = load_cpu_kernels(strict=True)
+    torch_layers = load_model(model_dirs["llama"], "float32", "cpu")
+    fuse_decoder_layers(torch_layers)  # no C++ kernels: nothing to bind
+    assert bind_block_kernels(torch_layers) == (0, 0)
+    onednn = load_model(model_dirs["llama"], "float32", "cpu")
+    fuse_decoder_layers(onednn, cpu_ops=ops)
+    pack_linears(onednn)  # oneDNN-packed linears: not the panel layout the ops read
+    assert bind_block_kernels(onednn) == (0, 0)
+    assert all(
+        layer.attention_input_args is None and layer.mlp_args is None for layer in onednn.get_decoder().layers
+    )

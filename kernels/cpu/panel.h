@@ -1,0 +1,164 @@
+// The panel matmul at the heart of the fp32 CPU linear layers: out (=|+=) x @ weight.T + bias
+// over a weight packed once into 32-column panels (layout and rationale: linear.cpp).
+//
+// Shared by linear.cpp (the panel_linear op) and decoder_block.cpp (a decoder layer's matmuls
+// chained in one op). Internal to the extension: everything is in an unnamed namespace, so
+// each source gets its own inlined copy. The including source defines TORCH_TARGET_VERSION and
+// includes torch's stable headers first.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kPanel = 2 * kW;  // output columns per panel: two vectors
+// Rows per register tile: 2 accumulators per row must fit the vector registers with the two
+// panel vectors and a broadcast. AVX-512 has 32 registers of 16 floats; elsewhere a 16-float
+// vector spans 2 (AVX2) or 4 (NEON) registers of 16 / 32.
+#if defined(__AVX512F__)
+constexpr int kMaxTileRows = 12;
+#else
+constexpr int kMaxTileRows = 3;
+#endif
+// Rows per work item when a call has many rows (prefill): bounds the slice of x re-read per
+// panel (96 x 1536 floats = 590 KB at most) while giving the threads enough items.
+constexpr int64_t kChunkRows = 96;
+// Prefetch this many k steps ahead in the panel (each is one 128-byte row of the panel).
+constexpr int64_t kPrefetchSteps = 16;
+
+// One output element's value is acc (the in-order FMA chain over k) + bias; `accumulate`
+// adds it to what out holds (out + (acc + bias), the order of `out += linear(x)`).
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias, float* out,
+                 int64_t ldo, int64_t cols, bool accumulate) {
+  vfloat acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = splat(0.0f);
+    acc1[r] = splat(0.0f);
+  }
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* b = panel + k * kPanel;
+    __builtin_prefetch(b + kPrefetchSteps * kPanel);
+    __builtin_prefetch(b + kPrefetchSteps * kPanel + kW);
+    const vfloat b0 = load(b);
+    const vfloat b1 = load(b + kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vfloat a = splat(x[r * ldx + k]);
+      acc0[r] = acc0[r] + a * b0;  // contracted to one FMA (-ffp-contract=fast, GCC's default)
+      acc1[r] = acc1[r] + a * b1;
+    }
+  }
+  if (bias != nullptr) {
+    float padded[kPanel] = {};
+    std::copy(bias, bias + cols, padded);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] += load(padded);
+      acc1[r] += load(padded + kW);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * ldo;
+    if (cols == kPanel) {
+      if (accumulate) {
+        acc0[r] = load(o) + acc0[r];
+        acc1[r] = load(o + kW) + acc1[r];
+      }
+      store(o, acc0[r]);
+      store(o + kW, acc1[r]);
+    } else {
+      float row[kPanel];
+      store(row, acc0[r]);
+      store(row + kW, acc1[r]);
+      for (int64_t c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool);
+
+template <int... R>
+constexpr auto make_tiles(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
+}
+constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxTileRows>{});
+
+// Rows [row0, row0 + rows) of the output against one panel, in balanced tiles of at most
+// kMaxTileRows rows (34 rows: 12 + 11 + 11, not 12 + 12 + 10 then a ragged tile of rest).
+inline void rows_by_panel(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias,
+                          float* out, int64_t ldo, int64_t cols, int64_t rows, bool accumulate) {
+  const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+  int64_t done = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t left = tiles - t;
+    const int64_t n = (rows - done + left - 1) / left;
+    kTiles[n - 1](x + done * ldx, ldx, panel, k_len, bias, out + done * ldo, ldo, cols, accumulate);
+    done += n;
+  }
+}
+
+// What a panel matmul reads and writes; the caller has checked every shape.
+struct PanelMatmul {
+  const float* x;       // [rows, k_len], row stride ldx, last dim contiguous
+  int64_t ldx;
+  int64_t rows;
+  const float* packed;  // [panels, k_len, kPanel]
+  int64_t panels;
+  int64_t k_len;
+  const float* bias;    // [n], or nullptr
+  float* out;           // [rows, n], row stride ldo
+  int64_t ldo;
+  int64_t n;
+};
+
+// Checks one linear's tensors and returns its problem: out [rows, n] contiguous (written),
+// x [rows, k] with a contiguous last dim, packed [panels, k, kPanel] contiguous (columns past
+// n zero), bias [n] contiguous or empty for none; all float32 on the CPU. `what` names the op.
+inline PanelMatmul panel_problem(const char* what, const torch::stable::Tensor& out, const torch::stable::Tensor& x,
+                                 const torch::stable::Tensor& packed, const torch::stable::Tensor& bias) {
+  using torch::headeronly::ScalarType;
+  for (const torch::stable::Tensor* t : {&out, &x, &packed, &bias}) {
+    STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == ScalarType::Float, what,
+                    ": out, x, packed and bias must be float32 CPU tensors");
+  }
+  STD_TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), what,
+                  ": packed must be a contiguous [panels, in_features, ", kPanel, "] weight");
+  const int64_t panels = packed.size(0), k_len = packed.size(1);
+  STD_TORCH_CHECK(x.dim() == 2 && x.size(1) == k_len && x.stride(1) == 1, what, ": x must be [rows, ", k_len,
+                  "] with a contiguous last dim");
+  const int64_t rows = x.size(0);
+  STD_TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.is_contiguous(), what, ": out must be a contiguous [",
+                  rows, ", out_features] tensor");
+  const int64_t n = out.size(1);
+  STD_TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, what, ": out has ", n,
+                  " columns but packed holds ", panels, " panels of ", kPanel);
+  STD_TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous()), what,
+                  ": bias must be empty or a contiguous [", n, "]");
+  return PanelMatmul{x.const_data_ptr<float>(), x.stride(0), rows, packed.const_data_ptr<float>(), panels, k_len,
+                     bias.numel() ? bias.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>(), n, n};
+}
+
+// out = x @ weight.T + bias, or out += it with `accumulate`, on torch's intra-op threads over
+// (panel, row chunk) items; consecutive items of a thread share a panel, so its weights are
+// read from memory once per thread.
+inline void panel_matmul(const PanelMatmul& m, bool accumulate) {
+  if (m.rows == 0 || m.n == 0) return;
+  const int64_t chunks = (m.rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows = (m.rows + chunks - 1) / chunks;
+  torch::stable::parallel_for(0, m.panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / chunks, c = item % chunks;
+      const int64_t row0 = c * chunk_rows, nrows = std::min(chunk_rows, m.rows - row0);
+      const int64_t col0 = p * kPanel, cols = std::min(kPanel, m.n - col0);
+      rows_by_panel(m.x + row0 * m.ldx, m.ldx, m.packed + p * m.k_len * kPanel, m.k_len,
+                    m.bias ? m.bias + col0 : nullptr, m.out + row0 * m.ldo + col0, m.ldo, cols, nrows, accumulate);
+    }
+  });
+}
+
+}  // namespace
