@@ -4,7 +4,7 @@
 The extension must build here (load_cpu_kernels(strict=True)). Beyond accuracy, the kernel
 promises bit-identical rows whatever the batch, the row's position in it, the row stride of x
 and the thread count: asserted with torch.equal. Shapes cover a ragged last panel (100
-columns), the row tiles (3 or 12 rows, balanced) and the 96-row chunks of long prefills.
+columns), the row tiles (3 or 12 rows: a full first tile, the rest balanced) and the 96-row chunks of long prefills.
 """
 
 from __future__ import annotations
