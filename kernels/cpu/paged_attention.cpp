@@ -321,9 +321,15 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
 
   // Pass 1: scores = (q * scale) . k for every context position, straight from the blocks.
   // A block's rows are swept once per query head and stay in L1 between heads.
+  // The last K blocks' look-ahead goes to the first V blocks, so pass 2 does not start cold.
   for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(k_head, b);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    blocks.prefetch(k_head, b + pf_blocks);
+    const int64_t ahead = b + pf_blocks;
+    if (ahead < num_blocks) {
+      blocks.prefetch(k_head, ahead);
+    } else {
+      blocks.prefetch(v_head, ahead - num_blocks);
+    }
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
     int64_t rs;
@@ -361,7 +367,9 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
 
   // Pass 2: acc = P @ V, block by block, each head's accumulator row in registers.
   std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(v_head, b);
+  // Pass 1's last pf_blocks blocks prefetched V blocks [0, pf_blocks), all but the first
+  // pf_blocks - num_blocks where the sequence is shorter than that.
+  for (int64_t b = 0; b < pf_blocks - num_blocks; ++b) blocks.prefetch(v_head, b);
   for (int64_t b = 0; b < num_blocks; ++b) {
     blocks.prefetch(v_head, b + pf_blocks);
     const int64_t pos = b * bs;
