@@ -25,7 +25,11 @@ What it does, in one process:
    paged attention, the attention metadata and sampling. "other" is the step's wall time
    minus those (residual adds, transformers' `act * up`, views, Python). Printed
    as ms per step and share of the step. The fused layers run our C++ elementwise kernels
-   (kernels/cpu/layer_ops.cpp) on the CPU in fp32, as the engine does.
+   (kernels/cpu/layer_ops.cpp) on the CPU in fp32, as the engine does. The engine runs each
+   layer's halves around attention as one C++ op each (kernels/cpu/decoder_block.cpp), which
+   no range can see into, so the profile runs those halves op by op: the same kernels in the
+   same order, plus the Python between them that the block ops save (the A/B below runs the
+   engine's path).
 4. A/B without the profiler: `--decode-pairs` / `--prefill-pairs` paired steps, alternating
    which runner goes first; the speed-up is the median transformers-layers step time over
    the median fused-layers step time.
@@ -207,6 +211,11 @@ def phase_ranges(runner: Any) -> Iterator[None]:
             break
     open_keys: set[str] = set()
     with ExitStack() as stack:
+        # The block ops (one C++ call per layer half) hide the phases: run the halves op by op.
+        for layer in runner.model.modules():
+            if isinstance(layer, fused_layers.FusedDecoderLayer):
+                stack.enter_context(_patched(layer, "attention_input_args", None))
+                stack.enter_context(_patched(layer, "mlp_args", None))
         for module, name, key in functions:
             stack.enter_context(_patched(module, name, _labelled(getattr(module, name), key, open_keys)))
         for m in runner.model.modules():

@@ -69,3 +69,18 @@ def test_bad_sizes_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert main(["bench", "step-profile", flag, value, "--out", str(tmp_path), "--no-progress"]) != 0
         assert f"{flag} must be {message}, got {value}" in capsys.readouterr().err
     assert not (tmp_path / "step-profile.json").exists()
+
+
+def test_profile_runs_the_block_ops_halves_op_by_op_and_restores_them(tiny: Path) -> None:
+    """The C++ block ops hide the phases inside them: the profiled steps run each layer half
+    op by op, and the runner gets its block ops back after."""
+    from benchmarks.step_profile import build_runner, phase_ranges
+    from dataplane.runner.fused_layers import FusedDecoderLayer
+
+    runner = build_runner(tiny, True, 16, 4)
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedDecoderLayer)]
+    bound = [(layer.attention_input_args, layer.mlp_args) for layer in layers]
+    assert len(layers) == 2 and all(a is not None and m is not None for a, m in bound)
+    with phase_ranges(runner):
+        assert all(layer.attention_input_args is None and layer.mlp_args is None for layer in layers)
+    assert [(layer.attention_input_args, layer.mlp_args) for layer in layers] == bound
