@@ -10,9 +10,13 @@ kernels it never compiled.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from kernels.cpu_ext import CpuKernels
 
 REQUIRE = os.environ.get("PAGEDSERVE_KERNEL_TESTS", "")
 
@@ -25,3 +29,14 @@ if REQUIRE == "cuda":
         raise pytest.UsageError("PAGEDSERVE_KERNEL_TESTS=cuda runs compiled kernels: unset TRITON_INTERPRET")
 elif not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def ext() -> CpuKernels:
+    """The C++ CPU kernels; they must build here (a missing kernel is a failure, not a skip)."""
+    # Imported here, not at the top: TRITON_INTERPRET must be settled before kernels' imports.
+    from kernels.cpu_ext import load_cpu_kernels
+
+    kernels = load_cpu_kernels(strict=True)
+    assert kernels is not None
+    return kernels

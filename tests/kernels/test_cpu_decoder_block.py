@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.cpu_ext import CpuKernels
 from kernels.linear import NO_BIAS, pack_panels, panel_linear
 
 HIDDEN = 80
@@ -18,13 +18,6 @@ HEADS, KV_HEADS, HEAD_DIM = 5, 1, 16
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM  # 112: three and a half panels
 INTER = 72  # gate/up 144 columns: four and a half panels
 EPS = 1e-6
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
-    return kernels
 
 
 def linear(

@@ -20,7 +20,7 @@ from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Ba
 from dataplane import LLM, SamplingParams
 from kernels import paged_attention
 from kernels.backend import AttentionImpl, resolve_backend
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.cpu_ext import CpuKernels
 from kernels.fp8 import dequantize_fp8, quantize_fp8
 from kernels.reference import dense_causal_attention_reference
 from tests.dataplane.test_engine_exactness import assert_no_leaks, workload
@@ -31,13 +31,6 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # (|x| < ~5) land well inside both formats' ranges.
 K_SCALE, V_SCALE = 0.02, 0.005
 DECODE_SEQ_LENS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 64, 100, 129, 250, 301]
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
-    return kernels
 
 
 def fp8_batch(batch: Batch, fp8: torch.dtype) -> Batch:

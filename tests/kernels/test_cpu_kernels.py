@@ -17,15 +17,8 @@ import torch
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch, max_error
 
 from kernels import build_attention_metadata, paged_attention
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.cpu_ext import CpuKernels
 from kernels.reference import dense_causal_attention_reference
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
-    return kernels
 
 
 def reference(batch: Batch, query: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,12 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    return load_cpu_kernels(strict=True)
+from kernels.cpu_ext import CpuKernels
 
 
 def llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,15 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.cpu_ext import CpuKernels
 from kernels.linear import PANEL_WIDTH, pack_panels, panel_linear
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
-    return kernels
 
 
 def make_layer(

@@ -11,16 +11,9 @@ import torch
 from test_paged_attention import MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
 from kernels import paged_attention
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from kernels.cpu_ext import CpuKernels
 
 SENTINEL = 12345.0
-
-
-@pytest.fixture(scope="module")
-def ext() -> CpuKernels:
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
-    return kernels
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
