@@ -94,8 +94,8 @@ constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxTileRows>
 // then the rest in balanced tiles (34 rows: 12 + 11 + 11; 16 rows: 12 + 4).
 // Why the full first tile: it reads the panel from memory, so it runs at the memory's speed
 // whatever its height, and the later tiles find the panel in L2. A taller first tile leaves
-// fewer rows for the rest (16 rows: 12 + 4 was 2-8 % faster than 8 + 8 on the default model's
-// layers at 13-28 rows, the same above 30).
+// fewer rows for the rest (on the default model's layers: 1.7-8.4 % faster at 13-28 rows in
+// one comparison, within 1 % in another; the same above 30).
 inline void rows_by_panel(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias,
                           float* out, int64_t ldo, int64_t cols, int64_t rows, bool accumulate) {
   const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
