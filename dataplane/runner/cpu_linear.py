@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_ext import CpuKernels
-from kernels.linear import pack_panels, panel_linear
+from kernels.linear import NO_BIAS, pack_panels, panel_linear
 
 
 def onednn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -62,13 +62,17 @@ class PanelLinear(nn.Module):
         self.register_buffer("panels", pack_panels(linear.weight.detach()), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+    @property
+    def kernel_bias(self) -> torch.Tensor:
+        """The bias as the C++ ops take it: the tensor, or kernels.linear.NO_BIAS for none."""
+        return NO_BIAS if self.bias is None else self.bias.detach()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]; the op needs a contiguous last dim
         flat = x.reshape(-1, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        bias = None if self.bias is None else self.bias.detach()
-        out = panel_linear(self._ops, flat, self.panels, self.out_features, bias)
+        out = panel_linear(self._ops, flat, self.panels, self.out_features, self.kernel_bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -43,7 +43,6 @@ from torch import nn
 from dataplane.runner.attention_hook import PagedStep, paged_layer_attention
 from dataplane.runner.cpu_linear import PanelLinear
 from kernels.cpu_ext import CpuKernels
-from kernels.linear import NO_BIAS
 
 log = logging.getLogger(__name__)
 
@@ -311,23 +310,20 @@ class FusedDecoderLayer(nn.Module):
             return False, False
         qkv, o, gate_up, down = self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
-        def bias(linear: PanelLinear) -> torch.Tensor:
-            return NO_BIAS if linear.bias is None else linear.bias.detach()
-
         if isinstance(qkv, PanelLinear) and self.qk_norm_weight is None:
             norm = self.input_layernorm
             self.attention_input_args = (
                 norm.weight.detach(),
                 float(norm.variance_epsilon),
                 qkv.panels,
-                bias(qkv),
+                qkv.kernel_bias,
                 qkv.out_features,
             )
         if isinstance(o, PanelLinear) and isinstance(gate_up, PanelLinear) and isinstance(down, PanelLinear):
             norm = self.post_attention_layernorm
             self.mlp_args = (
-                o.panels, bias(o), norm.weight.detach(), float(norm.variance_epsilon),
-                gate_up.panels, bias(gate_up), gate_up.out_features // 2, down.panels, bias(down),
+                o.panels, o.kernel_bias, norm.weight.detach(), float(norm.variance_epsilon),
+                gate_up.panels, gate_up.kernel_bias, gate_up.out_features // 2, down.panels, down.kernel_bias,
             )  # fmt: skip
         return self.attention_input_args is not None, self.mlp_args is not None
 

@@ -54,14 +54,15 @@ Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Te
   const int64_t dim = cos.dim() == 2 ? cos.size(1) : 0;
   STD_TORCH_CHECK(dim > 0 && dim % 2 == 0, "cos must be [tokens, head_dim] with an even head_dim");
   check_rotary_tables(cos, sin, tokens, dim);
-  Tensor normed = torch::stable::new_empty(hidden, {tokens, h});
-  norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
-            tokens, h, static_cast<float>(eps));
   STD_TORCH_CHECK(qkv_features > 0, "qkv_features must be positive, got ", qkv_features);
+  Tensor normed = torch::stable::new_empty(hidden, {tokens, h});
   Tensor qkv = torch::stable::new_empty(hidden, {tokens, qkv_features});
+  // Every shape is checked before any work, as in decoder_mlp.
   const PanelMatmul m = panel_problem("decoder_attention_input", qkv, normed, qkv_packed, qkv_bias);
   STD_TORCH_CHECK(rotary_heads >= 0 && rotary_heads * dim <= m.n, "rotary_heads (", rotary_heads, ") x head_dim (",
                   dim, ") exceeds the ", m.n, " q/k/v columns");
+  norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
+            tokens, h, static_cast<float>(eps));
   panel_matmul(m, /*accumulate=*/false);
   rotate_heads(qkv.mutable_data_ptr<float>(), m.n, dim, tokens, rotary_heads, cos.const_data_ptr<float>(),
                sin.const_data_ptr<float>(), dim);
@@ -88,11 +89,7 @@ void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Ten
   norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
             tokens, h, static_cast<float>(eps));
   panel_matmul(gu, /*accumulate=*/false);
-  float* ap = act.mutable_data_ptr<float>();
-  const float* gp = gate_up.const_data_ptr<float>();
-  torch::stable::parallel_for(0, tokens, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(ap + r * inter, gp + r * 2 * inter, inter);
-  });
+  silu_mul_rows(act.mutable_data_ptr<float>(), inter, gate_up.const_data_ptr<float>(), 2 * inter, tokens, inter);
   panel_matmul(down, /*accumulate=*/true);  // hidden += act @ W_down.T + b_down
 }
 

@@ -75,12 +75,8 @@ void silu_and_mul(Tensor out, Tensor gate_up) {
   const int64_t inter = two_i / 2;
   check_rows(gate_up, "gate_up", rows, two_i);
   check_rows(out, "out", rows, inter);
-  const float* gp = gate_up.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  torch::stable::parallel_for(0, rows, grain_rows(two_i), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(op + r * os, gp + r * gs, inter);
-  });
+  silu_mul_rows(out.mutable_data_ptr<float>(), out.stride(0), gate_up.const_data_ptr<float>(), gate_up.stride(0),
+                rows, inter);
 }
 
 void rotary_neox(Tensor qk, Tensor cos, Tensor sin) {

@@ -287,19 +287,15 @@ struct Blocks {
       return widened;
     }
   }
-  // Rows [n * part / parts, n * (part + 1) / parts) of block b.
-  __attribute__((always_inline)) void prefetch_part(const char* head, int64_t b, int64_t part, int64_t parts) const {
+  // Prefetch rows [n * part / parts, n * (part + 1) / parts) of block b's n rows (the whole
+  // block by default); nothing past the sequence's last block. always_inline for the same
+  // reason as prefetch_rows.
+  __attribute__((always_inline)) void prefetch(const char* head, int64_t b, int64_t part = 0,
+                                               int64_t parts = 1) const {
     if (b < num_blocks) {
       const int64_t n = std::min(block_size, seq_len - b * block_size);
       const int64_t lo = n * part / parts, hi = n * (part + 1) / parts;
       prefetch_rows(raw_rows(head, b) + lo * row_stride * elem_size, hi - lo, row_stride * elem_size,
-                    head_dim * elem_size);
-    }
-  }
-  // always_inline for the same reason as prefetch_rows.
-  __attribute__((always_inline)) void prefetch(const char* head, int64_t b) const {
-    if (b < num_blocks) {
-      prefetch_rows(raw_rows(head, b), std::min(block_size, seq_len - b * block_size), row_stride * elem_size,
                     head_dim * elem_size);
     }
   }
@@ -345,7 +341,7 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
     int64_t rs;
     const float* k_rows = blocks.rows<kCache>(k_head, b, n, rs);
     for (int64_t g = 0; g < G; ++g) {
-      blocks.prefetch_part(pf_head, pf_b, g, G);
+      blocks.prefetch(pf_head, pf_b, g, G);
       const float* qg = q + g * D;
       float* sc = scores + g * ss + pos;
       int64_t o = 0;
@@ -387,7 +383,7 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
     int64_t rs;
     const float* v_rows = blocks.rows<kCache>(v_head, b, n, rs);
     for (int64_t g = 0; g < G; ++g) {
-      blocks.prefetch_part(v_head, b + pf_blocks, g, G);
+      blocks.prefetch(v_head, b + pf_blocks, g, G);
       Row<NV>::axpy_rows(acc + g * D, scores + g * ss + pos, v_rows, n, rs, D);
     }
   }

@@ -56,7 +56,6 @@ inline void norm_row(float* out, const float* x, const float* w, int64_t n, floa
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-
 // residual += delta over one row of n floats (the same IEEE adds as torch's in-place add).
 inline void add_row(float* residual, const float* delta, int64_t n) {
   int64_t i = 0;
@@ -121,6 +120,13 @@ inline void rotate_heads(float* qk, int64_t ts, int64_t hs, int64_t tokens, int6
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) rotate_row(qk + t * ts + h * hs, cos + t * dim, sin + t * dim, dim / 2);
     }
+  });
+}
+
+// out[r] = silu(gate_up[r][:inter]) * gate_up[r][inter:] for `rows` rows (row strides os, gs).
+inline void silu_mul_rows(float* out, int64_t os, const float* gate_up, int64_t gs, int64_t rows, int64_t inter) {
+  torch::stable::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(out + r * os, gate_up + r * gs, inter);
   });
 }
 
