@@ -7,15 +7,22 @@ processes find it and only relink-check it; within a process the result is memoi
 the build fails (no C++ compiler, no ninja) a single warning is logged and callers fall back
 to the torch implementations.
 
-The build uses -march=native: it runs on the machine that will use it, so the kernel gets
-whatever vector width that CPU has (AVX-512, AVX2, NEON, ...) and never an instruction it
-lacks. The extension's name carries a fingerprint of the CPU, so a cache directory shared
-between different machines (an NFS home) never hands one CPU's build to another. A
-compiler that rejects -march=native gets a second, portable build.
+One build per instruction-set level (`CPU_ISAS`): avx512 (AVX-512 F/BW/DQ/VL), avx2 (AVX2 +
+FMA + F16C, x86-64-v3) and portable (the architecture's baseline: SSE2 on x86-64, NEON on
+aarch64). The kernels size their register tiles and panel widths for the level they are
+compiled for (kernels/cpu/vec.h). By default the process uses the best level this CPU runs,
+built with -march=native; `PAGEDSERVE_CPU_ISA=avx512|avx2|portable` picks a lower one (built
+for that level, not for this CPU), so an AVX-512 machine builds and tests the AVX2 and
+portable kernels as an AVX2-only or older CPU would run them. Each level registers its ops
+under its own namespace (`pagedserve_cpu_<isa>`), so one process can load several (the
+tests compare them). The extension's name carries a fingerprint of the CPU and the headers,
+so a cache directory shared between different machines (an NFS home) never hands one CPU's
+build to another. A compiler that rejects -march=native gets a second build without it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -45,8 +52,28 @@ _SOURCES = tuple(
 # Included by the sources. torch's JIT build hashes only the sources into its version, so
 # the headers' contents go into the extension's name instead: a changed header is a new build.
 _HEADERS = tuple(_CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "row_ops.h"))
-# The TORCH_LIBRARY namespace the sources register their ops under.
-_OP_NAMESPACE = "pagedserve_cpu"
+# The instruction-set levels a build can target, best first, and the environment variable
+# that picks one (unset or "auto": the best this CPU runs).
+CPU_ISAS = ("avx512", "avx2", "portable")
+ISA_ENV = "PAGEDSERVE_CPU_ISA"
+# The CPU flags each x86 level needs (/proc/cpuinfo spelling).
+_X86_LEVEL_FLAGS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+}
+# The flags that matter for the kernels and for bf16, as benchmarks and `doctor` report them.
+REPORTED_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 @dataclass(frozen=True)
@@ -82,46 +109,56 @@ class CpuKernels:
     #     residual: hidden in place)
     decoder_attention_input: Callable[..., torch.Tensor]
     decoder_mlp: Callable[..., None]
+    # kernels/cpu/linear.cpp: panel_width() -> int, the output columns per packed panel of
+    # this build (two vectors of its ISA: 32 on AVX-512, 16 on AVX2, 8 on portable)
+    panel_width: int
+    isa: str
     library_path: str
     cflags: tuple[str, ...]
 
 
 _lock = threading.Lock()
-# Unset until the first load; then the kernels, or the exception the build failed with.
-_loaded: list[CpuKernels | BaseException] = []
+# Per ISA, once loaded: the kernels, or the exception the build failed with.
+_loaded: dict[str, CpuKernels | BaseException] = {}
 
 
-def load_cpu_kernels(*, strict: bool = False, verbose: bool = False) -> CpuKernels | None:
+def load_cpu_kernels(
+    *, strict: bool = False, verbose: bool = False, isa: str | None = None
+) -> CpuKernels | None:
     """Build (first call, or after a source change) and load the C++ CPU kernels.
 
-    Returns None when they cannot be built (one warning is logged for the process), or
-    raises RuntimeError instead with strict=True (for tests, where a missing kernel is a
-    failure). verbose shows the compiler's command lines and output.
+    isa: one of CPU_ISAS; None means `selected_isa()` ($PAGEDSERVE_CPU_ISA, else the best
+    level this CPU runs). Returns None when they cannot be built (one warning is logged for
+    the process), or raises RuntimeError instead with strict=True (for tests, where a
+    missing kernel is a failure). verbose shows the compiler's command lines and output.
+    A level this CPU cannot execute, or an unknown name, raises ValueError either way.
     """
+    chosen = selected_isa() if isa is None else check_isa(isa)
     # Fast path, no lock: the engine asks on every layer call once the build is done.
-    result = _loaded[0] if _loaded else None
+    result = _loaded.get(chosen)
     if result is None:
-        result = _load_once(verbose)
+        result = _load_once(chosen, verbose)
     if isinstance(result, BaseException):
         if strict:
-            raise RuntimeError(f"the C++ CPU kernels could not be built: {result}") from result
+            raise RuntimeError(f"the C++ CPU kernels ({chosen}) could not be built: {result}") from result
         return None
     return result
 
 
-def _load_once(verbose: bool) -> CpuKernels | BaseException:
+def _load_once(isa: str, verbose: bool) -> CpuKernels | BaseException:
     with _lock:
-        if not _loaded:
+        if isa not in _loaded:
             try:
-                _loaded.append(_build(verbose))
+                _loaded[isa] = _build(isa, verbose)
             except Exception as exc:  # any build or load failure means: use the torch path
                 logger.warning(
-                    "pagedserve: the C++ CPU kernels could not be built, using the slower torch "
-                    "attention path (needs a C++ compiler and ninja: pip install ninja): %s",
+                    "pagedserve: the C++ CPU kernels (%s) could not be built, using the slower "
+                    "torch attention path (needs a C++ compiler and ninja: pip install ninja): %s",
+                    isa,
                     _summarise(exc),
                 )
-                _loaded.append(exc)
-        return _loaded[0]
+                _loaded[isa] = exc
+        return _loaded[isa]
 
 
 def _summarise(exc: BaseException, max_lines: int = 15) -> str:
@@ -131,20 +168,121 @@ def _summarise(exc: BaseException, max_lines: int = 15) -> str:
     return " | ".join(["...", *lines[-max_lines:]])
 
 
-def _cpu_fingerprint() -> str:
-    """What distinguishes this CPU for -march=native: its model and feature flags."""
-    parts = [platform.machine(), platform.processor()]
+def _cpuinfo_first_processor() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (they describe them all); {} elsewhere."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
-                    parts.append(line.strip())
-                elif not line.strip() and len(parts) > 2:
-                    break  # the first processor describes them all
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass  # not Linux: the machine and processor strings are what there is
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (x86 `flags`, ARM `Features`), lower case."""
+    info = _cpuinfo_first_processor()
+    return frozenset((info.get("flags") or info.get("Features") or "").lower().split())
+
+
+def cpu_model() -> str:
+    info = _cpuinfo_first_processor()
+    return info.get("model name") or platform.processor() or platform.machine()
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def isa_for_flags(flags: frozenset[str], x86: bool = True) -> str:
+    """The best of CPU_ISAS a CPU with these flags executes (portable off x86: NEON is
+    aarch64's baseline, and the portable build targets it)."""
+    if x86:
+        for isa in ("avx512", "avx2"):
+            if _X86_LEVEL_FLAGS[isa] <= flags:
+                return isa
+    return "portable"
+
+
+@functools.cache
+def native_isa() -> str:
+    """The best of CPU_ISAS this CPU executes."""
+    return isa_for_flags(cpu_flags(), _is_x86())
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The levels this CPU executes, best first: the native one and every one below it."""
+    return CPU_ISAS[CPU_ISAS.index(native_isa()) :]
+
+
+@functools.cache
+def check_isa(isa: str) -> str:
+    """isa if this CPU can run a build for it, else ValueError naming what is missing."""
+    if isa not in CPU_ISAS:
+        raise ValueError(f"{ISA_ENV}: unknown instruction set {isa!r}; choose auto, {', '.join(CPU_ISAS)}")
+    if isa not in runnable_isas():
+        missing = sorted(_X86_LEVEL_FLAGS.get(isa, frozenset()) - cpu_flags())
+        raise ValueError(
+            f"{ISA_ENV}={isa}: this CPU cannot run it (missing {', '.join(missing) or isa}); "
+            f"it runs {', '.join(runnable_isas())}"
+        )
+    return isa
+
+
+def selected_isa() -> str:
+    """$PAGEDSERVE_CPU_ISA when set (and not "auto"), else the best level this CPU runs.
+
+    Read on every call (a dict lookup; the checks are cached), so a test can switch a whole
+    process's kernels by setting the variable.
+    """
+    requested = os.environ.get(ISA_ENV, "")
+    if requested in ("", "auto"):
+        return native_isa()
+    return check_isa(requested.strip().lower())
+
+
+def cpu_report() -> dict[str, object]:
+    """What benchmarks and `doctor` record about the CPU the kernels run on."""
+    flags = cpu_flags()
+    info = _cpuinfo_first_processor()
+    return {
+        "model": cpu_model(),
+        "family": info.get("cpu family", ""),
+        "model_number": info.get("model", ""),
+        "machine": platform.machine(),
+        "flags": [flag for flag in REPORTED_FLAGS if flag in flags],
+        "native_isa": native_isa(),
+        "kernel_isa": selected_isa(),
+    }
+
+
+def _cpu_fingerprint() -> str:
+    """What distinguishes this CPU for -march=native: its model and feature flags."""
+    info = _cpuinfo_first_processor()
+    parts = [platform.machine(), platform.processor()]
+    parts += [
+        f"{key}: {info[key]}"
+        for key in ("model name", "flags", "Features", "CPU part", "CPU implementer")
+        if key in info
+    ]
     return "\n".join(parts)
+
+
+def _cflag_attempts(isa: str) -> list[list[str]]:
+    """Compiler flags to try in turn for a build at `isa` on this CPU."""
+    if isa == native_isa():
+        # The CPU's own level: tune and target it exactly; a compiler that rejects
+        # -march=native gets the architecture's baseline (correct, slower).
+        return [["-O3", "-march=native"], ["-O3"]]
+    if isa == "avx2":
+        return [["-O3", "-march=x86-64-v3", "-mtune=native"]]
+    return [["-O3"]]  # portable below a better native level: the baseline only
 
 
 def _path_with_ninja() -> str:
@@ -165,12 +303,12 @@ def _path_with_ninja() -> str:
     return os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
-def _build(verbose: bool) -> CpuKernels:
+def _build(isa: str, verbose: bool) -> CpuKernels:
     from torch.utils import cpp_extension
 
     # The source uses only torch's stable ABI; parallelism comes from libtorch's own
     # parallel_for, so no OpenMP flags (see kernels/cpu/paged_attention.cpp).
-    attempts = [["-O3", "-march=native"], ["-O3"]]
+    namespace = f"pagedserve_cpu_{isa}"
     digest = hashlib.sha256(_cpu_fingerprint().encode())
     for header in _HEADERS:
         digest.update(header.read_bytes())
@@ -180,8 +318,9 @@ def _build(verbose: bool) -> CpuKernels:
     # torch's build reads PATH when it runs; restored below.
     os.environ["PATH"] = _path_with_ninja()
     try:
-        for i, cflags in enumerate(attempts):
-            name = f"pagedserve_cpu_{fingerprint}" + ("" if i == 0 else "_portable")
+        for i, flags in enumerate(_cflag_attempts(isa)):
+            cflags = [*flags, f"-DPAGEDSERVE_OPS={namespace}"]
+            name = f"{namespace}_{fingerprint}" + ("" if i == 0 else "_baseline")
             try:
                 library = cpp_extension.load(
                     name=name,
@@ -197,7 +336,7 @@ def _build(verbose: bool) -> CpuKernels:
                 if "ninja" in str(exc).lower() and "required" in str(exc).lower():
                     break
                 continue
-            ops = getattr(torch.ops, _OP_NAMESPACE)
+            ops = getattr(torch.ops, namespace)
             return CpuKernels(
                 paged_decode_attention=ops.paged_decode_attention.default,
                 paged_prefill_attention=ops.paged_prefill_attention.default,
@@ -209,6 +348,8 @@ def _build(verbose: bool) -> CpuKernels:
                 panel_linear=ops.panel_linear.default,
                 decoder_attention_input=ops.decoder_attention_input.default,
                 decoder_mlp=ops.decoder_mlp.default,
+                panel_width=int(ops.panel_width.default()),
+                isa=isa,
                 library_path=str(library),
                 cflags=tuple(cflags),
             )

@@ -1,7 +1,9 @@
 """fp32 CPU linear layers on panel-packed weights (the C++ op in kernels/cpu/linear.cpp).
 
-`pack_panels` reorders an nn.Linear weight [out, in] once, at load, into panels of
-PANEL_WIDTH output columns, each [in, PANEL_WIDTH] contiguous; `panel_linear` computes
+`pack_panels` reorders an nn.Linear weight [out, in] once, at load, into panels of `width`
+output columns, each [in, width] contiguous, where width is the build's
+`CpuKernels.panel_width` (two native vectors: 32 on AVX-512, 16 on AVX2, 8 on SSE2 / NEON;
+kernels/cpu/panel.h); `panel_linear` computes
 x @ weight.T + bias from it. Why, and how it compares with oneDNN: the comment atop the C++
 source. Each output element is one in-order FMA chain over the inputs, so a row's result does
 not depend on the other rows of the batch or the thread count.
@@ -13,24 +15,26 @@ import torch
 
 from kernels.cpu_ext import CpuKernels
 
-# Output columns per panel; kernels/cpu/linear.cpp's kPanel (it checks packed.size(2)).
-PANEL_WIDTH = 32
+# The panel widths of the builds (kernels/cpu/panel.h kPanel; the op checks packed.size(2)).
+PANEL_WIDTHS = (32, 16, 8)
 
 # What the C++ ops take for "no bias".
 NO_BIAS = torch.empty(0)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 -> [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH], zero-padded columns."""
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """[out, in] float32 -> [ceil(out / width), in, width], zero-padded columns."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(
             f"pack_panels needs a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype}"
         )
+    if width not in PANEL_WIDTHS:
+        raise ValueError(f"pack_panels: width must be one of {PANEL_WIDTHS}, got {width}")
     out_features, in_features = weight.shape
-    panels = -(-out_features // PANEL_WIDTH)
-    padded = weight.new_zeros(panels * PANEL_WIDTH, in_features)
+    panels = -(-out_features // width)
+    padded = weight.new_zeros(panels * width, in_features)
     padded[:out_features] = weight
-    return padded.view(panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+    return padded.view(panels, width, in_features).transpose(1, 2).contiguous()
 
 
 def panel_linear(

@@ -59,7 +59,7 @@ class PanelLinear(nn.Module):
         self.out_features = linear.out_features
         self._ops = ops
         self.panels: torch.Tensor
-        self.register_buffer("panels", pack_panels(linear.weight.detach()), persistent=False)
+        self.register_buffer("panels", pack_panels(linear.weight.detach(), ops.panel_width), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property

@@ -68,8 +68,8 @@ void write_kv_cache(Tensor key_cache, Tensor value_cache, Tensor key, Tensor val
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("write_kv_cache", TORCH_BOX(&write_kv_cache)); }
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) { m.impl("write_kv_cache", TORCH_BOX(&write_kv_cache)); }

@@ -95,7 +95,7 @@ void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Ten
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def(
       "decoder_attention_input(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_packed, Tensor qkv_bias, "
       "int qkv_features, Tensor cos, Tensor sin, int rotary_heads) -> Tensor");
@@ -104,7 +104,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "Tensor gate_up_packed, Tensor gate_up_bias, int intermediate_size, Tensor down_packed, Tensor down_bias) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("decoder_attention_input", TORCH_BOX(&decoder_attention_input));
   m.impl("decoder_mlp", TORCH_BOX(&decoder_mlp));
 }

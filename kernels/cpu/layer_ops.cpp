@@ -92,14 +92,14 @@ void rotary_neox(Tensor qk, Tensor cos, Tensor sin) {
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor delta, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_neox(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("rms_norm", TORCH_BOX(&rms_norm));
   m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
   m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));

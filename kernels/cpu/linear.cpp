@@ -40,10 +40,19 @@ void panel_linear(Tensor out, Tensor x, Tensor packed, Tensor bias) {
   panel_matmul(panel_problem("panel_linear", out, x, packed, bias), /*accumulate=*/false);
 }
 
+// The output columns per panel of this build, for kernels/linear.py's pack_panels.
+int64_t panel_width() { return kPanel; }
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor bias) -> ()");
+  m.def("panel_width() -> int");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("panel_linear", TORCH_BOX(&panel_linear)); }
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) { m.impl("panel_linear", TORCH_BOX(&panel_linear)); }
+
+// No tensor argument to dispatch on: the width is registered for every dispatch key.
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CompositeExplicitAutograd, m) {
+  m.impl("panel_width", TORCH_BOX(&panel_width));
+}

@@ -501,12 +501,12 @@ void paged_decode_attention(
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale, float v_scale=1.0) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
 }

@@ -1,5 +1,6 @@
 // The panel matmul at the heart of the fp32 CPU linear layers: out (=|+=) x @ weight.T + bias
-// over a weight packed once into 32-column panels (layout and rationale: linear.cpp).
+// over a weight packed once into column panels of two native vectors (32 columns on
+// AVX-512, 16 on AVX2, 8 on SSE2 / NEON; layout and rationale: linear.cpp).
 //
 // Shared by linear.cpp (the panel_linear op) and decoder_block.cpp (a decoder layer's matmuls
 // chained in one op). Internal to the extension: everything is in an unnamed namespace, so
@@ -16,15 +17,13 @@
 
 namespace {
 
-constexpr int64_t kPanel = 2 * kW;  // output columns per panel: two vectors
+constexpr int64_t kPanel = 2 * kNW;  // output columns per panel: two native vectors
 // Rows per register tile: 2 accumulators per row must fit the vector registers with the two
-// panel vectors and a broadcast. AVX-512 has 32 registers of 16 floats; elsewhere a 16-float
-// vector spans 2 (AVX2) or 4 (NEON) registers of 16 / 32.
-#if defined(__AVX512F__)
-constexpr int kMaxTileRows = 12;
-#else
-constexpr int kMaxTileRows = 3;
-#endif
+// panel vectors and a broadcast. With 32 registers (AVX-512, NEON): 12 rows, 24 + 2 + 1 (13
+// and 14 measured no faster on AVX-512). With 16 (AVX2, SSE2): 6 rows, 12 + 2 + 1, the shape
+// of BLIS's Haswell sgemm micro-kernel. (The AVX2 build once used 16-float vectors and 3 rows,
+// 12 + 4 + 2 of 16 ymm registers: it spilled and ran 2-8x behind oneDNN.)
+constexpr int kMaxTileRows = kVecRegisters >= 32 ? 12 : 6;
 // Rows per work item when a call has many rows (prefill): bounds the slice of x re-read per
 // panel (96 x 1536 floats = 590 KB at most) while giving the threads enough items.
 constexpr int64_t kChunkRows = 96;
@@ -38,20 +37,20 @@ constexpr int64_t kPrefetchSteps = 32;
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias, float* out,
                  int64_t ldo, int64_t cols, bool accumulate) {
-  vfloat acc0[R], acc1[R];
+  vnat acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
-    acc0[r] = splat(0.0f);
-    acc1[r] = splat(0.0f);
+    acc0[r] = splat_nat(0.0f);
+    acc1[r] = splat_nat(0.0f);
   }
   for (int64_t k = 0; k < k_len; ++k) {
     const float* b = panel + k * kPanel;
     __builtin_prefetch(b + kPrefetchSteps * kPanel, 0, 1);
-    __builtin_prefetch(b + kPrefetchSteps * kPanel + kW, 0, 1);
-    const vfloat b0 = load(b);
-    const vfloat b1 = load(b + kW);
+    if constexpr (kPanel * sizeof(float) > 64) __builtin_prefetch(b + kPrefetchSteps * kPanel + 16, 0, 1);
+    const vnat b0 = load_nat(b);
+    const vnat b1 = load_nat(b + kNW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const vfloat a = splat(x[r * ldx + k]);
+      const vnat a = splat_nat(x[r * ldx + k]);
       acc0[r] = acc0[r] + a * b0;  // contracted to one FMA (-ffp-contract=fast, GCC's default)
       acc1[r] = acc1[r] + a * b1;
     }
@@ -60,23 +59,23 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len,
     float padded[kPanel] = {};
     std::copy(bias, bias + cols, padded);
     for (int r = 0; r < R; ++r) {
-      acc0[r] += load(padded);
-      acc1[r] += load(padded + kW);
+      acc0[r] += load_nat(padded);
+      acc1[r] += load_nat(padded + kNW);
     }
   }
   for (int r = 0; r < R; ++r) {
     float* o = out + r * ldo;
     if (cols == kPanel) {
       if (accumulate) {
-        acc0[r] = load(o) + acc0[r];
-        acc1[r] = load(o + kW) + acc1[r];
+        acc0[r] = load_nat(o) + acc0[r];
+        acc1[r] = load_nat(o + kNW) + acc1[r];
       }
-      store(o, acc0[r]);
-      store(o + kW, acc1[r]);
+      store_nat(o, acc0[r]);
+      store_nat(o + kNW, acc1[r]);
     } else {
       float row[kPanel];
-      store(row, acc0[r]);
-      store(row + kW, acc1[r]);
+      store_nat(row, acc0[r]);
+      store_nat(row + kNW, acc1[r]);
       for (int64_t c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
     }
   }

@@ -327,12 +327,12 @@ void paged_prefill_attention(
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, float scale) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("paged_prefill_attention", TORCH_BOX(&paged_prefill_attention));
 }

@@ -5,8 +5,17 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+
+// The TORCH_LIBRARY namespace the sources register their ops under: one per ISA build
+// (kernels/cpu_ext.py passes -DPAGEDSERVE_OPS=pagedserve_cpu_<isa>), so one process can load
+// several builds side by side.
+#ifndef PAGEDSERVE_OPS
+#define PAGEDSERVE_OPS pagedserve_cpu
+#endif
 
 namespace {
 
@@ -33,6 +42,39 @@ inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 // x is loaded); `vfloat{} + x` compiled to a scalar add of +0.0 (it must turn -0.0 into +0.0)
 // and a register broadcast, two extra FP-pipe instructions per x in the matmul's inner loop.
 inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// The build's native vector, what one register holds, for the kernels whose tiles must fit
+// the register file (the panel matmul): 16 floats x 32 registers on AVX-512, 8 x 16 on
+// AVX/AVX2, 4 x 32 on aarch64 NEON and 4 x 16 on baseline x86-64 (SSE2). The logical
+// 16-float vfloat above stays the unit of the attention and row kernels, whose per-element
+// arithmetic (and so their results) is then the same on every ISA.
+#if defined(__AVX512F__)
+constexpr int kNW = 16;
+constexpr int kVecRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kNW = 8;
+constexpr int kVecRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kNW = 4;
+constexpr int kVecRegisters = 32;
+#else
+constexpr int kNW = 4;
+constexpr int kVecRegisters = 16;
+#endif
+typedef float vnat __attribute__((vector_size(kNW * sizeof(float))));
+
+inline vnat load_nat(const float* p) {
+  vnat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_nat(float* p, vnat v) { std::memcpy(p, &v, sizeof(v)); }
+template <std::size_t... I>
+inline vnat splat_nat_lanes(float x, std::index_sequence<I...>) {
+  return vnat{((void)I, x)...};
+}
+// All lanes x, as an initializer (one broadcast, as splat below).
+inline vnat splat_nat(float x) { return splat_nat_lanes(x, std::make_index_sequence<kNW>{}); }
 
 inline float hsum(vfloat v) {
 #if defined(__clang__) || __GNUC__ >= 12

@@ -31,12 +31,21 @@ elif not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def ext() -> CpuKernels:
-    """The C++ CPU kernels; they must build here (a missing kernel is a failure, not a skip)."""
-    # Imported here, not at the top: TRITON_INTERPRET must be settled before kernels' imports.
+def _runnable_isas() -> tuple[str, ...]:
+    # Imported here, not at the top: TRITON_INTERPRET must be settled before kernels' imports
+    # (kernels.cpu_ext imports no Triton module).
+    from kernels.cpu_ext import runnable_isas
+
+    return runnable_isas()
+
+
+@pytest.fixture(scope="session", params=_runnable_isas())
+def ext(request: pytest.FixtureRequest) -> CpuKernels:
+    """The C++ CPU kernels, once per instruction-set build this CPU executes (avx512, avx2,
+    portable: kernels.cpu_ext.CPU_ISAS), so every kernel test covers every ISA variant the
+    machine can run. They must build here (a missing kernel is a failure, not a skip)."""
     from kernels.cpu_ext import load_cpu_kernels
 
-    kernels = load_cpu_kernels(strict=True)
-    assert kernels is not None
+    kernels = load_cpu_kernels(strict=True, isa=request.param)
+    assert kernels is not None and kernels.isa == request.param
     return kernels

@@ -27,9 +27,11 @@ def linear(
     return weight, torch.randn(out_features, generator=gen) if bias else None
 
 
-def packed(layer: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def packed(
+    ext: CpuKernels, layer: tuple[torch.Tensor, torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
     weight, bias = layer
-    return pack_panels(weight), NO_BIAS if bias is None else bias
+    return pack_panels(weight, ext.panel_width), NO_BIAS if bias is None else bias
 
 
 def rotary_tables(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,7 @@ def test_attention_input_equals_the_separate_ops(ext: CpuKernels, rows: int, bia
     qkv_layer = linear(QKV, HIDDEN, gen, bias)
     cos, sin = rotary_tables(rows, gen)
     rotated = HEADS + KV_HEADS
-    qkv_packed, qkv_bias = packed(qkv_layer)
+    qkv_packed, qkv_bias = packed(ext, qkv_layer)
     got = ext.decoder_attention_input(hidden, norm_w, EPS, qkv_packed, qkv_bias, QKV, cos, sin, rotated)
 
     normed = torch.empty_like(hidden)
@@ -92,17 +94,26 @@ def test_mlp_half_equals_the_separate_ops(ext: CpuKernels, rows: int, bias: bool
     down_layer = linear(HIDDEN, INTER, gen, bias)
     got = hidden.clone()
     ext.decoder_mlp(
-        got, attn, *packed(o_layer), norm_w, EPS, *packed(gate_up_layer), INTER, *packed(down_layer)
+        got,
+        attn,
+        *packed(ext, o_layer),
+        norm_w,
+        EPS,
+        *packed(ext, gate_up_layer),
+        INTER,
+        *packed(ext, down_layer),
     )
 
     want = hidden.clone()
-    attn_out = panel_linear(ext, attn, pack_panels(o_layer[0]), HIDDEN, o_layer[1])
+    attn_out = panel_linear(ext, attn, pack_panels(o_layer[0], ext.panel_width), HIDDEN, o_layer[1])
     normed = torch.empty_like(want)
     ext.add_rms_norm(normed, want, attn_out, norm_w, EPS)
-    gate_up = panel_linear(ext, normed, pack_panels(gate_up_layer[0]), 2 * INTER, gate_up_layer[1])
+    gate_up = panel_linear(
+        ext, normed, pack_panels(gate_up_layer[0], ext.panel_width), 2 * INTER, gate_up_layer[1]
+    )
     act = gate_up.new_empty(rows, INTER)
     ext.silu_and_mul(act, gate_up)
-    want += panel_linear(ext, act, pack_panels(down_layer[0]), HIDDEN, down_layer[1])
+    want += panel_linear(ext, act, pack_panels(down_layer[0], ext.panel_width), HIDDEN, down_layer[1])
     assert torch.equal(got, want)
 
     residual = hidden.double() + linear64(attn, o_layer)
@@ -116,13 +127,13 @@ def test_zero_tokens(ext: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.empty(0, HIDDEN)
     cos, sin = rotary_tables(0, gen)
-    qkv_packed, qkv_bias = packed(linear(QKV, HIDDEN, gen, False))
+    qkv_packed, qkv_bias = packed(ext, linear(QKV, HIDDEN, gen, False))
     out = ext.decoder_attention_input(hidden, torch.ones(HIDDEN), EPS, qkv_packed, qkv_bias, QKV, cos, sin, 6)
     assert out.shape == (0, QKV)
     ext.decoder_mlp(
-        hidden, torch.empty(0, HEADS * HEAD_DIM), *packed(linear(HIDDEN, HEADS * HEAD_DIM, gen, False)),
-        torch.ones(HIDDEN), EPS, *packed(linear(2 * INTER, HIDDEN, gen, False)), INTER,
-        *packed(linear(HIDDEN, INTER, gen, False)),
+        hidden, torch.empty(0, HEADS * HEAD_DIM), *packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False)),
+        torch.ones(HIDDEN), EPS, *packed(ext, linear(2 * INTER, HIDDEN, gen, False)), INTER,
+        *packed(ext, linear(HIDDEN, INTER, gen, False)),
     )  # fmt: skip
 
 
@@ -131,7 +142,7 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
     hidden = torch.randn(4, HIDDEN, generator=gen)
     w = torch.ones(HIDDEN)
     cos, sin = rotary_tables(4, gen)
-    qkv = packed(linear(QKV, HIDDEN, gen, True))
+    qkv = packed(ext, linear(QKV, HIDDEN, gen, True))
 
     def attention_input(**change: object) -> None:
         args: dict[str, object] = dict(
@@ -155,10 +166,13 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
         RuntimeError, match=r"rotary_heads \(8\) x head_dim \(16\) exceeds the 112 q/k/v columns"
     ):
         attention_input(heads=8)
+    panels, width = qkv[0].shape[0], ext.panel_width
+    too_many = panels * width + 1
     with pytest.raises(
-        RuntimeError, match="decoder_attention_input: out has 129 columns but packed holds 4 panels"
+        RuntimeError,
+        match=f"decoder_attention_input: out has {too_many} columns but packed holds {panels} panels of {width}",
     ):
-        attention_input(features=129, bias=NO_BIAS)
+        attention_input(features=too_many, bias=NO_BIAS)
     with pytest.raises(
         RuntimeError, match=r"decoder_attention_input: bias must be empty or a contiguous \[112\]"
     ):
@@ -166,15 +180,17 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
     with pytest.raises(RuntimeError, match="qkv_features must be positive, got 0"):
         attention_input(features=0)
 
-    o = packed(linear(HIDDEN, HEADS * HEAD_DIM, gen, False))
-    gate_up = packed(linear(2 * INTER, HIDDEN, gen, False))
-    down = packed(linear(HIDDEN, INTER, gen, False))
+    o = packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False))
+    gate_up = packed(ext, linear(2 * INTER, HIDDEN, gen, False))
+    down = packed(ext, linear(HIDDEN, INTER, gen, False))
     attn = torch.randn(4, HEADS * HEAD_DIM, generator=gen)
     before = hidden.clone()
     with pytest.raises(RuntimeError, match=r"decoder_mlp \(o_proj\): x must be \[rows, 80\]"):
         ext.decoder_mlp(hidden, attn[:, :79], *o, w, EPS, *gate_up, INTER, *down)
+    gate_up_panels = f"{gate_up[0].shape[0]} panels of {ext.panel_width}"
     with pytest.raises(
-        RuntimeError, match=r"decoder_mlp \(gate_up_proj\): out has 162 columns but packed holds 5"
+        RuntimeError,
+        match=rf"decoder_mlp \(gate_up_proj\): out has 162 columns but packed holds {gate_up_panels}",
     ):
         ext.decoder_mlp(hidden, attn, *o, w, EPS, *gate_up, INTER + 9, *down)
     # a gate/up split that fits the panels but not down_proj's inputs: refused before o_proj

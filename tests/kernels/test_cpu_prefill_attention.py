@@ -44,6 +44,16 @@ def run_prefill(ext: CpuKernels, batch: Batch) -> torch.Tensor:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _process_kernels_are_ext(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """paged_attention(impl="cpp") takes the process's kernels: make them the ISA build the
+    test's `ext` is, so the op and the dispatcher are compared within one build."""
+    if "ext" in request.fixturenames:
+        from kernels.cpu_ext import ISA_ENV
+
+        monkeypatch.setenv(ISA_ENV, request.getfixturevalue("ext").isa)
+
+
 def prefill_rows(batch: Batch) -> torch.Tensor:
     return torch.cat([torch.arange(p.token_start, p.token_end) for p in batch.meta.prefills])
 
