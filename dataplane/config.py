@@ -23,6 +23,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
 ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# How fp32 CPU linears pick their kernel (dataplane/runner/linear_selection.py).
+CPU_LINEAR_MODES = ("auto", "panel", "onednn")
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # swap_space left unset: the seed's 4 GiB of host memory next to a GPU.
@@ -194,7 +196,16 @@ class ModelConfig:
         choices=ATTENTION_BACKENDS,
     )
 
+    cpu_linear: str = setting(
+        "auto",
+        "fp32 CPU linear kernels: auto times ours against oneDNN per shape and row band at load "
+        "(cached per CPU); panel or onednn forces one",
+        choices=CPU_LINEAR_MODES,
+    )
+
     def __post_init__(self) -> None:
+        if self.cpu_linear not in CPU_LINEAR_MODES:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

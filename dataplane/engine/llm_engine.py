@@ -133,6 +133,7 @@ class LLMEngine:
                 config.model.device,
                 seed=config.model.seed,
                 attention_backend=config.model.attention_backend,
+                cpu_linear=config.model.cpu_linear,
                 kv_scales=self.kv_scales,
                 num_host_blocks=num_host_blocks,
                 tensor_parallel_size=tp,

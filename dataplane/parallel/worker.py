@@ -44,6 +44,7 @@ def build_worker_runner(
         model_cfg.device,
         seed=model_cfg.seed,
         attention_backend=model_cfg.attention_backend,
+        cpu_linear=model_cfg.cpu_linear,
         kv_scales=layout.kv_scales(),
         num_host_blocks=layout.num_host_blocks,
         tensor_parallel_size=group.world_size,

@@ -3,12 +3,13 @@
 Why: at the row counts of decode steps (tens of rows) MKL's sgemm on a plain [out, in]
 weight reaches well under half of the machine's peak. Two packings, each reordering the
 weight once at load:
-- `PanelLinear`: our C++ kernel (kernels/cpu/linear.cpp) on weights packed into 32-column
-  panels; the default wherever the C++ CPU kernels build. Measured on the default model's
-  shapes at 2 threads: 1.2-1.6x oneDNN's packed linear at 8-34 rows, and batch-invariant.
+- `PanelLinear`: our C++ kernel (kernels/cpu/linear.cpp) on weights packed into column
+  panels of the build's ISA. Measured on the default model's shapes at 2 threads (AVX-512):
+  1.2-1.6x oneDNN's packed linear at 8-34 rows, and batch-invariant.
 - `PackedLinear`: oneDNN's blocked layout (1.4x MKL on the layer matmuls, 2x on the
-  576x49152 LM head), where the C++ kernels do not build.
-Results differ from `F.linear` only in accumulation order (~1e-6 relative in fp32).
+  576x49152 LM head).
+Which one serves each shape is chosen at load (linear_selection.py). Results differ from
+`F.linear` only in accumulation order (~1e-6 relative in fp32).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataplane.runner.linear_selection import ShapeChoice
 from kernels.cpu_ext import CpuKernels
 from kernels.linear import NO_BIAS, pack_panels, panel_linear
 
@@ -79,12 +81,28 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, panels=True"
 
 
-def pack_linears(model: nn.Module, panel_ops: CpuKernels | None = None) -> int:
-    """Replace every nn.Linear of `model` in place, by PanelLinear given the C++ kernels,
-    else by oneDNN's PackedLinear; returns how many were replaced."""
+def packed_linear(
+    linear: nn.Linear, panel_ops: CpuKernels | None, choice: ShapeChoice | None
+) -> PanelLinear | PackedLinear:
+    """The replacement of one linear: oneDNN's where the choice says so (or there are no C++
+    kernels), else a PanelLinear."""
+    if panel_ops is None or (choice is not None and choice.choice == "onednn"):
+        return PackedLinear(linear)
+    return PanelLinear(linear, panel_ops)
+
+
+def pack_linears(
+    model: nn.Module,
+    panel_ops: CpuKernels | None = None,
+    choices: dict[tuple[int, int], ShapeChoice] | None = None,
+) -> int:
+    """Replace every nn.Linear of `model` in place: by oneDNN's PackedLinear without the C++
+    kernels, else as `choices` (linear_selection.select_linears, by (in, out) shape) says,
+    PanelLinear for shapes it does not name; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear) if panel_ops is None else PanelLinear(linear, panel_ops))
+        choice = None if choices is None else choices.get((linear.in_features, linear.out_features))
+        setattr(parent, child, packed_linear(linear, panel_ops, choice))
     return len(targets)

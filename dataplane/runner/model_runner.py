@@ -13,6 +13,7 @@ from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
 from dataplane.runner.kv_scales import KVScales
+from dataplane.runner.linear_selection import ShapeChoice, select_linears
 from dataplane.runner.sampler import SampledToken, sample
 from dataplane.scheduler import SchedulerOutput
 from kernels import build_attention_metadata, swap_blocks
@@ -64,6 +65,7 @@ class ModelRunner:
         seed: int = 0,
         *,
         attention_backend: str | None = None,
+        cpu_linear: str = "auto",
         kv_scales: KVScales | None = None,
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
@@ -81,13 +83,17 @@ class ModelRunner:
         # build of) the C++ decode kernel where it is used, now rather than in the first step.
         self.backends = resolve_backend(attention_backend, self.device, model.dtype, kv_dtype)
         self.decoder = model.get_decoder()
+        # (in, out) -> the kernel per row band of the packed fp32 CPU linears (empty: none)
+        self.linear_choices: dict[tuple[int, int], ShapeChoice] = {}
         self.lm_head = model.get_output_embeddings()
         # After any tensor-parallel sharding (the fused layers read the local shapes), before
         # packing (which then packs the fused projections too).
         cpu_ops = self._layer_kernels(model)
         fuse_decoder_layers(model, cpu_ops=cpu_ops)
         if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
-            pack_linears(model, panel_ops=cpu_ops)
+            # After fusing, so the fused q/k/v and gate/up shapes are the ones timed.
+            self.linear_choices = select_linears(model, cpu_ops, cpu_linear)
+            pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices)
             self.lm_head = model.get_output_embeddings()
             bind_block_kernels(model)
         self.block_size = block_size

@@ -30,6 +30,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--attention-backend=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "cpuLinear" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--cpu-linear=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "blockSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--block-size=%d" (int64 $v) | toJson }}
