@@ -32,6 +32,41 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     )
 
 
+def cpu_line() -> str:
+    """One line naming the CPU, the flags that matter and the kernel build in use."""
+    from kernels.cpu_ext import cpu_report
+
+    cpu = cpu_report()
+    return (
+        f"cpu: {cpu['model']} (family {cpu['family']} model {cpu['model_number']}); flags "
+        f"{' '.join(cpu['flags']) or 'none of note'}; kernels {cpu['kernel_isa']} "
+        f"(native {cpu['native_isa']})"
+    )
+
+
+def kernel_selection(engine: Any) -> list[dict[str, Any]]:
+    """The engine's linear-kernel choice per shape (dataplane/runner/linear_selection.py)."""
+    from dataclasses import asdict
+
+    runner = getattr(engine, "runner", None)
+    choices = getattr(runner, "linear_choices", {}) or {}
+    return [{**asdict(c), "onednn_over_panel": c.speedup} for c in choices.values()]
+
+
+def selection_table(selection: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Rows of the kernel-selection table: both times per row count, and the choice."""
+    from dataplane.runner.linear_selection import ROW_BANDS
+
+    header = ["shape (in x out)", *(f"{r} rows panel / oneDNN ms" for r in ROW_BANDS), "chosen"]
+    rows = []
+    for c in selection:
+        times = [f"{p:.3f} / {o:.3f}" for p, o in zip(c["panel_ms"], c["onednn_ms"], strict=True)] or [
+            "-"
+        ] * len(ROW_BANDS)
+        rows.append([f"{c['in_features']} x {c['out_features']}", *times, f"{c['choice']} ({c['reason']})"])
+    return header, rows
+
+
 def load_note() -> tuple[float, ...]:
     """The 1/5/15-minute load averages (empty where the OS has none)."""
     try:

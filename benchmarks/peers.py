@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when a peer runs: importing this module stays quick
     import torch
 
-PEERS = ("transformers", "transformers-cb", "vllm")
+# vllm runs vLLM's CPU build in fp32, vllm-bf16 at its default dtype for a bf16 checkpoint
+# such as SmolLM2 (compare with its best of the two).
+PEERS = ("transformers", "transformers-cb", "vllm", "vllm-bf16")
 
 
 @dataclass
@@ -204,6 +206,7 @@ def run_vllm(
     threads: int,
     max_num_seqs: int,
     kv_cache_memory: int,
+    dtype: str = "float32",
 ) -> PeerRun:
     """vLLM's CPU build in a subprocess (its own interpreter and venv); fails clearly without it."""
     script = Path(__file__).with_name("vllm_peer.py")
@@ -216,6 +219,7 @@ def run_vllm(
                     "prompts": prompts,
                     "lengths": lengths,
                     "max_num_seqs": max_num_seqs,
+                    "dtype": dtype,
                 }
             )
         )
@@ -232,12 +236,13 @@ def run_vllm(
         data = json.loads(result.read_text())
     outputs = [list(map(int, o)) for o in data["outputs"]]
     check_lengths("vLLM", outputs, lengths)
+    suffix = "" if dtype == "float32" else f" {dtype}"
     return PeerRun(
-        f"vLLM CPU {data.get('version', '')}".strip(),
+        f"vLLM CPU {data.get('version', '')}{suffix}".strip(),
         float(data["load_seconds"]),
         float(data["total_seconds"]),
         outputs,
-        {"python": vllm_python},
+        {"python": vllm_python, "dtype": dtype},
     )
 
 

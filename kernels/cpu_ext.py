@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -247,7 +248,7 @@ def selected_isa() -> str:
     return check_isa(requested.strip().lower())
 
 
-def cpu_report() -> dict[str, object]:
+def cpu_report() -> dict[str, Any]:
     """What benchmarks and `doctor` record about the CPU the kernels run on."""
     flags = cpu_flags()
     info = _cpuinfo_first_processor()
