@@ -17,8 +17,13 @@ def default_model() -> str:
 
 def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
-    KV pool bytes, threads)."""
+    KV pool bytes, threads; the CPU linear kernel and weight dtype where the benchmark has them)."""
     from dataplane import LLM
+    from dataplane.config import ModelConfig
+
+    kernel_flags = {
+        name: getattr(args, name, getattr(ModelConfig, name)) for name in ("cpu_linear", "cpu_weight_dtype")
+    }
 
     return LLM(
         model,
@@ -29,6 +34,7 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=enable_prefix_caching,
         num_threads=args.threads,
+        **kernel_flags,
     )
 
 

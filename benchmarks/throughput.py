@@ -73,6 +73,7 @@ from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_avai
 from benchmarks.report import Report
 from benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
 from benchmarks.workloads import chat_prompts, describe, output_lengths
+from dataplane.config import CPU_LINEAR_MODES, CPU_WEIGHT_DTYPES
 from pagedserve.common.settings import parse_bytes
 
 GOAL_RATIO = 2.0
@@ -332,6 +333,8 @@ def build_report(
             "num_preemptions": ours.num_preemptions,
             "classified_by": ours.classified_by,
             "kernels_selected": ours.kernels,
+            "cpu_linear": args.cpu_linear,
+            "cpu_weight_dtype": args.cpu_weight_dtype,
             "phases": {k: {**asdict(v), "gflops": v.gflops} for k, v in ph.items()},
             "step_overhead_seconds": ours.total_seconds - ph["all"].seconds,
             "steps": [
@@ -536,6 +539,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size (as `serve`)"
     )
     ap.add_argument(
+        "--cpu-linear", default="auto", choices=CPU_LINEAR_MODES, help="engine CPU linear kernel (as `serve`)"
+    )
+    ap.add_argument(
+        "--cpu-weight-dtype",
+        default="float32",
+        choices=CPU_WEIGHT_DTYPES,
+        help="what the engine's panel kernel holds weights in (as `serve`)",
+    )
+    ap.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="turn the engine's prefix caching off (on by default, as in vLLM; the chat template's "
@@ -684,7 +696,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
     notes = [
         f"workload: {rep['workload']['summary']}",
-        f"{model_path.name}, fp32, {rep['torch']['threads']} torch threads; greedy, ignore_eos; "
+        f"{model_path.name}, fp32 (engine linear weights {args.cpu_weight_dtype}), "
+        f"{rep['torch']['threads']} torch threads; greedy, ignore_eos; "
         f"load average at start {report.loads['start']}",
         cpu_line(),
     ]

@@ -59,6 +59,9 @@ class Sample:
     host_usage: float = 0.0
     host_total_blocks: float = 0.0
     host_free_blocks: float = 0.0
+    # A CPU data plane's `pagedserve_cpu_kernels_info` labels: cpu_model, flags, isa,
+    # native_isa, linear (each linear shape's kernel); empty where it exports none.
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ def parse(text: str) -> dict[str, Sample]:
                 setattr(out[s.labels.get("dataplane", "")], by_mode[s.labels["mode"]], s.value)
             elif s.name == P + "request_success_total":
                 successes += s.value
+            elif s.name == P + "cpu_kernels_info":
+                labels = dict(s.labels)
+                out[labels.pop("dataplane", "")].kernels = labels
     for sample in out.values():
         sample.finished = successes
     return dict(out)
@@ -229,6 +235,14 @@ def swap_line(s: Sample) -> str:
     )
 
 
+def kernels_line(kernels: dict[str, str]) -> str:
+    k = kernels
+    line = f"cpu: {k.get('cpu_model', '?')}; flags {k.get('flags') or 'none of note'}; kernels {k.get('isa', '?')}"
+    if k.get("native_isa") and k.get("native_isa") != k.get("isa"):
+        line += f" (this CPU runs {k['native_isa']})"
+    return line + (f"; linears {k['linear']}" if k.get("linear") else "")
+
+
 def metrics_url(url: str) -> str:
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -289,6 +303,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             f"finished {s.finished:.0f}{' (all data planes, as the control plane counts them)' if dp else ''}"
         )
         print(f"  {swap_line(s)}")
+        if s.kernels:
+            print(f"  {kernels_line(s.kernels)}")
     if not findings:
         print("no findings: usage, prefix-cache hit rate, preemptions and the host pool are within the rules")
         return 0

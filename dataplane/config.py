@@ -25,6 +25,8 @@ ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 # How fp32 CPU linears pick their kernel (dataplane/runner/linear_selection.py).
 CPU_LINEAR_MODES = ("auto", "panel", "onednn")
+# What the panel kernel holds an fp32 CPU model's linear weights in.
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16")
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # swap_space left unset: the seed's 4 GiB of host memory next to a GPU.
@@ -203,7 +205,18 @@ class ModelConfig:
         choices=CPU_LINEAR_MODES,
     )
 
+    cpu_weight_dtype: str = setting(
+        "float32",
+        "fp32 CPU models: what the panel kernel holds linear weights in; bfloat16 halves their bytes "
+        "(AVX-512 BF16 dot products where the CPU has them), activations and KV cache stay fp32",
+        choices=CPU_WEIGHT_DTYPES,
+    )
+
     def __post_init__(self) -> None:
+        if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
+            raise ValueError(
+                f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}"
+            )
         if self.cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
         if self.dtype not in MODEL_DTYPES:

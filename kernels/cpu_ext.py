@@ -47,6 +47,7 @@ _SOURCES = tuple(
         "layer_ops.cpp",
         "cache_ops.cpp",
         "linear.cpp",
+        "linear_bf16.cpp",
         "decoder_block.cpp",
     )
 )
@@ -113,6 +114,11 @@ class CpuKernels:
     # kernels/cpu/linear.cpp: panel_width() -> int, the output columns per packed panel of
     # this build (two vectors of its ISA: 32 on AVX-512, 16 on AVX2, 8 on portable)
     panel_width: int
+    # kernels/cpu/linear_bf16.cpp: panel_linear_bf16(out, x, packed, bias), x/out/bias
+    # float32, packed bfloat16 by kernels.linear.pack_panels_bf16; bf16_dot_products: whether
+    # this build computes it with AVX-512 BF16 dot products (x rounded to bf16)
+    panel_linear_bf16: Callable[..., None]
+    bf16_dot_products: bool
     isa: str
     library_path: str
     cflags: tuple[str, ...]
@@ -350,6 +356,8 @@ def _build(isa: str, verbose: bool) -> CpuKernels:
                 decoder_attention_input=ops.decoder_attention_input.default,
                 decoder_mlp=ops.decoder_mlp.default,
                 panel_width=int(ops.panel_width.default()),
+                panel_linear_bf16=ops.panel_linear_bf16.default,
+                bf16_dot_products=bool(ops.bf16_dot_products.default()),
                 isa=isa,
                 library_path=str(library),
                 cflags=tuple(cflags),

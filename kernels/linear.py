@@ -48,3 +48,34 @@ def panel_linear(
     out = x.new_empty(x.shape[0], out_features)
     ops.panel_linear(out, x, packed, NO_BIAS if bias is None else bias)
     return out
+
+
+def pack_panels_bf16(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """[out, in] float32 -> bfloat16 [ceil(out / width), ceil(in / 2), width, 2]: panels of
+    `width` columns whose (k pair, column) entries hold the column's weights at inputs 2j and
+    2j + 1 (kernels/cpu/linear_bf16.cpp), rounded to nearest even; padding is zero."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack_panels_bf16 needs a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    if width not in PANEL_WIDTHS:
+        raise ValueError(f"pack_panels_bf16: width must be one of {PANEL_WIDTHS}, got {width}")
+    out_features, in_features = weight.shape
+    panels, pairs = -(-out_features // width), -(-in_features // 2)
+    padded = weight.new_zeros(panels * width, pairs * 2)
+    padded[:out_features, :in_features] = weight
+    # [P, W, pairs, 2] -> [P, pairs, W, 2]
+    return padded.view(panels, width, pairs, 2).permute(0, 2, 1, 3).to(torch.bfloat16).contiguous()
+
+
+def panel_linear_bf16(
+    ops: CpuKernels,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [rows, in] float32 (last dim contiguous) @ the bf16 weight.T (+ bias) -> float32."""
+    out = x.new_empty(x.shape[0], out_features)
+    ops.panel_linear_bf16(out, x, packed, NO_BIAS if bias is None else bias)
+    return out

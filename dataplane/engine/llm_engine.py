@@ -134,6 +134,7 @@ class LLMEngine:
                 seed=config.model.seed,
                 attention_backend=config.model.attention_backend,
                 cpu_linear=config.model.cpu_linear,
+                cpu_weight_dtype=config.model.cpu_weight_dtype,
                 kv_scales=self.kv_scales,
                 num_host_blocks=num_host_blocks,
                 tensor_parallel_size=tp,

@@ -19,7 +19,7 @@ from torch import nn
 
 from dataplane.runner.linear_selection import ShapeChoice
 from kernels.cpu_ext import CpuKernels
-from kernels.linear import NO_BIAS, pack_panels, panel_linear
+from kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 
 def onednn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,15 +53,19 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """Inference-only replacement of an fp32 CPU nn.Linear; the weight is packed into
-    kernels.linear's column panels once, and the C++ panel_linear op computes it."""
+    kernels.linear's column panels once, and the C++ panel_linear op computes it. With
+    `bf16_weights` the panels hold the weight rounded to bfloat16 (half the bytes) and
+    panel_linear_bf16 computes it; x and the result stay float32."""
 
-    def __init__(self, linear: nn.Linear, ops: CpuKernels) -> None:
+    def __init__(self, linear: nn.Linear, ops: CpuKernels, bf16_weights: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self._ops = ops
+        self.bf16_weights = bf16_weights
         self.panels: torch.Tensor
-        self.register_buffer("panels", pack_panels(linear.weight.detach(), ops.panel_width), persistent=False)
+        pack = pack_panels_bf16 if bf16_weights else pack_panels
+        self.register_buffer("panels", pack(linear.weight.detach(), ops.panel_width), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property
@@ -74,27 +78,30 @@ class PanelLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = panel_linear(self._ops, flat, self.panels, self.out_features, self.kernel_bias)
+        linear = panel_linear_bf16 if self.bf16_weights else panel_linear
+        out = linear(self._ops, flat, self.panels, self.out_features, self.kernel_bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels=True"
+        weights = "bfloat16" if self.bf16_weights else "float32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels={weights}"
 
 
 def packed_linear(
-    linear: nn.Linear, panel_ops: CpuKernels | None, choice: ShapeChoice | None
+    linear: nn.Linear, panel_ops: CpuKernels | None, choice: ShapeChoice | None, bf16_weights: bool = False
 ) -> PanelLinear | PackedLinear:
     """The replacement of one linear: oneDNN's where the choice says so (or there are no C++
     kernels), else a PanelLinear."""
     if panel_ops is None or (choice is not None and choice.choice == "onednn"):
         return PackedLinear(linear)
-    return PanelLinear(linear, panel_ops)
+    return PanelLinear(linear, panel_ops, bf16_weights)
 
 
 def pack_linears(
     model: nn.Module,
     panel_ops: CpuKernels | None = None,
     choices: dict[tuple[int, int], ShapeChoice] | None = None,
+    bf16_weights: bool = False,
 ) -> int:
     """Replace every nn.Linear of `model` in place: by oneDNN's PackedLinear without the C++
     kernels, else as `choices` (linear_selection.select_linears, by (in, out) shape) says,
@@ -104,5 +111,5 @@ def pack_linears(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         choice = None if choices is None else choices.get((linear.in_features, linear.out_features))
-        setattr(parent, child, packed_linear(linear, panel_ops, choice))
+        setattr(parent, child, packed_linear(linear, panel_ops, choice, bf16_weights))
     return len(targets)

@@ -34,7 +34,7 @@ Unknown architectures keep transformers' modules (logged).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -310,7 +310,8 @@ class FusedDecoderLayer(nn.Module):
             return False, False
         qkv, o, gate_up, down = self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
-        if isinstance(qkv, PanelLinear) and self.qk_norm_weight is None:
+        # The block ops run the fp32 panel matmul: bf16-weight panels stay op by op.
+        if _fp32_panels(qkv) and self.qk_norm_weight is None:
             norm = self.input_layernorm
             self.attention_input_args = (
                 norm.weight.detach(),
@@ -319,13 +320,17 @@ class FusedDecoderLayer(nn.Module):
                 qkv.kernel_bias,
                 qkv.out_features,
             )
-        if isinstance(o, PanelLinear) and isinstance(gate_up, PanelLinear) and isinstance(down, PanelLinear):
+        if _fp32_panels(o) and _fp32_panels(gate_up) and _fp32_panels(down):
             norm = self.post_attention_layernorm
             self.mlp_args = (
                 o.panels, o.kernel_bias, norm.weight.detach(), float(norm.variance_epsilon),
                 gate_up.panels, gate_up.kernel_bias, gate_up.out_features // 2, down.panels, down.kernel_bias,
             )  # fmt: skip
         return self.attention_input_args is not None, self.mlp_args is not None
+
+
+def _fp32_panels(linear: object) -> TypeGuard[PanelLinear]:
+    return isinstance(linear, PanelLinear) and not linear.bf16_weights
 
 
 def bind_block_kernels(model: nn.Module) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from torch import nn
 
 from dataplane.config import CPU_LINEAR_MODES
 from kernels.cpu_ext import CpuKernels, cpu_model, cpu_report
-from kernels.linear import pack_panels, panel_linear
+from kernels.linear import pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
@@ -103,15 +103,17 @@ def time_shape(
     shape: Shape,
     rows: int,
     repeats: int = REPEATS,
+    bf16_weights: bool = False,
 ) -> tuple[float, float]:
     """(panel, oneDNN) milliseconds per call at `rows` rows over the packed weights in turn,
     best of `repeats` alternating rounds (so a burst of noise hits both sides alike)."""
     in_features, out_features = shape
     x = torch.randn(rows, in_features)
+    linear = panel_linear_bf16 if bf16_weights else panel_linear
 
     def run_panel() -> None:
         for p in panels:
-            panel_linear(ops, x, p, out_features)
+            linear(ops, x, p, out_features)
 
     def run_onednn() -> None:
         for w in onednn:
@@ -126,17 +128,21 @@ def time_shape(
     return best_panel / len(panels) * 1e3, best_onednn / len(onednn) * 1e3
 
 
-def choose_shape(ops: CpuKernels, shape: Shape, weights: Sequence[torch.Tensor]) -> ShapeChoice:
+def choose_shape(
+    ops: CpuKernels, shape: Shape, weights: Sequence[torch.Tensor], bf16_weights: bool = False
+) -> ShapeChoice:
     """Time one shape at every row count; oneDNN if it is faster over them (geometric mean),
     else the panel kernel."""
     in_features, out_features = shape
     if in_features * out_features < UNTIMED_MAX_ELEMENTS:
         return ShapeChoice(in_features, out_features, "panel", reason="small")
     timed = [w.detach() for w in weights[:TIMED_LAYERS]]
-    panels = [pack_panels(w, ops.panel_width) for w in timed]
+    pack = pack_panels_bf16 if bf16_weights else pack_panels
+    panels = [pack(w, ops.panel_width) for w in timed]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in timed]
     panel_ms, onednn_ms = zip(
-        *(time_shape(ops, panels, onednn, shape, rows) for rows in ROW_BANDS), strict=True
+        *(time_shape(ops, panels, onednn, shape, rows, bf16_weights=bf16_weights) for rows in ROW_BANDS),
+        strict=True,
     )
     timings = ShapeChoice(in_features, out_features, "panel", tuple(panel_ms), tuple(onednn_ms))
     speedup = timings.speedup
@@ -160,7 +166,7 @@ def selection_cache_dir() -> Path:
     return Path(cache).expanduser() / "pagedserve" / "cpu-linear"
 
 
-def selection_key(ops: CpuKernels, shapes: Sequence[Shape]) -> str:
+def selection_key(ops: CpuKernels, shapes: Sequence[Shape], bf16_weights: bool = False) -> str:
     """What the timings depend on: the CPU, the kernel build (its file: a changed source is a
     new build), torch and its threads, and the shapes timed."""
     try:
@@ -178,6 +184,7 @@ def selection_key(ops: CpuKernels, shapes: Sequence[Shape]) -> str:
         str(torch.get_num_threads()),
         json.dumps(sorted(shapes)),
         json.dumps(ROW_BANDS),
+        "bf16-weights" if bf16_weights else "fp32-weights",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
@@ -213,8 +220,11 @@ def _write_cache(path: Path, table: dict[Shape, ShapeChoice]) -> None:
         log.warning("cpu_kernels_cache_unwritable", path=str(path), error=str(exc))
 
 
-def select_linears(model: nn.Module, ops: CpuKernels | None, mode: str = "auto") -> dict[Shape, ShapeChoice]:
-    """The kernel per shape and row band for the fp32 CPU linears of `model` (not yet packed).
+def select_linears(
+    model: nn.Module, ops: CpuKernels | None, mode: str = "auto", *, bf16_weights: bool = False
+) -> dict[Shape, ShapeChoice]:
+    """The kernel per shape for the fp32 CPU linears of `model` (not yet packed): the panel
+    kernel (on bf16 weights with `bf16_weights`) or oneDNN's fp32 packed linear.
 
     ops None (the C++ kernels did not build) means oneDNN everywhere. Logs the table.
     """
@@ -229,14 +239,15 @@ def select_linears(model: nn.Module, ops: CpuKernels | None, mode: str = "auto")
         table = {(i, o): ShapeChoice(i, o, forced, reason=reason) for i, o in shapes}
     else:
         assert ops is not None
-        path = selection_cache_dir() / f"{selection_key(ops, list(shapes))}.json"
+        path = selection_cache_dir() / f"{selection_key(ops, list(shapes), bf16_weights)}.json"
         cached = _read_cache(path)
         if cached is not None and set(cached) == set(shapes):
             table = cached
         else:
             source = "timed"
             table = {
-                shape: choose_shape(ops, shape, [m.weight for m in mods]) for shape, mods in shapes.items()
+                shape: choose_shape(ops, shape, [m.weight for m in mods], bf16_weights)
+                for shape, mods in shapes.items()
             }
             _write_cache(path, table)
     log.info(
@@ -244,6 +255,7 @@ def select_linears(model: nn.Module, ops: CpuKernels | None, mode: str = "auto")
         mode=mode,
         source=source,
         isa=None if ops is None else ops.isa,
+        panel_weights="bfloat16" if bf16_weights else "float32",
         seconds=round(time.perf_counter() - started, 3),
         row_bands=list(ROW_BANDS),
         shapes=[

@@ -66,6 +66,7 @@ class ModelRunner:
         *,
         attention_backend: str | None = None,
         cpu_linear: str = "auto",
+        cpu_weight_dtype: str = "float32",
         kv_scales: KVScales | None = None,
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
@@ -92,8 +93,9 @@ class ModelRunner:
         fuse_decoder_layers(model, cpu_ops=cpu_ops)
         if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
             # After fusing, so the fused q/k/v and gate/up shapes are the ones timed.
-            self.linear_choices = select_linears(model, cpu_ops, cpu_linear)
-            pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices)
+            bf16 = cpu_weight_dtype == "bfloat16"
+            self.linear_choices = select_linears(model, cpu_ops, cpu_linear, bf16_weights=bf16)
+            pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices, bf16_weights=bf16)
             self.lm_head = model.get_output_embeddings()
             bind_block_kernels(model)
         self.block_size = block_size

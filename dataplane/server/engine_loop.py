@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataplane.request import Request
 from dataplane.server.engine_api import DataPlaneIdentity, Engine
 from dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
-from dataplane.server.metrics import DataPlaneMetrics
+from dataplane.server.metrics import DataPlaneMetrics, kernel_info
 from dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
 from dataplane.server.streams import Sink, StreamMux
 from pagedserve.common.log import get_logger
@@ -58,7 +58,9 @@ class EngineLoop:
             "kv_cache_dtype": identity.kv_cache_dtype,
             "enable_prefix_caching": str(identity.enable_prefix_caching).lower(),
         }
-        self.metrics = DataPlaneMetrics(engine.stats, cache_info, lambda: self._num_aborted)
+        self.metrics = DataPlaneMetrics(
+            engine.stats, cache_info, lambda: self._num_aborted, kernel_info(engine)
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:

@@ -15,20 +15,43 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from dataplane.engine.outputs import EngineStats
+from kernels.cpu_ext import cpu_report
 from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import dataplane_pb2
+
+
+def kernel_info(engine: Any) -> dict[str, str] | None:
+    """The `pagedserve_cpu_kernels_info` labels of a CPU engine: the CPU, its flags that
+    matter, the kernel build and each linear shape's kernel; None off the CPU."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or getattr(runner, "device", None) is None or runner.device.type != "cpu":
+        return None
+    cpu = cpu_report()
+    choices = getattr(runner, "linear_choices", {}) or {}
+    return {
+        "cpu_model": str(cpu["model"]),
+        "flags": " ".join(cpu["flags"]),
+        "isa": str(cpu["kernel_isa"]),
+        "native_isa": str(cpu["native_isa"]),
+        "linear": " ".join(f"{c.in_features}x{c.out_features}={c.choice}" for c in choices.values()),
+    }
 
 
 class _EngineCollector(Collector):
     """Scrape-time view of the pool, the scheduler and the prefix cache."""
 
     def __init__(
-        self, stats: Callable[[], EngineStats], info: dict[str, str], aborted: Callable[[], int]
+        self,
+        stats: Callable[[], EngineStats],
+        info: dict[str, str],
+        aborted: Callable[[], int],
+        kernel_info: dict[str, str] | None = None,
     ) -> None:
         self.read_stats = stats
         self.info = info
         self.aborted = aborted
+        self.kernel_info = kernel_info
 
     def collect(self) -> Iterator[Any]:
         stats = self.read_stats()
@@ -101,14 +124,25 @@ class _EngineCollector(Collector):
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], self.info)
         yield info
+        if self.kernel_info:
+            kernels = InfoMetricFamily(
+                PREFIX + "cpu_kernels",
+                "The CPU the data plane runs on and the kernels it chose at load (cpu_kernels_selected).",
+            )
+            kernels.add_metric([], self.kernel_info)
+            yield kernels
 
 
 class DataPlaneMetrics:
     def __init__(
-        self, stats: Callable[[], EngineStats], cache_info: dict[str, str], aborted: Callable[[], int]
+        self,
+        stats: Callable[[], EngineStats],
+        cache_info: dict[str, str],
+        aborted: Callable[[], int],
+        kernel_info: dict[str, str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, cache_info, aborted))
+        self.registry.register(_EngineCollector(stats, cache_info, aborted, kernel_info))
         self.requests = RequestMetrics(self.registry, "Arrival at the data plane")
         self.step = Histogram(
             PREFIX + "engine_step_seconds",

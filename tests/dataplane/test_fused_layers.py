@@ -273,3 +273,39 @@ def test_block_kernels_need_panel_linears_and_the_cpu_kernels(model_dirs: dict[s
     assert all(
         layer.attention_input_args is None and layer.mlp_args is None for layer in onednn.get_decoder().layers
     )
+
+
+def test_bf16_weights_engine_keeps_fp32_activations_and_frees_every_block(
+    model_dirs: dict[str, Path],
+) -> None:
+    """--cpu-weight-dtype bfloat16: every linear is a panel linear over bf16 panels (half the
+    bytes), the block ops that read fp32 panels stay unbound, and the logits stay within bf16
+    rounding of the fp32 model's."""
+    fp32 = LLM(str(model_dirs["llama"]), max_model_len=64, block_size=4, max_num_seqs=4)
+    bf16 = LLM(
+        str(model_dirs["llama"]), max_model_len=64, block_size=4, max_num_seqs=4, cpu_weight_dtype="bfloat16"
+    )
+    assert bf16.engine.config.model.cpu_weight_dtype == "bfloat16"
+    panels = [m for m in bf16.engine.runner.model.modules() if isinstance(m, PanelLinear)]
+    layers = bf16.engine.runner.decoder.layers
+    assert len(panels) == 4 * len(layers) + 1 and all(p.bf16_weights for p in panels)
+    assert all(p.panels.dtype == torch.bfloat16 for p in panels)
+    fp32_panels = [m for m in fp32.engine.runner.model.modules() if isinstance(m, PanelLinear)]
+    assert sum(p.panels.numel() * p.panels.element_size() for p in panels) * 2 >= sum(
+        p.panels.numel() * p.panels.element_size() for p in fp32_panels
+    )
+    assert all(layer.attention_input_args is None and layer.mlp_args is None for layer in layers)
+    assert all(layer.mlp_args is not None for layer in fp32.engine.runner.decoder.layers)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 384, (16,), generator=gen).tolist()
+    logits = []
+    for llm in (fp32, bf16):
+        driver = PagedDriver(llm.engine.runner.model)
+        logits.append(driver.step([(tokens, 0, 16, list(range(4)))]))
+    scale = logits[0].abs().max()
+    err = (logits[1] - logits[0]).abs().max()
+    assert 0 < err < 0.05 * scale  # rounded, but only by bf16's 8-bit mantissa
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = bf16.generate([tokens, tokens[:5]], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert bf16.engine.pool.num_free_blocks == bf16.engine.pool.num_blocks

@@ -163,3 +163,22 @@ def test_cpu_linear_is_validated_by_name() -> None:
         select_linears(Stack(), None, "mkl")
     assert engine_config(cpu_linear="onednn").model.cpu_linear == "onednn"
     assert ModelConfig().cpu_linear == "auto"
+
+
+def test_bf16_weights_time_the_bf16_kernel_under_their_own_key(ops: CpuKernels, cache_home: Path) -> None:
+    fp32_calls: list[int] = []
+    bf16_calls: list[int] = []
+    counted = dataclasses.replace(
+        ops,
+        panel_linear=counting(ops.panel_linear, fp32_calls),
+        panel_linear_bf16=counting(ops.panel_linear_bf16, bf16_calls),
+    )
+    table = select_linears(Stack(), counted, "auto", bf16_weights=True)
+    assert bf16_calls and not fp32_calls  # the kernel that will serve is the one timed
+    assert table[(512, 512)].reason == "timed"
+    assert linear_selection.selection_key(
+        ops, [(512, 512)], bf16_weights=True
+    ) != linear_selection.selection_key(ops, [(512, 512)])
+    select_linears(Stack(), counted, "auto")  # fp32 weights: not the bf16 entry, timed afresh
+    assert fp32_calls
+    assert len(list(cache_home.glob("*.json"))) == 2

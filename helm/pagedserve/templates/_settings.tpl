@@ -34,6 +34,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--cpu-linear=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "cpuWeightDtype" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--cpu-weight-dtype=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "blockSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--block-size=%d" (int64 $v) | toJson }}

@@ -250,3 +250,21 @@ def test_doctor_against_a_live_server(server: ServerThread, capsys: pytest.Captu
     assert "preemptions for 6 finished requests" in out
     assert "[prefix_hit_rate]" in out  # unrelated prompts: nothing to reuse
     assert main(["doctor", "--url", "http://127.0.0.1:9", "--samples", "1"]) == 2
+
+
+def test_the_data_plane_exports_its_cpu_and_kernels(server: ServerThread) -> None:
+    """The live data plane's exposition names its CPU, kernel build and each linear's kernel,
+    and the doctor reads them (tiny layers are below the timing size: panel, untimed)."""
+    from controlplane.doctor import kernels_line
+    from kernels.cpu_ext import cpu_report
+
+    exposition = generate_latest(server.dataplane.loop.metrics.registry).decode()
+    (sample,) = parse(exposition).values()
+    cpu = cpu_report()
+    assert sample.kernels["isa"] == cpu["kernel_isa"] and sample.kernels["native_isa"] == cpu["native_isa"]
+    assert sample.kernels["flags"] == " ".join(cpu["flags"])
+    choices = server.dataplane.loop.engine.runner.linear_choices
+    assert choices and {c.choice for c in choices.values()} == {"panel"}
+    assert sample.kernels["linear"] == " ".join(f"{i}x{o}=panel" for i, o in choices)
+    line = kernels_line(sample.kernels)
+    assert line.startswith(f"cpu: {cpu['model']}; flags ") and f"kernels {cpu['kernel_isa']}" in line
