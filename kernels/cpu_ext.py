@@ -1,11 +1,16 @@
 """C++ CPU kernels (kernels/cpu/*.cpp), JIT-built with torch.utils.cpp_extension on first use.
 
 Nothing is built at import: the first load_cpu_kernels() call compiles the extension (about
-3-4 s cold on 2 cores, see benchmarks/paged_attention_cpu.py --cold-build) into torch's extension cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR as torch reads it), where later
-processes find it and only relink-check it; within a process the result is memoised. If
-the build fails (no C++ compiler, no ninja) a single warning is logged and callers fall back
-to the torch implementations.
+1-2 minutes cold on 2 cores; `pagedserve kernels build` does it ahead of the first start) into
+`build_root()` ($TORCH_EXTENSIONS_DIR/pagedserve, else ~/.cache/torch_extensions/pagedserve),
+one folder per build named by the digest of what the binary depends on (`build_name`): the
+CPU, the sources' contents, the flags, torch. The sources are copied into that folder and
+built from there, so every checkout of the same sources shares one build; later processes
+load the library as it is, without running the compiler or taking a lock. A build holds an
+flock on its folder, which the OS drops when the builder exits or is killed: an interrupted
+build never blocks a later start, and processes started together build once. Within a
+process the result is memoised. If the build fails (no C++ compiler, no ninja) a single
+warning is logged and callers fall back to the torch implementations.
 
 One build per instruction-set level (`CPU_ISAS`): avx512 (AVX-512 F/BW/DQ/VL), avx2 (AVX2 +
 FMA + F16C, x86-64-v3) and portable (the architecture's baseline: SSE2 on x86-64, NEON on
@@ -15,13 +20,14 @@ built with -march=native; `PAGEDSERVE_CPU_ISA=avx512|avx2|portable` picks a lowe
 for that level, not for this CPU), so an AVX-512 machine builds and tests the AVX2 and
 portable kernels as an AVX2-only or older CPU would run them. Each level registers its ops
 under its own namespace (`pagedserve_cpu_<isa>`), so one process can load several (the
-tests compare them). The extension's name carries a fingerprint of the CPU and the headers,
-so a cache directory shared between different machines (an NFS home) never hands one CPU's
-build to another. A compiler that rejects -march=native gets a second build without it.
+tests compare them). The CPU's model and flags are part of the build's name, so a cache
+directory shared between different machines (an NFS home) never hands one CPU's build to
+another. A compiler that rejects -march=native gets a second build without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -29,7 +35,8 @@ import os
 import platform
 import shutil
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +58,7 @@ _SOURCES = tuple(
         "decoder_block.cpp",
     )
 )
-# Included by the sources. torch's JIT build hashes only the sources into its version, so
-# the headers' contents go into the extension's name instead: a changed header is a new build.
+# Included by the sources; their contents are part of the build's name like the sources'.
 _HEADERS = tuple(_CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "row_ops.h"))
 # The instruction-set levels a build can target, best first, and the environment variable
 # that picks one (unset or "auto": the best this CPU runs).
@@ -310,32 +316,138 @@ def _path_with_ninja() -> str:
     return os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
-def _build(isa: str, verbose: bool) -> CpuKernels:
+def build_root() -> Path:
+    """Where the builds live: $TORCH_EXTENSIONS_DIR (as torch reads it), else torch's default
+    root (~/.cache/torch_extensions), in a pagedserve/ folder of their own."""
     from torch.utils import cpp_extension
 
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "pagedserve"
+
+
+def build_name(isa: str, cflags: Sequence[str]) -> str:
+    """The build's folder and library name: its ISA and a digest of everything the binary
+    depends on (the CPU, the sources' and headers' contents, the flags, torch and Python),
+    never of the checkout's path, so every checkout with these sources shares one build."""
+    digest = hashlib.sha256(_cpu_fingerprint().encode())
+    for path in (*_SOURCES, *_HEADERS):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update("\n".join([*cflags, torch.__version__, platform.python_version()]).encode())
+    return f"pagedserve_cpu_{isa}_{digest.hexdigest()[:16]}"
+
+
+# How long a start waits for another process's build of the same kernels before it gives up
+# (and falls back to the torch path): a cold build takes ~1-2 min on 2 cores.
+BUILD_WAIT_S = 600.0
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, timeout_s: float) -> Iterator[None]:
+    """One builder per build folder across processes: an flock, which the OS releases when
+    its holder exits or is killed, so an interrupted build can never leave a lock behind."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "pagedserve-build.lock"
+    with open(path, "a+") as handle:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no cross-process lock
+            yield
+            return
+        deadline = time.monotonic() + timeout_s
+        announced = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not announced:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    logger.warning(
+                        "pagedserve: waiting for another process (pid %s) building the C++ CPU kernels in %s",
+                        holder,
+                        folder,
+                    )
+                    announced = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held the kernel build lock {path} for over {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _staged_sources(folder: Path) -> list[str]:
+    """The sources and headers copied into the build folder: the build reads those, so its
+    build.ninja names the same paths whichever checkout started it (no rebuild when another
+    checkout with the same sources starts next)."""
+    src = folder / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for path in (*_SOURCES, *_HEADERS):
+        target = src / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            target.write_bytes(data)
+    return [str(src / path.name) for path in _SOURCES]
+
+
+def _load_or_build(name: str, cflags: list[str], verbose: bool) -> str:
+    """The built library's path: loaded as it is when a previous start built it, else built
+    (once, under the folder's lock) and loaded."""
+    from torch.utils import cpp_extension
+
+    folder = build_root() / name
+    library = folder / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return str(library)
+    with _build_lock(folder, BUILD_WAIT_S):
+        if library.exists():  # built by the process we waited for
+            torch.ops.load_library(str(library))
+            return str(library)
+        # torch's own lock file, left by a build that was killed: we hold the folder's flock,
+        # so nobody is building here now.
+        (folder / "lock").unlink(missing_ok=True)
+        logger.warning(
+            "pagedserve: building the C++ CPU kernels %s (once per CPU and kernel source version; "
+            "about 1-2 minutes on 2 cores) in %s",
+            name,
+            folder,
+        )
+        started = time.perf_counter()
+        cpp_extension.load(
+            name=name,
+            sources=_staged_sources(folder),
+            extra_cflags=cflags,
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        logger.warning("pagedserve: built the C++ CPU kernels in %.1f s", time.perf_counter() - started)
+    return str(library)
+
+
+def _build(isa: str, verbose: bool) -> CpuKernels:
     # The source uses only torch's stable ABI; parallelism comes from libtorch's own
     # parallel_for, so no OpenMP flags (see kernels/cpu/paged_attention.cpp).
     namespace = f"pagedserve_cpu_{isa}"
-    digest = hashlib.sha256(_cpu_fingerprint().encode())
-    for header in _HEADERS:
-        digest.update(header.read_bytes())
-    fingerprint = digest.hexdigest()[:12]
     old_path = os.environ.get("PATH")
     errors: list[str] = []
     # torch's build reads PATH when it runs; restored below.
     os.environ["PATH"] = _path_with_ninja()
     try:
-        for i, flags in enumerate(_cflag_attempts(isa)):
+        for flags in _cflag_attempts(isa):
             cflags = [*flags, f"-DPAGEDSERVE_OPS={namespace}"]
-            name = f"{namespace}_{fingerprint}" + ("" if i == 0 else "_baseline")
             try:
-                library = cpp_extension.load(
-                    name=name,
-                    sources=[str(s) for s in _SOURCES],
-                    extra_cflags=cflags,
-                    is_python_module=False,
-                    verbose=verbose,
-                )
+                library = _load_or_build(build_name(isa, cflags), cflags, verbose)
             except Exception as exc:
                 errors.append(f"{' '.join(cflags)}: {exc}")
                 # A missing toolchain fails both attempts alike; only a rejected flag warrants
@@ -359,7 +471,7 @@ def _build(isa: str, verbose: bool) -> CpuKernels:
                 panel_linear_bf16=ops.panel_linear_bf16.default,
                 bf16_dot_products=bool(ops.bf16_dot_products.default()),
                 isa=isa,
-                library_path=str(library),
+                library_path=library,
                 cflags=tuple(cflags),
             )
     finally:
