@@ -450,9 +450,11 @@ def _build(isa: str, verbose: bool) -> CpuKernels:
                 library = _load_or_build(build_name(isa, cflags), cflags, verbose)
             except Exception as exc:
                 errors.append(f"{' '.join(cflags)}: {exc}")
-                # A missing toolchain fails both attempts alike; only a rejected flag warrants
-                # the portable retry.
-                if "ninja" in str(exc).lower() and "required" in str(exc).lower():
+                # A missing toolchain (or another process's build we gave up waiting on) fails
+                # both attempts alike; only a rejected flag warrants the portable retry.
+                if isinstance(exc, TimeoutError) or (
+                    "ninja" in str(exc).lower() and "required" in str(exc).lower()
+                ):
                     break
                 continue
             ops = getattr(torch.ops, namespace)
