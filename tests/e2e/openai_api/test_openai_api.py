@@ -107,6 +107,25 @@ def test_completions_stream_with_usage_n_seed_and_stop(
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 24
 
+    # continuous_usage_stats (vLLM's; guidellm sends it): the usage so far on every chunk.
+    running = list(
+        client.completions.create(
+            model=DEFAULT_MODEL,
+            prompt="The capital of France is",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in running if c.choices) == expected
+    assert all(c.usage is not None for c in running)
+    so_far = [c.usage.completion_tokens for c in running if c.usage is not None]
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 24
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert {c.usage.prompt_tokens for c in running if c.usage is not None} == {prompt_tokens}
+    assert running[-1].usage is not None and running[-1].usage.total_tokens == prompt_tokens + 24
+
     word = expected.split()[2]
     stopped = client.completions.create(
         model=DEFAULT_MODEL, prompt="The capital of France is", max_tokens=24, temperature=0, stop=[word]
