@@ -67,6 +67,14 @@ def add_controlplane_args(p: argparse.ArgumentParser, *, own_dataplane: bool = F
     add_security_args(p)
 
 
+def ready_line(host: str, grpc_port: int, http_port: int | None, tls: bool) -> str:
+    """The line that says the server answers; under TLS it says so, with https:// (both ports
+    then speak TLS: a plaintext client gets only a closed socket)."""
+    scheme = "https" if tls else "http"
+    line = f"pagedserve gRPC on {host}:{grpc_port}  HTTP on {scheme}://{host}:{http_port}"
+    return line + "  (TLS: clients need the CA of --tls-cert-file)" if tls else line
+
+
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlaneConfig:
     """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
     (e.g. the data plane `serve` started) replace fields before validation."""
@@ -128,6 +136,6 @@ async def run_controlplane(
         ready.cancel()
     announced = not stopped.done()
     if announced:
-        print(f"pagedserve gRPC on {host}:{cp.grpc_port}  HTTP on http://{host}:{cp.http_port}", flush=True)
+        print(ready_line(host, cp.grpc_port, cp.http_port, config.tls is not None), flush=True)
     await run_until_signalled(cp, stopped)
     return 0 if announced else 128 + stopped.result()  # 130: Ctrl-C while starting

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.cli import add_controlplane_args, config_from_args
+from controlplane.cli import add_controlplane_args, config_from_args, ready_line
 from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import EXIT_ERROR, check_port_free, cli_command, free_port, print_error
@@ -123,10 +123,7 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
             await asyncio.sleep(_READY_POLL_S)
         ready = bool(cp.dispatcher.healthy) and not stopped.done()
         if ready:
-            print(
-                f"pagedserve gRPC on {args.host}:{cp.grpc_port}  HTTP on http://{args.host}:{cp.http_port}",
-                flush=True,
-            )
+            print(ready_line(args.host, cp.grpc_port, cp.http_port, config.tls is not None), flush=True)
             gave_up = asyncio.ensure_future(supervisor.gave_up.wait())
             waiters: set[asyncio.Future[Any]] = {stopped, gave_up}
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
