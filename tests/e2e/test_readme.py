@@ -3,6 +3,7 @@ model; only the ports are the test server's instead of 50051/8000."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -75,3 +76,38 @@ def test_readme_python_snippet_runs(index: int, server: tuple[str, str], tmp_pat
     else:  # gRPC: the greedy completion, then the async n=2 sampled list
         assert "Paris" in out.splitlines()[0]
         assert out.rstrip().splitlines()[-1].startswith("[")
+
+
+def _options_of(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of all its subcommands, recursively."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found |= _options_of(child)
+    return found
+
+
+def _pagedserve_command_lines() -> list[str]:
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    lines = [line.split("#", 1)[0] for block in blocks for line in block.splitlines()]
+    return [line for line in lines if re.match(r"\s*(\.venv/bin/)?pagedserve\s", line)]
+
+
+def test_every_flag_the_readme_passes_to_pagedserve_exists() -> None:
+    from pagedserve.cli import build_parser
+
+    known = _options_of(build_parser())
+    used = {
+        flag for line in _pagedserve_command_lines() for flag in re.findall(r"\s(--[a-z][a-z0-9-]*)", line)
+    }
+    assert used, "no pagedserve command lines found in the README"
+    assert sorted(used - known) == []
+
+
+def test_the_readme_lists_every_benchmark() -> None:
+    from benchmarks.cli import SCRIPTS, SUBCOMMANDS
+
+    listed = {line.split()[2] for line in _pagedserve_command_lines() if line.split()[1:2] == ["bench"]}
+    assert sorted(set(SUBCOMMANDS) | set(SCRIPTS)) == sorted(listed)
