@@ -32,29 +32,45 @@ def add_listen_args(p: argparse.ArgumentParser) -> None:
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security")
-    s.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    s.add_argument(
+        "--api-key", action="append", default=[], help="require this API key, repeatable (default: none)"
+    )
     s.add_argument(
         "--api-key-file",
         default=None,
         help="file of API keys: one per line, as `key` (a tenant of its own) or `tenant: key`, "
-        'or JSON {"tenant": ["key", ...]}; a tenant never hits another tenant\'s prefix cache',
+        'or JSON {"tenant": ["key", ...]}; a tenant never hits another tenant\'s prefix cache '
+        "(default: none; with neither this nor --api-key, no authentication)",
     )
     s.add_argument(
-        "--tls-cert-file", default=None, help="serve gRPC and HTTP over TLS with this certificate (PEM)"
-    )
-    s.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM)")
-    s.add_argument(
-        "--dataplane-tls-ca-file", default=None, help="connect to data planes over TLS, verified by this CA"
+        "--tls-cert-file",
+        default=None,
+        help="serve gRPC and HTTP over TLS with this certificate (PEM) (default: none, plaintext)",
     )
     s.add_argument(
-        "--dataplane-tls-cert-file", default=None, help="client certificate for mTLS to data planes"
+        "--tls-key-file", default=None, help="the certificate's private key (PEM) (default: none, plaintext)"
     )
-    s.add_argument("--dataplane-tls-key-file", default=None, help="its private key")
+    s.add_argument(
+        "--dataplane-tls-ca-file",
+        default=None,
+        help="connect to data planes over TLS, verified by this CA (default: none, plaintext)",
+    )
+    s.add_argument(
+        "--dataplane-tls-cert-file",
+        default=None,
+        help="client certificate for mTLS to data planes (default: none, no client certificate)",
+    )
+    s.add_argument(
+        "--dataplane-tls-key-file",
+        default=None,
+        help="its private key (default: none, no client certificate)",
+    )
     s.add_argument(
         "--dataplane-tls-server-name",
         default=None,
         help="the DNS name the data planes' certificates must carry, checked in place of the "
-        "address dialled (with --dataplane-dns, data planes are dialled by IP address)",
+        "address dialled (with --dataplane-dns, data planes are dialled by IP address) "
+        "(default: none, the host part of the address dialled)",
     )
 
 
@@ -128,7 +144,8 @@ async def run_controlplane(
 
     configure_tracing("pagedserve-controlplane")
     cp = await start_control_plane(config, host, grpc_port, http_port)
-    stopped = stop_signals()
+    signals = stop_signals(cp)
+    stopped = signals.first
     if wait_s:
         ready = asyncio.ensure_future(cp.dispatcher.wait_ready(wait_s))
         waiters: set[asyncio.Future[Any]] = {ready, stopped}
@@ -137,5 +154,5 @@ async def run_controlplane(
     announced = not stopped.done()
     if announced:
         print(ready_line(host, cp.grpc_port, cp.http_port, config.tls is not None), flush=True)
-    await run_until_signalled(cp, stopped)
+    await run_until_signalled(cp, signals)
     return 0 if announced else 128 + stopped.result()  # 130: Ctrl-C while starting

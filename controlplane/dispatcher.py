@@ -11,7 +11,8 @@ resolves to, re-resolved every `dns_refresh_s` through an injectable `Resolver`.
 joins on the next refresh; one that leaves retires: placement skips it at once, its link stays
 up until its requests in flight end (at most `dataplane_drain_timeout_s`), then closes. If it
 comes back meanwhile it is back in rotation on the same link. `stop_accepting` (shutdown)
-refuses new generations while those in progress go on; `wait_finished` waits for them.
+refuses new generations while those in progress go on; `wait_finished` waits for them;
+`cut` ends those still under way (the shutdown grace is over).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Dispatcher:
         self._in_progress = 0  # generate() calls under way
         self._finished = asyncio.Event()  # set while none is
         self._finished.set()
+        self._cut: str | None = None  # why every generation under way was ended (`cut`)
         self.changed = asyncio.Event()  # set whenever a data-plane link reports (health, stats)
 
     # -- data-plane set -------------------------------------------------------------------------
@@ -142,6 +144,26 @@ class Dispatcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._finished.wait(), timeout_s)
         return self._in_progress == 0
+
+    def cut(self, message: str) -> int:
+        """End every generation under way now, and refuse new ones: each raises ServiceError
+        UNAVAILABLE `message` to its consumer (an SSE stream ends with it as an error event,
+        a gRPC stream with it as its status) and is aborted on its data plane, its blocks
+        freed. Those queued for budget leave the queue. Returns how many were under way.
+
+        Only wakes them: each ends when its own task next runs, so a client that does not
+        read can hold its response open; the ports' stop bounds that (`ControlPlane.stop`)."""
+        self.stop_accepting()
+        self._cut = message
+        self.admission.fail_all(ServiceError("UNAVAILABLE", message))
+        for link in self.connections.values():
+            for handle in link.handles.values():  # a stream waiting for its next event wakes
+                handle.events.put_nowait(Lost(message))
+        return self._in_progress
+
+    def _check_cut(self) -> None:
+        if self._cut is not None:
+            raise ServiceError("UNAVAILABLE", self._cut)
 
     def add_dataplane(self, address: str) -> None:
         if address in self.connections:
@@ -353,6 +375,7 @@ class Dispatcher:
         streamed = False
         parent = extract(dict(trace_context or {}))
         while True:
+            self._check_cut()  # (a request lost before the cut is not placed again)
             remaining = None if request.deadline is None else request.deadline - time.monotonic()
             span = _tracer.start_span("pagedserve.admission", context=parent)
             try:
@@ -383,6 +406,9 @@ class Dispatcher:
             try:
                 while not done:
                     event = await handle.events.get()
+                    # Checked on every event, not only on the cut's `Lost`: the events queued
+                    # before it (a slow consumer's backlog) are not streamed any more.
+                    self._check_cut()
                     if isinstance(event, Lost):
                         exclude = _moved(retry_on_other(link.address, event.message, streamed, exclude))
                         log.warning("rerouting", request_id=request.request_id, lost=link.address)

@@ -24,6 +24,7 @@ from controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, re
 from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
 from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers, openai_error
+from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
 
 MAX_BODY_BYTES = 4 << 20
@@ -31,6 +32,9 @@ MAX_BODY_BYTES = 4 << 20
 DRAIN_BYTES = 64 << 20
 DRAIN_S = 10.0
 """How much of a refused body is still read (and dropped) so its client gets the 413."""
+_FORCED_STOP_S = 0.5  # after closing the connections: how long uvicorn may take to return
+
+log = get_logger(__name__)
 
 
 class BodyLimit:
@@ -197,8 +201,30 @@ class HttpServer:
         while not self._server.started and not self._task.done():
             await asyncio.sleep(0.01)
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop serving: no new connections, idle ones closed at once. A response under way
+        gets `timeout_s` to end (None: as long as it takes), then its connection is closed
+        under it, as if its client had gone: uvicorn alone would wait for every open response
+        (a stream its client keeps reading, or one it never reads) without a limit."""
         self._server.should_exit = True
         if self._task is not None:
-            await self._task
+            await asyncio.wait({self._task}, timeout=timeout_s)
+            if not self._task.done():
+                self._close_connections()
+                # The app sees the disconnect (StreamingResponse stops, the request is
+                # aborted); uvicorn no longer waits for anything. Cancel as a last resort.
+                await asyncio.wait({self._task}, timeout=_FORCED_STOP_S)
+                if not self._task.done():
+                    self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
         self._socket.close()
+
+    def _close_connections(self) -> None:
+        self._server.force_exit = True  # uvicorn's own "quit now": it stops waiting for tasks
+        connections = list(self._server.server_state.connections)
+        if connections:
+            log.warning("http_connections_closed", open=len(connections))
+        for connection in connections:
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()  # no flush: a client that does not read holds no buffer open

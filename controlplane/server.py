@@ -6,15 +6,17 @@ plane on a taken port fails at once with one line (pagedserve/common/lifecycle.p
 
 SIGTERM (or SIGINT) stops it gracefully (`ControlPlane.shutdown`): gRPC health turns
 NOT_SERVING and `/health` 503 at once (both keep answering), new requests are refused
-UNAVAILABLE (retryable), the streams under way get `shutdown_grace_s` to finish, then the ports
-close and the process exits. A second signal cuts the grace short.
+UNAVAILABLE (retryable), the streams under way get `shutdown_grace_s` to finish. Then those
+still open are cut, UNAVAILABLE "shutting down" (an SSE stream's last event is that error, a
+gRPC stream ends with that status), the ports close and the process exits: within
+`shutdown_grace_s + STOP_MARGIN_S` of the signal, whatever the clients do. A second signal
+cuts at once (`pagedserve.common.lifecycle.StopSignals` holds both deadlines).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +32,13 @@ from controlplane.frontend import Frontend
 from controlplane.http_server import HttpServer, create_app
 from controlplane.servicer import GenerationServicer, add_generation_service
 from controlplane.tokenizer import Tokenizer
-from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, bind_error, check_port_free
+from pagedserve.common.lifecycle import (
+    NO_REUSEPORT,
+    StopSignals,
+    add_port,
+    bind_error,
+    check_port_free,
+)
 from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
@@ -42,6 +50,10 @@ log = get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _HEALTH_POLL_S = 0.5
 _HEARTBEAT_S = 1.0
+_FLUSH_S = 0.5
+"""After a cut: how long the ports wait for the cut responses to go out (the error event, the
+status) before closing the connections still open, e.g. a client that reads nothing."""
+_HURRIED_FLUSH_S = 0.2  # the same after a second signal
 
 
 class Liveness:
@@ -118,7 +130,8 @@ class ControlPlane:
     async def shutdown(self, grace_s: float, hurry: asyncio.Future[Any] | None = None) -> bool:
         """Stop gracefully: NOT_SERVING (gRPC health, and `/health` 503) and new requests
         refused UNAVAILABLE at once; the generations under way get up to `grace_s` to finish
-        (or until `hurry` completes); then `stop`. True when none had to be cut."""
+        (or until `hurry` completes); those still running then are cut and `stop` follows,
+        which takes at most about 2 * _FLUSH_S more. True when none had to be cut."""
         self.dispatcher.stop_accepting()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
@@ -129,18 +142,36 @@ class ControlPlane:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finished.cancel()
         done = self.dispatcher.in_progress == 0
+        hurried = hurry is not None and hurry.done()
+        why = "stopped at once by a second signal" if hurried else f"its {grace_s:g} s grace is over"
         if not done:
-            log.warning("shutdown_grace_over", cut=self.dispatcher.in_progress, grace_s=grace_s)
-        await self.stop(grace_s=1.0 if done else 0.0)
+            log.warning(
+                "shutdown_grace_over", cut=self.dispatcher.in_progress, grace_s=grace_s, hurried=hurried
+            )
+        # Hurried: the process has HURRY_S left in all; the cut responses go out in
+        # milliseconds, what waits longer is a client that does not read.
+        await self.stop(grace_s=0.0, why=why, flush_s=_HURRIED_FLUSH_S if hurried else _FLUSH_S)
         return done
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float = 2.0, why: str | None = None, flush_s: float = _FLUSH_S) -> None:
+        """Close the ports and the data-plane links. Generations under way get `grace_s` to
+        finish, then are cut (`Dispatcher.cut`: UNAVAILABLE, the control plane is shutting
+        down, `why`); the ports give the cut responses `flush_s` to go out, then close what
+        is still open. Never waits on a client: a streaming response the client does not
+        read, or a gRPC call it never ends, is closed under it."""
         self._health_task.cancel()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-        await self.grpc_server.stop(grace_s)
+        self.dispatcher.stop_accepting()
+        if self.dispatcher.in_progress and (grace_s <= 0 or not await self.dispatcher.wait_finished(grace_s)):
+            reason = "" if why is None else f" ({why})"
+            message = f"the control plane is shutting down{reason}; retry the request"
+            log.warning("streams_cut", cut=self.dispatcher.cut(message), reason=why)
+        # Both ports at once, each waiting up to `flush_s` for its cut responses.
+        stops = [self.grpc_server.stop(flush_s)]
         if self.http is not None:
-            await self.http.stop()
+            stops.append(self.http.stop(flush_s))
+        await asyncio.gather(*stops)
         await self.dispatcher.stop()
 
 
@@ -222,26 +253,15 @@ async def start_control_plane(
     return ControlPlane(dispatcher, server, port, http, health_task, liveness, heartbeat, health_servicer)
 
 
-def stop_signals() -> asyncio.Future[int]:
-    """A future that SIGINT or SIGTERM completes with the signal's number (handlers on the
-    running loop; a second signal finds the future done and changes nothing)."""
-    loop = asyncio.get_running_loop()
-    stopped: asyncio.Future[int] = loop.create_future()
-
-    def on_signal(sig: int) -> None:
-        if not stopped.done():
-            stopped.set_result(sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    return stopped
+def stop_signals(control_plane: ControlPlane) -> StopSignals:
+    """SIGINT/SIGTERM handlers for `control_plane`'s process, bounded by its config's
+    `shutdown_grace_s` (see `StopSignals`)."""
+    return StopSignals(control_plane.dispatcher.config.shutdown_grace_s)
 
 
-async def run_until_signalled(
-    control_plane: ControlPlane, stopped: asyncio.Future[int] | None = None
-) -> None:
-    """Serve until SIGINT/SIGTERM (`stopped`), then shut down gracefully within the config's
+async def run_until_signalled(control_plane: ControlPlane, signals: StopSignals | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully within the config's
     `shutdown_grace_s`; a second signal ends the grace at once."""
-    await (stopped if stopped is not None else stop_signals())
-    hurry = stop_signals()  # fresh handlers: the next signal
-    await control_plane.shutdown(control_plane.dispatcher.config.shutdown_grace_s, hurry)
+    signals = signals if signals is not None else stop_signals(control_plane)
+    await signals.first
+    await control_plane.shutdown(signals.grace_s, signals.second)

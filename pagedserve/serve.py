@@ -16,9 +16,16 @@ Order and supervision:
    orchestrator to restart the whole.
 4. The child dies with `serve` (Linux `PR_SET_PDEATHSIG`, `--exit-with-parent`), even when
    `serve` is SIGKILLed.
+5. SIGINT/SIGTERM: the control plane drains for `--shutdown-grace` while the child serves,
+   cuts the streams still open, then the child is stopped (SIGTERM; SIGKILL if it still runs
+   shortly before the deadline): `serve` and its child are gone within the grace +
+   `STOP_MARGIN_S` (2 s) of the signal, whatever the clients do. A second signal cuts at once
+   and SIGKILLs the child: gone within `HURRY_S` (1 s); a third ends `serve` at once. Past a
+   deadline a watchdog thread kills the child and exits (`StopSignals`).
 
-Exit codes: 0 after SIGINT/SIGTERM while serving, 130/143 for one during start-up, 1 when
-the data plane could not be kept running (or on a start-up error).
+Exit codes: 0 after SIGINT/SIGTERM while serving, 130/143 for one during start-up (or when
+the stop deadline's watchdog ended the process), 1 when the data plane could not be kept
+running (or on a start-up error).
 """
 
 from __future__ import annotations
@@ -37,11 +44,21 @@ from typing import Any
 from controlplane.cli import add_controlplane_args, config_from_args, ready_line
 from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 from pagedserve.common import settings
-from pagedserve.common.lifecycle import EXIT_ERROR, check_port_free, cli_command, free_port, print_error
+from pagedserve.common.lifecycle import (
+    EXIT_ERROR,
+    check_port_free,
+    cli_command,
+    free_port,
+    print_error,
+)
 from pagedserve.common.settings import setting
 
 _READY_POLL_S = 0.05
-_STOP_CHILD_S = 15.0
+_STOP_CHILD_S = 15.0  # a SIGTERMed child's time to exit, with no signal's deadline to keep
+_KILLED_CHILD_S = 5.0  # a SIGKILLed child is gone by then (else it is left, not waited on)
+# A stop's child is SIGKILLed this much before the signal's deadline: what is left is this
+# process's own exit, the interpreter's teardown included, which no watchdog thread covers.
+_DEADLINE_EARLY_S = 0.75
 
 
 @dataclass(frozen=True)
@@ -114,8 +131,10 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
         check_port_free(child.host, child.port, "--dataplane-port")
     config = config_from_args(args, dataplanes=(f"{child.host}:{child.port}",), dataplane_dns=None)
     cp = await start_control_plane(config, args.host, args.grpc_port, args.http_port)
-    stopped = stop_signals()
+    signals = stop_signals(cp)
+    stopped = signals.first
     supervisor = Supervisor(child_command(child), supervision)
+    signals.before_hard_exit = supervisor.kill  # (from the watchdog thread)
     supervisor.start()
     shut_down = False  # cp.shutdown() ends with cp.stop()
     try:
@@ -137,13 +156,15 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
             # As `pagedserve controlplane`: NOT_SERVING, new work refused, streams under way get
             # the shutdown grace (a second signal ends it) while the data plane still runs.
             shut_down = True
-            await cp.shutdown(config.shutdown_grace_s, stop_signals())
+            await cp.shutdown(config.shutdown_grace_s, signals.second)
         return 0 if ready else 128 + stopped.result()
     finally:
-        # Control plane first (its streams end, its links half-close), then the child.
+        # Control plane first (its streams end, its links half-close), then the child, which
+        # is SIGKILLed if it has not exited shortly before the signal's deadline.
         if not shut_down:
-            await cp.stop()
-        await supervisor.stop()
+            await cp.stop(grace_s=0.0 if stopped.done() else 2.0)
+        timeout_s = max(0.0, signals.remaining(0.0) - _DEADLINE_EARLY_S) if stopped.done() else None
+        await supervisor.stop(timeout_s, signals.second)
 
 
 def _log() -> Any:
@@ -170,22 +191,38 @@ class Supervisor:
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="dataplane-supervisor")
 
-    async def stop(self) -> None:
-        """Stop supervising and stop the child: SIGTERM, then SIGKILL after a grace period."""
+    async def stop(self, timeout_s: float | None = None, hurry: asyncio.Future[Any] | None = None) -> None:
+        """Stop supervising and stop the child: SIGTERM, then SIGKILL after `timeout_s`
+        (default _STOP_CHILD_S) or as soon as `hurry` completes (at once if it has)."""
         self._stopping = True
         if self._task is not None:  # first, so no child is started after this
             self._task.cancel()
             await asyncio.wait({self._task})
         process = self.process
-        if process is not None and process.returncode is None:
+        if process is None or process.returncode is not None:
+            return
+        if hurry is None or not hurry.done():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), _STOP_CHILD_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+            exited = asyncio.ensure_future(process.wait())
+            waiters: set[asyncio.Future[Any]] = {exited} if hurry is None else {exited, hurry}
+            await asyncio.wait(
+                waiters,
+                timeout=_STOP_CHILD_S if timeout_s is None else timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            exited.cancel()
+        if process.returncode is None:
+            self.kill()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), _KILLED_CHILD_S)
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group now (any thread: the hard-exit watchdog's too)."""
+        process = self.process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
 
     async def _supervise(self) -> None:
         try:

@@ -7,16 +7,24 @@
   operator (`pagedserve: error: port 50051 is already in use`), no traceback; Ctrl-C exits
   130 quietly. `cli_command` turns both into exit codes.
 - A child process can tie its life to its parent's (`exit_with_parent`).
+- SIGINT/SIGTERM stop a server within a bound (`StopSignals`): the first starts a graceful stop
+  that must be over `shutdown_grace_s + STOP_MARGIN_S` later, a second hurries it to within
+  `HURRY_S`; past either deadline the process (its children first) is ended from a thread,
+  whatever its event loop is stuck on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import functools
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +41,13 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 F = TypeVar("F", bound=Callable[..., int])
+
+STOP_MARGIN_S = 2.0
+"""After the shutdown grace: the most the rest of a stop takes (cut streams, close the ports,
+stop the children); the process tree is gone by then."""
+HURRY_S = 1.0
+"""After a second SIGINT/SIGTERM: the most the stop still takes."""
+_HARD_EXIT_EARLY_S = 0.25  # the hard exit comes this much before its deadline: killing takes time
 
 
 class StartupError(Exception):
@@ -164,3 +179,84 @@ def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM for a server process, for a stop that never waits on a client.
+
+    The first signal completes `first` with its number: the caller stops gracefully (drains
+    for `grace_s`, then cuts what still runs). It also sets `deadline` (monotonic) to
+    `grace_s + STOP_MARGIN_S` from then. A second signal completes `second` (the caller cuts
+    at once and kills its children rather than asking them) and brings the deadline forward to
+    `HURRY_S` from then; a third ends the process at once. Should the process still be alive
+    at its deadline, a watchdog thread calls `before_hard_exit` (`serve` sets it to SIGKILL its
+    data plane) and exits with 128 + the first signal: no blocked task or thread that the
+    interpreter would join at exit can keep the process, or its children, past the deadline.
+
+    The handlers are Python-level (`signal.signal`), not the loop's (`add_signal_handler`):
+    they run even while the event loop is blocked, and only hand the futures to the loop
+    (`call_soon_threadsafe`). They start no thread (the main thread may hold the threading
+    module's locks when a signal lands): the watchdog is started here, asleep until armed.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.grace_s = grace_s
+        self.first: asyncio.Future[int] = self._loop.create_future()
+        self.second: asyncio.Future[int] = self._loop.create_future()
+        self.deadline: float | None = None
+        self.before_hard_exit: Callable[[], None] = lambda: None
+        self._signals: list[int] = []
+        self._armed = threading.Event()
+        threading.Thread(target=self._watch, name="stop-deadline", daemon=True).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def remaining(self, default: float) -> float:
+        """Seconds until the deadline (at least 0), or `default` while there is none."""
+        return default if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        self._signals.append(sig)
+        future: asyncio.Future[int] | None = None
+        if len(self._signals) == 1:
+            seconds, future = self.grace_s + STOP_MARGIN_S, self.first
+        elif len(self._signals) == 2:
+            seconds, future = HURRY_S, self.second
+        else:
+            seconds = 0.0  # a third: the watchdog ends the process now
+        deadline = time.monotonic() + seconds
+        if self.deadline is None or deadline < self.deadline:
+            self.deadline = deadline
+        self._armed.set()
+        if future is not None:
+            try:
+                self._loop.call_soon_threadsafe(_complete, future, sig)
+            except RuntimeError:  # the loop is closed: the process is in its last teardown
+                self.deadline = time.monotonic()
+
+    def _watch(self) -> None:
+        self._armed.wait()
+        while True:  # (re-read every turn: a second signal brings the deadline forward)
+            assert self.deadline is not None
+            left = self.deadline - _HARD_EXIT_EARLY_S - time.monotonic()
+            if left <= 0:
+                self._hard_exit()
+            time.sleep(min(left, 0.05))
+
+    def _hard_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.before_hard_exit()
+        code = 128 + self._signals[0]
+        # One line on stderr, written from yet another thread: were stderr a full pipe the
+        # write would block, and the exit must not wait for it.
+        line = f"pagedserve: error: not stopped by its deadline: exiting now ({code})\n".encode()
+        writer = threading.Thread(target=os.write, args=(2, line), daemon=True)
+        writer.start()
+        writer.join(0.1)
+        os._exit(code)
+
+
+def _complete(future: asyncio.Future[int], sig: int) -> None:
+    if not future.done():
+        future.set_result(sig)
