@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed-stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install pull serve chat protos chart clients test lint typecheck unit bench clean
+.PHONY: install pull kernels serve chat protos chart clients test lint typecheck unit bench clean
 
 $(SERVE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,8 +25,12 @@ install: $(STAMP)
 pull: $(SERVE_STAMP)
 	$(BIN)/pagedserve models pull --quiet
 
+# Builds the C++ CPU kernels once per CPU and source version (a later run only loads them).
+kernels: $(SERVE_STAMP)
+	$(BIN)/pagedserve kernels build
+
 # One control plane (gRPC :50051, HTTP :8000) plus one data plane on the default model; Ctrl-C stops both.
-serve: pull
+serve: pull kernels
 	$(BIN)/pagedserve serve
 
 chat: pull

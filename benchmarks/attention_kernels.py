@@ -38,6 +38,7 @@ import torch
 from kernels import build_attention_metadata, paged_attention
 from kernels.backend import AttentionImpl
 from kernels.fp8 import quantize_fp8
+from pagedserve.common.settings import ArgumentParser
 
 # Datasheet HBM/GDDR bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBPS = {
@@ -225,22 +226,37 @@ def print_report(rep: dict[str, Any]) -> None:
         print("\n(no GPU: Triton is not timed; the CPU paths above are what runs here)")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seqs", type=int, default=None, help="default 32 on CUDA, 8 on CPU")
-    ap.add_argument("--context", type=int, default=None, help="default 4096 on CUDA, 2048 on CPU")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(prog="pagedserve bench attention-kernels", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (cuda when one is available, else cpu)",
+    )
+    ap.add_argument(
+        "--seqs", type=int, default=None, help="sequences in the batch (default: 32 on CUDA, 8 on CPU)"
+    )
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="context tokens per sequence (default: 4096 on CUDA, 2048 on CPU)",
+    )
+    ap.add_argument("--heads", type=int, default=32, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=8, help="K/V heads")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="16-bit cache/query dtype"
     )
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    ap.add_argument("--json", default=None)
-    return ap.parse_args(argv)
+    ap.add_argument("--repeats", type=int, default=50, help="timed repeats (the median is reported)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU) (default: torch's own)")
+    ap.add_argument("--json", default=None, help="write the report here (default: print only)")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

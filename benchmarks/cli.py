@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import RESULTS_ROOT, Report, default_out_dir
+from pagedserve.common.settings import ArgumentParser
 
 # name -> (module, one-line help). Help text must not need the module imported.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -123,7 +124,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m benchmarks.cli memory ...` = `pagedserve bench memory ...`."""
-    parser = argparse.ArgumentParser(prog="pagedserve")
+    parser = ArgumentParser(prog="pagedserve")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     code: int = args.func(args)

@@ -39,7 +39,7 @@ from dataplane.runner.attention_hook import PagedStep
 from dataplane.runner.model_loader import load_tokenizer
 from kernels import build_attention_metadata
 from pagedserve.common.models import resolve_model_path
-from pagedserve.common.settings import parse_bytes
+from pagedserve.common.settings import ArgumentParser, parse_bytes
 
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -124,21 +124,27 @@ def run_one(
     return out
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model())
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(prog="pagedserve bench fp8-quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=default_model(), help="store name or local Hugging Face folder")
     ap.add_argument(
         "--kv-cache-dtypes", default=",".join(KV_DTYPES), help="comma-separated; auto is the baseline"
     )
-    ap.add_argument("--kv-cache-memory", type=parse_bytes, default=2 * 2**30)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-memory", type=parse_bytes, default="2GiB", help="KV pool size")
+    ap.add_argument("--num-prompts", type=int, default=64, help="chat prompts decoded greedily")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     ap.add_argument("--chunk", type=int, default=512, help="perplexity prefill chunk, tokens")
-    ap.add_argument("--max-ppl-tokens", type=int, default=None, help="truncate the perplexity text")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the results here")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--max-ppl-tokens", type=int, default=None, help="truncate the perplexity text (default: all of it)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    ap.add_argument("--json", default=None, help="write the results here (default: print only)")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

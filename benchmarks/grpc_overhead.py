@@ -45,6 +45,7 @@ import itertools
 from benchmarks.common import default_model, load_note, phase, warn_if_busy
 from benchmarks.report import Report
 from benchmarks.workloads import chat_prompts, describe, output_lengths
+from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.settings import parse_bytes
 
 GOAL_RATIO = 0.9
@@ -165,7 +166,7 @@ def summarize(name: str, run: dict[str, Any], total_tokens: int) -> dict[str, An
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=default_model())
-    ap.add_argument("--model-home", default=None)
+    ap.add_argument("--model-home", default=None, help=MODEL_HOME_HELP)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=256)

@@ -245,9 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--max-model-len", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument(
-        "--kv-memory", type=float, default=DEFAULT_KV_MEMORY / 2**30, help="KV memory, GiB (default 2)"
-    )
+    p.add_argument("--kv-memory", type=float, default=DEFAULT_KV_MEMORY / 2**30, help="KV memory, GiB")
     p.add_argument(
         "--kv-dtype",
         default="float32",
@@ -255,7 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="element type of the default model's KV (sets bytes per token)",
     )
     p.add_argument("--repeat", type=int, default=4, help="submit each trace this many times at once")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N requests of each trace")
+    p.add_argument(
+        "--limit", type=int, default=None, help="use only the first N requests of each trace (default: all)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
 
 

@@ -229,9 +229,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[m for m in BUILTIN_MODELS if m != "SmolLM2-135M"],
         help=f"built-in ({', '.join(BUILTIN_MODELS)}) or a local Hugging Face folder (default: the big seven)",
     )
-    p.add_argument(
-        "--gpu", type=parse_gpu, default=80.0, help=f"GiB or one of {', '.join(GPUS)} (default 80)"
-    )
+    p.add_argument("--gpu", type=parse_gpu, default=80.0, help=f"GiB or one of {', '.join(GPUS)}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument(
         "--tensor-parallel-size",

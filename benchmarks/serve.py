@@ -46,23 +46,37 @@ from benchmarks.serve_load import (
     samples,
     summarize,
 )
-from benchmarks.serve_peers import add_launch_arguments, launching, run_launched, validate
+from benchmarks.serve_peers import (
+    DEFAULT_CONCURRENCY,
+    add_launch_arguments,
+    launching,
+    run_launched,
+    validate,
+)
 from benchmarks.workloads import output_lengths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--api", choices=["grpc", "openai"], default=None, help="default: grpc; openai with --launch/--peer"
+        "--api",
+        choices=["grpc", "openai"],
+        default=None,
+        help="the API to drive (default: grpc; openai with --launch/--peer)",
     )
     p.add_argument(
         "--address",
         default=None,
-        help="gRPC HOST:PORT (default 127.0.0.1:50051) or http://HOST:PORT (openai); not with --launch/--peer",
+        help="gRPC HOST:PORT or http://HOST:PORT (openai); not with --launch/--peer "
+        "(default: 127.0.0.1:50051 for grpc, http://127.0.0.1:8000 for openai)",
     )
-    p.add_argument("--model", default=None, help="model name to send (openai; default: the server's first)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model name to send (openai) (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="API key to send (default: none)")
     p.add_argument("--workload", choices=["chat", "random"], default="chat")
-    p.add_argument("--tokenizer", default=None, help="model folder or store name for the chat workload")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder or store name for the chat workload (default: --serve-model)",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens of the random workload")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-output", type=int, default=16)
@@ -71,7 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
     )
     p.add_argument(
-        "--concurrency", type=int, default=None, help="closed loop with this many requests in flight"
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop with this many requests in flight "
+        f"(default: open loop at --request-rate; {DEFAULT_CONCURRENCY} with --launch/--peer at an infinite rate)",
     )
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds; later requests are not sent")
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput target for TTFT, ms")

@@ -70,7 +70,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         "--peer",
         choices=PEERS,
         default=None,
-        help="then start this peer's server on the same workload and compare (implies --launch)",
+        help="then start this peer's server on the same workload and compare (implies --launch) (default: none)",
     )
     g.add_argument(
         "--serve-model", default=DEFAULT_MODEL, help="store name or local folder both servers load"

@@ -561,7 +561,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="peers to run after our engine, in order (default: transformers transformers-cb)",
     )
     ap.add_argument(
-        "--peer", action="append", default=[], choices=PEERS, help="add one peer (e.g. --peer vllm)"
+        "--peer",
+        action="append",
+        default=[],
+        choices=PEERS,
+        help="add one peer, repeatable (e.g. --peer vllm) (default: none)",
     )
     ap.add_argument(
         "--peer-batch-size", type=int, default=64, help="static batch size of transformers generate"

@@ -207,8 +207,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace-dir", type=Path, default=TRACE_DIR, help="where the traces go (default: %(default)s)"
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--limit", type=int, default=None, help="first N requests (conversations) only: for tests")
-    p.add_argument("--max-tokens", type=int, default=None, help="override each workload's cap on new tokens")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="first N requests (conversations) only: for tests (default: all)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="override each workload's cap on new tokens (default: the workload's own)",
+    )
 
 
 def run(args: argparse.Namespace, report: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
@@ -47,11 +48,16 @@ class ControlPlaneConfig:
     """
 
     model: str = setting(DEFAULT_MODEL, "model name or folder (for its tokenizer)")
-    model_home: str | None = setting(None, "model store directory (default $PAGEDSERVE_MODEL_HOME)")
+    model_home: str | None = setting(None, MODEL_HOME_HELP)
     dataplanes: tuple[str, ...] = setting(
-        (), "a data plane HOST:PORT (repeatable)", flag="--dataplane", repeat=True
+        (),
+        "a data plane HOST:PORT, repeatable (default: none; give --dataplane or --dataplane-dns)",
+        flag="--dataplane",
+        repeat=True,
     )
-    dataplane_dns: str | None = setting(None, "discover data planes by DNS: NAME:PORT")
+    dataplane_dns: str | None = setting(
+        None, "discover data planes by DNS: NAME:PORT (default: none, only the --dataplane addresses)"
+    )
     dns_refresh_s: float = setting(10.0, "seconds between DNS lookups", cli=False)
     dataplane_drain_timeout_s: float = setting(
         300.0,
@@ -70,10 +76,14 @@ class ControlPlaneConfig:
     reconnect_backoff_s: float = setting(0.2, "first reconnect delay to a lost data plane", cli=False)
     reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
     served_model_names: tuple[str, ...] = setting(
-        (), "model names clients may use (first: reported; default: the model's)", flag="--served-model-name"
+        (),
+        "model names clients may use, repeatable; the first is reported (default: the --model name)",
+        flag="--served-model-name",
     )
     dataplane_token_file: str | None = setting(
-        None, "send the data planes the shared token in this file (their --dataplane-token-file)"
+        None,
+        "send the data planes the shared token in this file (their --dataplane-token-file) "
+        "(default: none, no token)",
     )
     # Security settings come from files (controlplane/cli.py reads them): not flags of their own.
     api_keys: tuple[str, ...] = ()  # empty: no authentication

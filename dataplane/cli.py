@@ -25,7 +25,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best")
-    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of this request's sampling (default: unseeded)"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
 
@@ -105,7 +107,7 @@ def add_dataplane_parsers(sub: Any) -> None:
     chat = sub.add_parser(
         "chat", help="chat with the model in the terminal (reads stdin)", formatter_class=HELP_FORMAT
     )
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -120,7 +122,7 @@ def add_dataplane_parsers(sub: Any) -> None:
         "--config-json",
         default=None,
         help="the whole DataPlaneConfig as JSON (what `pagedserve serve` hands its child); "
-        "replaces every other data-plane and engine flag",
+        "replaces every other data-plane and engine flag (default: none, built from the flags)",
     )
     dp.add_argument("--exit-with-parent", type=int, default=None, metavar="PID", help=argparse.SUPPRESS)
     dp.set_defaults(func=cmd_dataplane)

@@ -14,6 +14,7 @@ from typing import Any
 from kernels.names import BACKENDS
 from pagedserve.common import settings
 from pagedserve.common.block_hash import DEFAULT_HASH_SEED
+from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
 from pagedserve.common.settings import format_bytes, parse_bytes, setting
@@ -74,14 +75,20 @@ class CacheConfig:
         "KV cache element type: auto (the model dtype) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
         choices=KV_CACHE_DTYPES,
     )
-    num_gpu_blocks_override: int | None = setting(None, "pin the KV pool's block count")
+    num_gpu_blocks_override: int | None = setting(
+        None,
+        "pin the KV pool's block count (default: sized from --kv-cache-memory on the CPU, "
+        "from --gpu-memory-utilization on a GPU)",
+    )
     swap_space: float | None = setting(
         None,
         "host memory in GiB per data plane for swapped-out KV blocks (default: 4 on a GPU; on the CPU, "
         "the device KV pool's bytes, committed only as swap-outs write them)",
     )
     num_cpu_blocks_override: int | None = setting(
-        None, "pin the host (swap) pool's block count (overrides swap_space; 0: no swapping)"
+        None,
+        "pin the host (swap) pool's block count (overrides swap_space; 0: no swapping) "
+        "(default: sized from --swap-space)",
     )
     enable_prefix_caching: bool = setting(True, "reuse cached prompt blocks")
     prefix_hash_seed: str = setting(DEFAULT_HASH_SEED, "seed of the chained block hashes")
@@ -92,7 +99,9 @@ class CacheConfig:
         True, "FP8 cache: calibrate per-layer K/V scales at start-up (else 1.0, with a warning)"
     )
     kv_scales_path: str | None = setting(
-        None, "FP8 cache: JSON file of per-layer K/V scales (overrides calibration)"
+        None,
+        "FP8 cache: JSON file of per-layer K/V scales (overrides calibration) "
+        "(default: none, calibrated per --calculate-kv-scales)",
     )
 
     @property
@@ -187,11 +196,15 @@ class ModelConfig:
     """
 
     model: str = setting(DEFAULT_MODEL, "store name or local Hugging Face folder")
-    model_home: str | None = setting(None, "model store directory (default $PAGEDSERVE_MODEL_HOME)")
+    model_home: str | None = setting(None, MODEL_HOME_HELP)
     dtype: str = setting("float32", "weights and activations dtype", choices=MODEL_DTYPES)
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, ...)")
     seed: int = setting(0, "seed of the random sampling state")
-    num_threads: int | None = setting(None, "torch intra-op threads", flag="--threads")
+    num_threads: int | None = setting(
+        None,
+        "torch intra-op threads (default: torch's own, split evenly across tensor-parallel ranks)",
+        flag="--threads",
+    )
     attention_backend: str | None = setting(
         None,
         "attention kernels (default: triton on CUDA, torch on CPU; triton on CPU needs TRITON_INTERPRET=1)",
@@ -300,15 +313,21 @@ class DataPlaneConfig:
 
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
     port: int = setting(DEFAULT_DATAPLANE_PORT, "gRPC port (0 picks a free one)")
-    dataplane_id: str | None = setting(None, "name reported to control planes (default host-pid)")
-    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any)")
-    tls_cert_file: str | None = setting(None, "serve gRPC over TLS with this certificate (PEM)")
-    tls_key_file: str | None = setting(None, "the certificate's private key (PEM)")
+    dataplane_id: str | None = setting(None, "name reported to control planes (default: HOSTNAME-PID)")
+    metrics_port: int | None = setting(
+        None, "serve Prometheus /metrics on this port (0: any) (default: none, no metrics port)"
+    )
+    tls_cert_file: str | None = setting(
+        None, "serve gRPC over TLS with this certificate (PEM) (default: none, plaintext)"
+    )
+    tls_key_file: str | None = setting(None, "the certificate's private key (PEM) (default: none, plaintext)")
     tls_client_ca_file: str | None = setting(
-        None, "require control planes to present a cert from this CA (mTLS)"
+        None, "require control planes to present a cert from this CA (mTLS) (default: none, no mTLS)"
     )
     dataplane_token_file: str | None = setting(
-        None, "require control planes to send the shared token in this file (their --dataplane-token-file)"
+        None,
+        "require control planes to send the shared token in this file (their --dataplane-token-file) "
+        "(default: none, no token)",
     )
     allow_insecure_dataplane: bool = setting(
         False,

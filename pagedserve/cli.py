@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 import pagedserve
-from pagedserve.common.settings import HelpFormatter
+from pagedserve.common.settings import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,15 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
     from controlplane.cli import add_controlplane_parser
     from controlplane.doctor import add_doctor_parser
     from dataplane.cli import add_dataplane_parsers
+    from pagedserve.kernels_cli import add_kernels_parser
     from pagedserve.models_cli import add_models_parser
     from pagedserve.serve import add_serve_parser
 
-    parser = argparse.ArgumentParser(
-        prog="pagedserve", description="LLM inference on a paged KV cache", formatter_class=HelpFormatter
-    )
+    # Subparsers take the parser's class, so every subcommand shows its defaults (settings.HelpFormatter).
+    parser = ArgumentParser(prog="pagedserve", description="LLM inference on a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_models_parser(sub)
+    add_kernels_parser(sub)
     add_dataplane_parsers(sub)
     add_controlplane_parser(sub)
     add_serve_parser(sub)

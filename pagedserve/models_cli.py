@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models.store import DEFAULT_MODEL
 
 
@@ -48,16 +49,17 @@ def add_models_parser(subparsers: Any) -> None:
     msub = models.add_subparsers(dest="models_command", required=True)
 
     pull = msub.add_parser("pull", help="download and convert a model into the local store")
-    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})")
-    pull.add_argument(
-        "--model-home", default=None, metavar="DIR", help="store directory (default: model_home)"
-    )
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="model name")
+    pull.add_argument("--model-home", default=None, metavar="DIR", help=MODEL_HOME_HELP)
     pull.add_argument("--force", action="store_true", help="re-download and re-convert even if present")
-    pull.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pull.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bars (the conversion's included); errors still print",
+    )
     pull.set_defaults(func=_cmd_pull)
 
     lst = msub.add_parser("list", help="list known and pulled models")
-    lst.add_argument(
-        "--model-home", default=None, metavar="DIR", help="store directory (default: model_home)"
-    )
+    lst.add_argument("--model-home", default=None, metavar="DIR", help=MODEL_HOME_HELP)
     lst.set_defaults(func=_cmd_list)

@@ -2,7 +2,7 @@
 
 Layers from the top (docs/architecture.md):
 
-    shell      pagedserve.cli, pagedserve.serve, pagedserve.models_cli, pagedserve.__main__
+    shell      pagedserve.cli, pagedserve.serve, pagedserve.models_cli, pagedserve.kernels_cli, pagedserve.__main__
     tools      benchmarks
     planes     controlplane, dataplane, clients (the Python client library)
     neutral    pagedserve.common (and the bare `pagedserve` package), kernels
@@ -23,7 +23,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 AREAS = ("pagedserve", "controlplane", "dataplane", "clients", "kernels", "benchmarks", "protos")
-SHELL_MODULES = ("pagedserve.cli", "pagedserve.serve", "pagedserve.models_cli", "pagedserve.__main__")
+SHELL_MODULES = (
+    "pagedserve.cli",
+    "pagedserve.serve",
+    "pagedserve.models_cli",
+    "pagedserve.kernels_cli",
+    "pagedserve.__main__",
+)
 LAYER = {"shell": 4, "benchmarks": 3, "controlplane": 2, "dataplane": 2, "clients": 2}
 LAYER |= {"common": 1, "kernels": 1, "protos": 0}
 

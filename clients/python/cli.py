@@ -13,20 +13,38 @@ def add_client_parser(sub: Any) -> None:
     actions = client.add_subparsers(dest="client_command", required=True)
     gen = actions.add_parser("generate", help="generate a completion and print it")
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument("--address", default="127.0.0.1:50051", help="the control plane's gRPC address")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the control plane's gRPC HOST:PORT")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="model name to ask for: one of the server's --served-model-name names; the server refuses "
+        "any other with NOT_FOUND (default: the served model)",
+    )
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling mass, in (0, 1] (default: the server's, 1.0)",
+    )
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: unseeded)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    # Read when the command runs, so --help never prints the key itself.
     gen.add_argument(
-        "--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"), help="(default $PAGEDSERVE_API_KEY)"
+        "--api-key",
+        default=None,
+        help="API key, sent as a Bearer token (default: $PAGEDSERVE_API_KEY, else none)",
     )
     gen.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
-    gen.add_argument("--tls-ca-file", default=None, help="connect over TLS, verifying with this CA")
+    gen.add_argument(
+        "--tls-ca-file",
+        default=None,
+        help="connect over TLS, verifying with this CA (default: none; plaintext unless --tls)",
+    )
     gen.set_defaults(func=cmd_client_generate)
 
 
@@ -42,12 +60,13 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        model=args.model or "",  # proto3: "" is unset, the server's served model
     )
     try:
         with GenerationClient(
             args.address,
             timeout=args.timeout,
-            api_key=args.api_key,
+            api_key=args.api_key if args.api_key is not None else os.environ.get("PAGEDSERVE_API_KEY"),
             tls=args.tls,
             tls_ca_file=args.tls_ca_file,
         ) as client:

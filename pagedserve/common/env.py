@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# What `model_home()` resolves to, for the `--model-home` flags' help.
+MODEL_HOME_HELP = (
+    "model store directory (default: $PAGEDSERVE_MODEL_HOME, else $XDG_CACHE_HOME/pagedserve/models, "
+    "else ~/.cache/pagedserve/models)"
+)
+
 
 def model_home() -> Path:
     """Root of the local model store: $PAGEDSERVE_MODEL_HOME, else $XDG_CACHE_HOME/pagedserve/models."""

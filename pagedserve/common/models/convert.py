@@ -9,7 +9,9 @@ functions, so importing `pagedserve.common.models` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +43,60 @@ def read_gguf_chat_template(gguf_path: Path) -> str | None:
     return bytes(raw).decode("utf-8")
 
 
-def convert_gguf(gguf_path: Path, dst: Path, on_stage: StageCallback | None = None) -> None:
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No progress bars from transformers and huggingface_hub inside the block (transformers'
+    "Loading weights", "Writing model shards", its GGUF loader's "Converting and de-quantizing
+    GGUF tensors", hub downloads), and transformers' own logging at ERROR only: errors still
+    log, exceptions still raise. Everything is as before afterwards."""
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hub_bars_were_off = are_progress_bars_disabled()
+    verbosity = hf_logging.get_verbosity()
+    gguf_utils: Any = None
+    gguf_tqdm: Any = None
+    try:
+        # This loader calls tqdm.auto.tqdm itself, past transformers' progress-bar switch.
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_tqdm = gguf_utils.tqdm
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    except (ImportError, AttributeError):  # another transformers layout: its bar may show
+        gguf_utils = None
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+        if hub_bars_were_off:
+            disable_progress_bars()
+        if gguf_utils is not None:
+            gguf_utils.tqdm = gguf_tqdm
+
+
+def convert_gguf(
+    gguf_path: Path, dst: Path, on_stage: StageCallback | None = None, progress: bool = True
+) -> None:
     """Convert the GGUF checkpoint at `gguf_path` into a Hugging Face folder at `dst` (fp32 safetensors).
 
     `dst` is created if needed. Writes config.json, generation_config.json, model.safetensors
     and the tokenizer files (with the chat template, taken from the GGUF metadata if
-    transformers did not carry it over).
+    transformers did not carry it over). `progress` False: no progress bars from the libraries
+    doing the work (`quiet_progress`).
     """
-    stage = on_stage or _noop
+    if progress:
+        _convert(gguf_path, dst, on_stage or _noop)
+        return
+    with quiet_progress():
+        _convert(gguf_path, dst, on_stage or _noop)
+
+
+def _convert(gguf_path: Path, dst: Path, stage: StageCallback) -> None:
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -271,7 +271,7 @@ def pull_model(
 
             staged = tmp / "model"
             try:
-                convert_gguf(gguf_path, staged, on_stage=stages.start)
+                convert_gguf(gguf_path, staged, on_stage=stages.start, progress=progress)
             except ConversionError as exc:
                 raise PullError(str(exc)) from exc
             if not is_complete(staged):

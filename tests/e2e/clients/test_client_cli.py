@@ -1,0 +1,98 @@
+"""`pagedserve client generate` against an in-process GenerationService that records what it
+was sent and, like the real control plane (Frontend.check_model), answers only to its served
+model names: --model reaches GenerateRequest.model, an unknown name fails with NOT_FOUND."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from pagedserve.cli import main
+from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+SERVED = ("tiny", "tiny-alias")
+
+
+class RecordingGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[generation_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str | bytes]] = []
+
+    def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.model and request.model not in SERVED:  # proto3: "" is unset
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {request.model!r} is not served here (this server serves {', '.join(SERVED)})",
+            )
+        yield generation_pb2.GenerateResponse(
+            request_id="r-1", chunk=generation_pb2.TokenChunk(index=0, token_ids=[5], text="Paris")
+        )
+        yield generation_pb2.GenerateResponse(
+            request_id="r-1",
+            complete=generation_pb2.GenerateComplete(
+                index=0,
+                finish_reason=common_pb2.FINISH_REASON_STOP,
+                usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=1),
+            ),
+        )
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, RecordingGeneration]]:
+    servicer = RecordingGeneration()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    yield f"127.0.0.1:{port}", servicer
+    grpc_server.stop(0)
+
+
+def test_model_is_sent_in_the_request(
+    server: tuple[str, RecordingGeneration], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, servicer = server
+    assert main(["client", "generate", "--address", address, "--model", "tiny-alias", "The capital"]) == 0
+    assert capsys.readouterr().out.strip() == "Paris"
+    (request,) = servicer.requests
+    assert request.model == "tiny-alias"
+    assert request.text == "The capital"
+    assert request.sampling_params.max_tokens == 128
+
+
+def test_without_model_the_server_picks_its_served_model(
+    server: tuple[str, RecordingGeneration], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, servicer = server
+    assert main(["client", "generate", "--address", address, "--chat", "--stream", "hi"]) == 0
+    assert capsys.readouterr().out.strip() == "Paris"
+    (request,) = servicer.requests
+    assert request.model == ""
+    assert request.chat.messages[0].content == "hi"
+
+
+def test_unknown_model_is_refused_with_the_servers_message(
+    server: tuple[str, RecordingGeneration], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, _ = server
+    assert main(["client", "generate", "--address", address, "--model", "gpt-4", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "NOT_FOUND" in err
+    assert "'gpt-4' is not served here (this server serves tiny, tiny-alias)" in err
+
+
+def test_api_key_comes_from_the_environment_unless_given(
+    server: tuple[str, RecordingGeneration], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, servicer = server
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    assert main(["client", "generate", "--address", address, "hi"]) == 0
+    assert main(["client", "generate", "--address", address, "--api-key", "from-flag", "hi"]) == 0
+    assert [m.get("authorization") for m in servicer.metadata] == ["Bearer from-env", "Bearer from-flag"]
