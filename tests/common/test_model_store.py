@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -252,12 +253,11 @@ def test_quiet_progress_silences_the_libraries_bars_but_not_errors(capfd: pytest
     capfd.readouterr()
     with quiet_progress():
         draw_bars()
-        logger.warning("a warning nobody asked for")
-        logger.error("conversion went wrong")
+        # Where transformers' handler writes depends on when it was made (in a full run, before
+        # this test's capture): ask the logger what it lets through instead of reading stderr.
+        assert logger.isEnabledFor(logging.ERROR) and not logger.isEnabledFor(logging.WARNING)
     err = capfd.readouterr().err
-    assert "conversion went wrong" in err
     assert "Writing model shards" not in err and "GGUF tensors" not in err and "Downloading" not in err
-    assert "a warning nobody asked for" not in err
 
     assert hf_logging.get_verbosity() == verbosity
     draw_bars()
