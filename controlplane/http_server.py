@@ -24,6 +24,7 @@ from controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, re
 from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
 from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers, openai_error
+from controlplane.tls_mismatch import MismatchLog, TLSListener
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
 
@@ -185,7 +186,13 @@ class _EmbeddedServer(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None = None) -> None:
-        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if tls is None:
+            self._socket = socket.socket(family, socket.SOCK_STREAM)
+        else:  # a plaintext client gets a log line naming the mismatch (controlplane.tls_mismatch)
+            listener = TLSListener(family, socket.SOCK_STREAM)
+            listener.mismatch = MismatchLog("http")
+            self._socket = listener
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.port: int = self._socket.getsockname()[1]

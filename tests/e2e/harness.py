@@ -155,6 +155,11 @@ class Process:
                 f"`pagedserve {' '.join(argv)}` exited with {code} before serving; stderr:\n{tail}"
             )
 
+    def stderr(self) -> str:
+        """Everything the process has written to stderr (its JSON log lines) so far."""
+        fd = self._stderr.fileno()  # pread: the child writes at the offset it shares with us
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)

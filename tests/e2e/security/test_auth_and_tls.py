@@ -3,7 +3,11 @@ ports, and mutual TLS between the planes. Certificates are generated per test ru
 
 from __future__ import annotations
 
+import http.client
+import json
+import signal
 import ssl
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +24,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.server import start_control_plane
 from pagedserve.common.tls import ClientTLS, ServerTLS
 from tests.e2e.certs import Pki, make_pki
-from tests.e2e.harness import ServerThread, engine_config
+from tests.e2e.harness import Process, ServerThread, engine_config
 from tests.tiny_models import make_tiny_model
 
 
@@ -121,3 +125,59 @@ def test_tls_public_ports_and_mutual_tls_to_the_data_plane(tiny: Path, pki: Pki)
         assert srv._run(outsider()) is False
     finally:
         srv.close()
+
+
+def _mismatch_lines(proc: Process) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in proc.stderr().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == "tls_handshake_failed"]
+
+
+def test_a_plaintext_client_on_the_tls_http_port_gets_a_log_line_naming_it(tiny: Path, pki: Pki) -> None:
+    """`pagedserve serve` with TLS: a plaintext HTTP request is refused and the server logs one
+    line naming the mismatch (a second one at once is rate-limited), then keeps serving TLS."""
+    argv = ["serve", "--model", str(tiny), "--grpc-port", "0", "--http-port", "0", "--threads", "1"]
+    argv += [
+        "--kv-cache-memory",
+        "64MiB",
+        "--tls-cert-file",
+        pki.server_cert,
+        "--tls-key-file",
+        pki.server_key,
+    ]
+    proc = Process(argv, "gRPC on ")
+    try:
+        http_address = proc.line.split("https://", 1)[1].split()[0]
+        host, port = http_address.rsplit(":", 1)
+        for _ in range(2):
+            plain = http.client.HTTPConnection(host, int(port), timeout=10)
+            with pytest.raises((http.client.HTTPException, OSError)):
+                plain.request("GET", "/health")
+                plain.getresponse()
+            plain.close()
+        deadline = time.monotonic() + 10
+        while not _mismatch_lines(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lines = _mismatch_lines(proc)
+        assert len(lines) == 1, lines  # the second request, from the same peer, is rate-limited
+        line = lines[0]
+        assert line["port"] == "http" and str(line["peer"]).startswith("127.0.0.1:")
+        assert line["received"] == "a plaintext HTTP request (GET)"
+        assert "the port speaks TLS; the client connected in plaintext" in str(line["hint"])
+        assert line["level"] == "warning"
+
+        # Still serving TLS, on both ports.
+        context = ssl.create_default_context(cafile=pki.ca)
+        with urllib.request.urlopen(
+            f"https://{http_address}/health", timeout=10, context=context
+        ) as response:
+            assert response.status == 200
+        body = json.dumps({"model": str(tiny), "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            f"https://{http_address}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60, context=context) as response:
+            assert json.load(response)["usage"]["completion_tokens"] == 2
+        with GenerationClient(proc.address, tls_ca_file=pki.ca, timeout=60) as client:
+            assert client.generate([5, 6, 7], max_tokens=2)[0].completion_tokens == 2
+    finally:
+        proc.kill(signal.SIGINT)
