@@ -30,7 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks.memory",
         "KV utilization and fragmentation: contiguous pre-allocation vs our paged pool, on real lengths",
     ),
-    "plan": ("benchmarks.plan", "the seed's memory-budget formula for a model and a GPU"),
+    "plan": (
+        "benchmarks.plan",
+        "the KV memory budget (GPU x utilization - weights - activations) for a model and a GPU",
+    ),
     "prefix-caching": (
         "benchmarks.prefix_caching",
         "multi-turn customer-service chats with prefix caching on vs off (TTFT, throughput)",

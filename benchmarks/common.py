@@ -85,7 +85,7 @@ def warn_if_busy(loads: tuple[float, ...]) -> None:
     if loads and loads[0] > 0.5:
         print(
             f"warning: load average {loads}: other processes are busy; on 2 cores torch timings "
-            "may be 10-100x off (PEERS.md 'Contention')",
+            "may be 10-100x off (another process's threaded matmuls and ours contend for the cores)",
             file=sys.stderr,
         )
 

@@ -10,7 +10,7 @@ Steps, each in its own process under its own time limit, one after another:
 2. exactness: the engine on CUDA (Triton attention, its memory planning profiled) against
    transformers' own generate on the same device and dtype, greedy, on a tiny random Llama, in
    fp32 and bf16: batched, then chunked prefill with preemption. A divergence passes only where
-   the reference's top-2 logits tie within the dtype's tolerance (DESIGN.md); no block may leak.
+   the reference's top-2 logits tie within the dtype's tolerance (TIE_TOLERANCE); no block may leak.
 3. attention: benchmarks/attention_kernels.py as is: decode attention, 32 sequences x 4k
    context, 16-bit and FP8 KV, GB/s against the device's datasheet HBM peak and its copy bandwidth.
 4. throughput: a random-weight Llama-shaped model of ~1.2B parameters (Llama-3.2-1B's shape) in
@@ -70,7 +70,7 @@ CHECKED_IMPORTS = (
     "tests.dataplane.test_engine_exactness",
 )
 # Greedy divergences accepted as numerical ties: the reference's top-2 margin, relative to its top
-# logit. fp32 as DESIGN.md; bf16 keeps 8 mantissa bits, so two implementations that round
+# logit. fp32 as the CPU exactness tests (tests/tiny_models.py); bf16 keeps 8 mantissa bits, so two implementations that round
 # intermediate results at different places differ by a few bf16 ulps (2^-8 relative each).
 TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 # Of the 32 prompts, how many may end in a tie: 2 in fp32 (as tests/dataplane/test_engine_exactness.py),

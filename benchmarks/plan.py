@@ -1,7 +1,8 @@
-"""`pagedserve bench plan`: the seed's memory-budget formula for any model and GPU. Imports no torch.
+"""`pagedserve bench plan`: the KV memory budget for any model and GPU. Imports no torch.
 
 For a Hugging Face config (a local folder's `config.json`, or the built-in table below, taken
-from the models' published configs) and a GPU size:
+from the models' published configs) and a GPU size, the usual budget (vLLM's, whose
+`gpu_memory_utilization` caps what the whole process takes of the device):
 
     weights           = parameters (counted from the config) x bytes per weight element
     activations       = budget.peak_activation_bytes(max_num_batched_tokens, ...), an estimate
@@ -13,9 +14,9 @@ from the models' published configs) and a GPU size:
 
 With `--tensor-parallel-size N` (by default the fewest GPUs that fit the weights) each GPU
 holds 1/N of the weights and of the KV heads, so the formula runs per GPU. The paged figure
-counts whole blocks per request (the seed's `blocks x block_size / average`,
+counts whole blocks per request (not the naive `blocks x block_size / average`: it is
 rounded down to requests that really fit, at most one partial block each). See
-docs/capacity-planning.md for the seed's own numbers checked against this.
+docs/capacity-planning.md for figures often quoted about PagedAttention checked against this.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Memory pressure: one saturated replay under preemption by recompute, swap and auto, one run.
 
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
-threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
+threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
     pagedserve bench pressure                         # = python -m benchmarks.pressure
 

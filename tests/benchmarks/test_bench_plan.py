@@ -1,4 +1,5 @@
-"""`bench plan`: the budget formula for real model configs, and the seed's numbers checked."""
+"""`bench plan`: the budget formula for real model configs, and figures often quoted about
+PagedAttention checked (docs/capacity-planning.md)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def test_kv_bytes_per_token_by_dtype_and_tensor_parallelism() -> None:
     assert llama3_70b.kv_shape("float16", 16).num_kv_heads == 1
 
 
-def test_seed_llama_7b_batch_32_of_2048_needs_32_gib_not_14_gb() -> None:
+def test_llama_7b_batch_32_of_2048_needs_32_gib_not_14_gb() -> None:
     per_token = BUILTIN_MODELS["LLaMA-7B"].kv_shape("float16").bytes_per_token
     assert per_token * 32 * 2048 == 32 * GiB
 
 
-def test_seed_llama_13b_on_an_80_gb_a100() -> None:
+def test_llama_13b_on_an_80_gb_a100_admits_30_not_8() -> None:
     m = BUILTIN_MODELS["LLaMA-13B"]
     at_2048 = plan(m, parse_gpu("A100-80GB"), "float16", max_model_len=2048, avg_tokens=512)
     assert at_2048.weight_bytes == 26_031_728_640
