@@ -1,5 +1,7 @@
 """pagedserve control plane: validation, tokenization, admission, prefix-hash lookup, routing.
 
-Stateless by design (see DESIGN.md); it imports no torch. The gRPC servicers and the
-OpenAI-compatible HTTP front end land here with the two-planes work.
+Stateless by design: everything it knows of the data planes comes from their snapshots and
+KV events, so a restarted control plane rebuilds its view and serves at once
+(docs/planes.md, "Failure semantics"). It imports no torch. The gRPC servicer and the
+OpenAI-compatible HTTP front end live here.
 """

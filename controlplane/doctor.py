@@ -1,6 +1,7 @@
-"""`pagedserve doctor --url URL`: read a running server's metrics and apply the seed's tuning rules.
+"""`pagedserve doctor --url URL`: read a running server's metrics and apply tuning rules of thumb.
 
-Rules (the seed document's, with the thresholds as flags):
+Rules (rules of thumb in the spirit of vLLM's "Optimization and Tuning" guide,
+https://docs.vllm.ai/en/latest/configuration/optimization.html, with the thresholds as flags):
 - KV cache usage above 90% in every sample of the window: the pool is the bottleneck; add
   data planes (or memory) or lower `--max-num-seqs`.
 - Prefix-cache hit rate below 30% once enough prompt tokens were looked up: prefix caching

@@ -30,7 +30,7 @@ CPU_LINEAR_MODES = ("auto", "panel", "onednn")
 CPU_WEIGHT_DTYPES = ("float32", "bfloat16")
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-# swap_space left unset: the seed's 4 GiB of host memory next to a GPU.
+# swap_space left unset next to a GPU: 4 GiB of host memory, vLLM's `--swap-space` default.
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
@@ -48,8 +48,8 @@ class CacheConfig:
     for whoever streams them to an external prefix index (it must drain them every step).
 
     `swap_space` (GiB of host memory per data plane) sizes the host-side block pool that
-    preemption by swap copies a victim's blocks into. Left unset it is the seed's 4 GiB next
-    to a GPU, and on the CPU the device pool's own bytes (2GiB at the default
+    preemption by swap copies a victim's blocks into. Left unset it is 4 GiB next to a
+    GPU (vLLM's default), and on the CPU the device pool's own bytes (2GiB at the default
     kv_cache_memory). The host pool is allocated with torch.empty: only the pages swap-outs
     write are committed, so it costs address space until preemption by swap happens, then up
     to that many bytes of RAM more (written pages stay resident). Smaller, it fills under a

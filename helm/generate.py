@@ -352,7 +352,7 @@ def _quantiles(metric: str, selector: str, by: str = "") -> list[tuple[str, str]
 
 
 def dashboard() -> dict[str, Any]:
-    """The seed's signals, per data plane: KV usage (blocks, tokens), preemptions, prefix-cache
+    """The serving signals vLLM's metrics watch, per data plane: KV usage (blocks, tokens), preemptions, prefix-cache
     hit rate, running/waiting, TTFT/TPOT/ITL percentiles. Pods are told apart by name (the
     chart names them `<release>-pagedserve-controlplane-*` and `...-dataplane-<n>`)."""
     panels: list[dict[str, Any]] = []

@@ -2,7 +2,8 @@
 
 Weights are drawn with a larger init scale than the library default so that logits have
 decisive margins; exact-token comparisons then fail only on genuine numerical ties, which
-`assert_same_greedy` recognises by the reference's own top-2 margin (DESIGN.md).
+`assert_same_greedy` recognises by the reference's own top-2 margin (below TIE_TOLERANCE,
+relative to its top logit).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The seed's memory-budget formula: how many KV blocks fit, and what that buys. Imports no torch.
+"""The KV memory budget: how many KV blocks fit, and what that buys. Imports no torch.
 
 KV memory = device memory x gpu_memory_utilization - weights - peak activations (GPU), or
-`kv_cache_memory` bytes (CPU). blocks = KV memory / (2 x layers x block_size x kv_heads x
-head_dim x bytes per element). max concurrency = blocks x block_size / tokens per request.
+`kv_cache_memory` bytes (CPU): the usual budget, as vLLM's `gpu_memory_utilization` defines it
+(the share of the device the whole process may take, weights and activations included; see
+https://docs.vllm.ai/en/latest/configuration/engine_args/ and docs/capacity-planning.md).
+blocks = KV memory / (2 x layers x block_size x kv_heads x head_dim x bytes per element).
+max concurrency = blocks x block_size / tokens per request.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class KVCacheBudget:
         return self.kv_memory_bytes // shape.bytes_per_block(self.block_size)
 
     def max_concurrency(self, tokens_per_request: int) -> float:
-        """Requests of `tokens_per_request` tokens each that fit at once (the seed's last formula)."""
+        """Requests of `tokens_per_request` tokens each that fit at once (blocks x block_size / tokens)."""
         return self.num_tokens / tokens_per_request
 
     def describe(self, max_model_len: int) -> str:
@@ -72,7 +75,8 @@ class KVCacheBudget:
 def kv_memory_on_gpu(
     total_bytes: int, gpu_memory_utilization: float, weight_bytes: int, activation_bytes: int
 ) -> int:
-    """The seed's GPU formula; raises ValueError when nothing is left for the KV cache."""
+    """total x gpu_memory_utilization - weights - activations; raises ValueError when nothing is
+    left for the KV cache."""
     available = int(total_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes
     if available <= 0:
         raise ValueError(
@@ -155,7 +159,7 @@ def plan_gpu_memory(
     free_bytes: int,
     activation_source: str = "profiled",
 ) -> GpuMemoryPlan:
-    """The seed's GPU formula with every term (GpuMemoryPlan); raises ValueError naming
+    """The GPU budget (`kv_memory_on_gpu`) with every term (GpuMemoryPlan); raises ValueError naming
     gpu_memory_utilization, or the free memory, when nothing is left for the KV cache."""
     formula = kv_memory_on_gpu(
         total_bytes, gpu_memory_utilization, weight_bytes, activation_peak_bytes + non_torch_bytes

@@ -20,7 +20,7 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_VERSION_TAG = b"pagedserve-block-v1"
 SALT_KEY_PREFIX = "salt:"
 
-# The seed of every chain unless configured (`--prefix-hash-seed`); planes that share an index
+# The hash seed of every chain unless configured (`--prefix-hash-seed`); planes that share an index
 # must agree on it.
 DEFAULT_HASH_SEED = "pagedserve"
 
@@ -33,7 +33,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def seed_hash(seed: str) -> BlockHash:
-    """The parent hash of every chain's first block: SHA-256 of the seed's UTF-8 bytes."""
+    """The parent hash of every chain's first block: SHA-256 of the UTF-8 bytes of `seed`."""
     return BlockHash(hashlib.sha256(seed.encode("utf-8")).digest())
 
 

@@ -1,7 +1,8 @@
 """Metric definitions both planes share: the name prefix, latency buckets and the per-request
 counters and histograms. Imports no torch.
 
-Names follow the seed document's vLLM metrics under our prefix, with `_` instead of `:`:
+Names follow vLLM's metrics (https://docs.vllm.ai/en/latest/usage/metrics/) under our
+prefix, with `_` instead of `:`:
 `promtool check metrics` (and Prometheus' naming rules) reserve colons for recording rules,
 so `vllm:kv_cache_usage_perc` becomes `pagedserve_kv_cache_usage_perc`.
 """

@@ -1,4 +1,4 @@
-"""The seed's memory-budget formula, with exact figures for the default model."""
+"""The KV memory budget, with exact figures for the default model."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def test_blocks_tokens_and_concurrency_for_two_gib() -> None:
     assert "2912 blocks" in budget.describe(8192)
 
 
-def test_llama_7b_fp16_kv_for_the_seeds_example() -> None:
-    # The seed: LLaMA-7B, batch 32 x 2048 tokens -> "about 14 GB" of KV cache (fp16).
+def test_llama_7b_fp16_kv_for_a_batch_of_32_x_2048() -> None:
+    # A figure often quoted about PagedAttention: LLaMA-7B, batch 32 x 2048 tokens -> "about 14 GB"
+    # of KV cache (fp16). docs/capacity-planning.md checks it.
     llama7b = KVCacheShape(num_layers=32, num_kv_heads=32, head_dim=128, bytes_per_element=2)
     total = llama7b.bytes_per_token * 32 * 2048
-    assert total == 32 * 2**30  # 0.5 MiB per token: 32 GiB, not 14 GB (the seed undercounts K+V)
+    assert total == 32 * 2**30  # 0.5 MiB per token: 32 GiB, not 14 GB (the quote undercounts K+V)
 
 
 def test_gpu_formula_and_refusals() -> None:

@@ -1,6 +1,6 @@
 """The Grafana dashboard the chart ships: its queries name only metrics the planes really
 export (read from the metric classes' registries), each on the plane whose pods it selects;
-it shows the seed's signals; its PromQL parses (`promtool check rules`); the optional
+it shows the serving signals (KV usage, preemptions, prefix-cache hits, queue, latency); its PromQL parses (`promtool check rules`); the optional
 ConfigMap carries it for the Grafana sidecar."""
 
 from __future__ import annotations

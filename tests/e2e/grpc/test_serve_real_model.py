@@ -28,10 +28,11 @@ pytestmark = pytest.mark.real_model
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 24
-SEED_MODEL_NAME = "/models/llama-7b-hf"  # the model name in the seed document's client example
+# A model named by path, as vLLM serves a local folder: what many clients written for vLLM send.
+PATH_MODEL_NAME = "/models/llama-7b-hf"
 
-# The seed document's streaming client, verbatim but for the port.
-SEED_CLIENT = """
+# A typical streaming client written for vLLM's OpenAI server, verbatim but for the port.
+VLLM_STYLE_CLIENT = """
 import openai
 client = openai.Client(base_url="http://localhost:8000/v1", api_key="dummy")
 
@@ -80,7 +81,7 @@ def server(offline: dict[str, list[int]]) -> Iterator[Process]:
             "1",
             "--served-model-name",
             DEFAULT_MODEL,
-            SEED_MODEL_NAME,
+            PATH_MODEL_NAME,
         ],
         "gRPC on ",
     )
@@ -142,7 +143,7 @@ def test_stop_strings_n_and_seeds(server: Process, offline: dict[str, list[int]]
         ids = client.tokenize(PROMPTS[0])
         assert ids == tokenizer.encode(PROMPTS[0])
         assert client.detokenize(ids) == PROMPTS[0]
-        assert client.list_models() == [DEFAULT_MODEL, SEED_MODEL_NAME]
+        assert client.list_models() == [DEFAULT_MODEL, PATH_MODEL_NAME]
 
 
 def test_health_and_reflection(server: Process) -> None:
@@ -195,9 +196,9 @@ def test_cli_client_prints_the_text(server: Process, offline: dict[str, list[int
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
 
 
-def test_the_seed_documents_openai_client_works_unchanged(server: Process) -> None:
+def test_a_vllm_style_openai_client_works_unchanged(server: Process) -> None:
     http_port = server.line.split("HTTP on http://", 1)[1].split(":")[1].strip()
-    code = SEED_CLIENT.replace("localhost:8000", f"localhost:{http_port}")
+    code = VLLM_STYLE_CLIENT.replace("localhost:8000", f"localhost:{http_port}")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""`pagedserve doctor`: the seed's tuning rules on synthetic samples, then against a live
+"""`pagedserve doctor`: its tuning rules of thumb on synthetic samples, then against a live
 server whose small pool forces preemptions."""
 
 from __future__ import annotations

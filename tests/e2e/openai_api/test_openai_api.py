@@ -1,5 +1,5 @@
 """The OpenAI-compatible API, driven by the official `openai` package against real servers
-(real default model): the seed's streaming client example works unchanged; non-streaming,
+(real default model): a streaming chat client written for vLLM works unchanged; non-streaming,
 n, stop, seed, max_completion_tokens, logprobs, usage; errors in OpenAI's JSON with the
 right status; a client that disconnects mid-stream frees its KV blocks."""
 
@@ -50,7 +50,7 @@ def tokenizer() -> Tokenizer:
     return Tokenizer(resolve_model_path(DEFAULT_MODEL))
 
 
-def test_seed_streaming_chat_example_works_unchanged(
+def test_streaming_chat_example_works_unchanged(
     client: openai.OpenAI, server: ServerThread, offline: dict[str, list[int]]
 ) -> None:
     stream = client.chat.completions.create(
