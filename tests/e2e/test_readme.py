@@ -1,15 +1,19 @@
 """The README's Python snippets run as written against a live `pagedserve serve` on the default
-model; only the ports are the test server's instead of 50051/8000."""
+model; only the ports are the test server's instead of 50051/8000. Its claims that a test can
+check are checked: the status paragraph against the repository, every path it names, every
+flag and benchmark it lists."""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -111,3 +115,164 @@ def test_the_readme_lists_every_benchmark() -> None:
 
     listed = {line.split()[2] for line in _pagedserve_command_lines() if line.split()[1:2] == ["bench"]}
     assert sorted(set(SUBCOMMANDS) | set(SCRIPTS)) == sorted(listed)
+
+
+def _parser_facts() -> tuple[set[str], set[str], set[str]]:
+    """Every subcommand name, option string and choice of the `pagedserve` command."""
+    from pagedserve.cli import build_parser
+
+    commands: set[str] = set()
+    choices: set[str] = set()
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    commands.add(name)
+                    walk(child)
+            elif action.choices is not None:
+                choices.update(str(c).lower() for c in action.choices)
+
+    parser = build_parser()
+    walk(parser)
+    return commands, _options_of(parser), choices
+
+
+def _openai_accepts(field: str, value: object) -> bool:
+    """The OpenAI API takes `field` with this value (it is not among the refused parameters)."""
+    from controlplane.openai.protocol import UNSUPPORTED
+
+    return field not in UNSUPPORTED or UNSUPPORTED[field](value)
+
+
+def _exists(path: str) -> bool:
+    return (REPO / path).exists()
+
+
+@dataclass(frozen=True)
+class Component:
+    """Something the status paragraph says is in, or next: the words that name it, and how
+    this repository shows that it is built."""
+
+    name: str
+    words: str  # a regex, searched in the paragraph
+    built: Callable[[], bool]
+
+
+def _command(name: str) -> Callable[[], bool]:
+    return lambda: name in _parser_facts()[0]
+
+
+def _option(*names: str) -> Callable[[], bool]:
+    return lambda: set(names) <= _parser_facts()[1]
+
+
+COMPONENTS = (
+    Component(
+        "the data-plane engine", r"data-plane engine", lambda: _exists("dataplane/engine/llm_engine.py")
+    ),
+    Component("the offline LLM API", r"`LLM`\s+API", lambda: _exists("dataplane/engine/llm.py")),
+    Component("prefix caching", r"prefix caching", _option("--enable-prefix-caching")),
+    Component("the two planes over gRPC", r"pagedserve serve", _command("serve")),
+    Component("the Python client", r"Python client", lambda: _exists("clients/python/client.py")),
+    Component(
+        "the OpenAI HTTP API", r"OpenAI-compatible HTTP", lambda: _exists("controlplane/openai/routes.py")
+    ),
+    Component("API keys", r"API\s+keys", _option("--api-key", "--api-key-file")),
+    Component("TLS/mTLS", r"TLS/mTLS", _option("--tls-cert-file", "--tls-client-ca-file")),
+    Component("Prometheus metrics", r"Prometheus", lambda: _exists("controlplane/metrics.py")),
+    Component("OpenTelemetry tracing", r"OpenTelemetry", lambda: _exists("pagedserve/common/telemetry.py")),
+    Component("pagedserve doctor", r"pagedserve doctor", _command("doctor")),
+    Component("Triton kernels", r"Triton paged attention", lambda: _exists("kernels/triton_ops")),
+    Component("an FP8 KV cache", r"FP8 KV cache", lambda: "fp8_e4m3" in _parser_facts()[2]),
+    Component("the benchmark suite", r"pagedserve bench", _command("bench")),
+    Component("the Helm chart", r"\bHelm\b", lambda: _exists("helm/pagedserve/Chart.yaml")),
+    Component("the Go client", r"\bGo\b", lambda: _exists("clients/go/go.mod")),
+    Component("the Java client", r"\bJava\b", lambda: _exists("clients/java/pom.xml")),
+    Component("CPU tensor parallelism", r"tensor\s+parallelism", _option("--tensor-parallel-size")),
+    Component(
+        "per-ISA CPU kernels",
+        r"AVX-512",
+        lambda: "avx512" in (REPO / "kernels/cpu_ext.py").read_text() and _exists("kernels/cpu"),
+    ),
+    # Not built while the OpenAI API refuses them with 400 (controlplane/openai/protocol.py).
+    Component(
+        "structured outputs",
+        r"structured outputs",
+        lambda: _openai_accepts("response_format", {"type": "json_schema", "json_schema": {}}),
+    ),
+    Component(
+        "tool calling",
+        r"tool calling",
+        lambda: _openai_accepts("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ),
+    # Built once some flag loads them (vLLM's --quantization, or an int8/GGUF choice).
+    Component(
+        "quantized weights",
+        r"quantized|GGUF|int8",
+        lambda: "--quantization" in _parser_facts()[1] or bool({"int8", "gguf"} & _parser_facts()[2]),
+    ),
+)
+
+
+def status_paragraph() -> str:
+    found = re.search(r"^Status:(.*?)\n\n", README.read_text(), flags=re.S | re.M)
+    assert found, "the README has no 'Status:' paragraph"
+    return " ".join(found.group(1).split())
+
+
+def stale_status_claims(paragraph: str) -> list[str]:
+    """What the status paragraph says that the repository contradicts (empty: all true)."""
+    done, sep, next_part = paragraph.partition("Next:")
+    if not sep:
+        return ["no 'Next:' part"]
+    problems = []
+    for c in COMPONENTS:
+        in_done, in_next = re.search(c.words, done), re.search(c.words, next_part)
+        if not (in_done or in_next):
+            problems.append(f"{c.name} is no longer mentioned: update COMPONENTS in this test")
+        elif in_next and c.built():
+            problems.append(f"{c.name} is built but listed under Next")
+        elif in_done and not c.built():
+            problems.append(f"{c.name} is claimed but not in the repository")
+    for item in re.split(r",|\band\b", next_part.strip().rstrip(".")):
+        if item.strip() and not any(re.search(c.words, item) for c in COMPONENTS):
+            problems.append(f"Next: {item.strip()!r} has no check: add it to COMPONENTS")
+    return problems
+
+
+def test_the_status_paragraph_is_true_today() -> None:
+    assert stale_status_claims(status_paragraph()) == []
+
+
+def test_the_status_check_catches_a_stale_paragraph() -> None:
+    paragraph = status_paragraph()
+    stale = paragraph.replace("the **Helm chart**,", "").replace("Next:", "Next: the Helm chart,")
+    assert stale != paragraph
+    assert stale_status_claims(stale) == ["the Helm chart is built but listed under Next"]
+    unchecked = paragraph.replace("Next:", "Next: speculative decoding,")
+    assert stale_status_claims(unchecked) == [
+        "Next: 'speculative decoding' has no check: add it to COMPONENTS"
+    ]
+
+
+# A path into the repository: a top-level folder, then anything path-like (URLs, `~/...` and
+# `/abs/...` do not match: the folder must not follow a word character, `/`, `.` or `~`).
+_REPO_PATH = re.compile(
+    r"(?<![\w/.~-])((?:docs|benchmarks|clients|helm|tests|dataplane|controlplane|kernels|pagedserve|protos)/[\w./*-]*)"
+)
+
+
+def readme_paths() -> set[str]:
+    """Every repository path the README names, outside the untagged code block of the source
+    tree (its entries are relative to the folder above them) and without `#anchor`s."""
+    blocks = re.compile(r"^```(\w*)\n.*?^```", flags=re.S | re.M)  # each block, fence to fence
+    text = blocks.sub(lambda block: block.group(0) if block.group(1) else "", README.read_text())
+    return {path.rstrip(".") for path in _REPO_PATH.findall(text)}
+
+
+def test_every_path_the_readme_names_exists() -> None:
+    paths = readme_paths()
+    assert {"docs/api.md", "benchmarks/README.md", "helm/pagedserve/", "clients/go"} <= paths
+    missing = [p for p in sorted(paths) if not (glob.glob(str(REPO / p)) if "*" in p else _exists(p))]
+    assert missing == []
