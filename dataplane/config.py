@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.names import BACKENDS
+from kernels.names import BACKENDS, KV_CACHE_DTYPES
 from pagedserve.common import settings
 from pagedserve.common.block_hash import DEFAULT_HASH_SEED
 from pagedserve.common.env import MODEL_HOME_HELP
@@ -19,8 +19,6 @@ from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
 from pagedserve.common.settings import format_bytes, parse_bytes, setting
 
-# Same names as kernels.fp8.KV_CACHE_DTYPES (this module imports no torch).
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
 ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -59,7 +57,9 @@ class CacheConfig:
     pool's block count instead (tests); with preemption_mode "recompute" no host pool is
     allocated.
 
-    `kv_cache_dtype` "auto" stores K/V in the model's dtype; "fp8_e4m3" / "fp8_e5m2" store
+    `kv_cache_dtype` "auto" stores K/V in the model's dtype; "bfloat16" rounds an fp32
+    model's K/V to bf16 (half the bytes and twice the blocks; decode attention, bound by
+    memory bandwidth, reads half as much); "fp8_e4m3" / "fp8_e5m2" store
     1 byte per element with per-layer K and V scales, read from `kv_scales_path` (JSON, see
     dataplane/runner/kv_scales.py) when given, else calibrated at start-up when
     `calculate_kv_scales`, else 1.0 (with a loud warning).
@@ -72,7 +72,8 @@ class CacheConfig:
     gpu_memory_utilization: float = setting(0.90, "fraction of GPU memory for weights, activations and KV")
     kv_cache_dtype: str = setting(
         "auto",
-        "KV cache element type: auto (the model dtype) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
+        "KV cache element type: auto (the model dtype), bfloat16 (an fp32 model's K/V rounded to bf16: "
+        "2x the blocks, half the bytes read per decode step) or FP8 (1 byte per element, 2x the blocks of 16-bit)",
         choices=KV_CACHE_DTYPES,
     )
     num_gpu_blocks_override: int | None = setting(
@@ -106,7 +107,7 @@ class CacheConfig:
 
     @property
     def is_fp8(self) -> bool:
-        return self.kv_cache_dtype != "auto"
+        return self.kv_cache_dtype.startswith("fp8")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from kernels.attention import paged_attention
     from kernels.backend import AttentionImpl, ResolvedBackends, resolve_backend
     from kernels.cache_ops import copy_blocks, swap_blocks, write_kv_cache
-    from kernels.fp8 import KV_CACHE_DTYPES, KVCacheDtype, kv_cache_torch_dtype
+    from kernels.fp8 import kv_cache_torch_dtype
     from kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSeq, build_attention_metadata
-    from kernels.names import BACKENDS, Backend
+    from kernels.names import BACKENDS, KV_CACHE_DTYPES, Backend, KVCacheDtype
 
 _HOMES = {
     "paged_attention": "kernels.attention",
@@ -31,8 +31,8 @@ _HOMES = {
     "copy_blocks": "kernels.cache_ops",
     "swap_blocks": "kernels.cache_ops",
     "write_kv_cache": "kernels.cache_ops",
-    "KV_CACHE_DTYPES": "kernels.fp8",
-    "KVCacheDtype": "kernels.fp8",
+    "KV_CACHE_DTYPES": "kernels.names",
+    "KVCacheDtype": "kernels.names",
     "kv_cache_torch_dtype": "kernels.fp8",
     "AttentionMetadata": "kernels.metadata",
     "DecodeGroup": "kernels.metadata",

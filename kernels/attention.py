@@ -38,10 +38,10 @@ def _decode_kernels(
         return None
     if not (query.device.type == "cpu" and query.dtype == torch.float32 and cpp_cache_dtype(key_cache.dtype)):
         raise ValueError(
-            f"impl='cpp' needs a float32 CPU query and a float32 or FP8 cache, got {query.dtype} / "
+            f"impl='cpp' needs a float32 CPU query and a float32, bfloat16 or FP8 cache, got {query.dtype} / "
             f"{key_cache.dtype} on {query.device}; use impl=None (by device)"
         )
-    # The prefill kernel is fp32 only: FP8 prefills keep SDPA.
+    # The prefill kernel reads fp32 and bf16 caches: FP8 prefills keep SDPA.
     if meta.num_decode_tokens == 0 and (not meta.prefills or is_fp8(key_cache.dtype)):
         return None
     return load_cpu_kernels(strict=True)
@@ -109,9 +109,11 @@ def paged_attention_torch(
     FP8 K/V are gathered as stored, widened to the query dtype (exact: every FP8 value is a
     bf16/fp16/fp32 value) and their scales folded into the softmax scale and the output. The
     C++ kernel widens FP8 itself and folds the same scales (scale * k_scale, then v_scale).
+    A bf16 cache under an fp32 query is widened the same way, without scales.
     """
     kernels = decode_kernels
     fp8 = is_fp8(key_cache.dtype)
+    widen = key_cache.dtype != query.dtype  # FP8, or a bf16 cache of an fp32 model
     if fp8:
         scale *= k_scale
     num_tokens, num_heads, head_dim = query.shape
@@ -170,7 +172,7 @@ def paged_attention_torch(
         nblocks = g.block_ids.shape[0]
         k = torch.index_select(key_cache, 0, g.block_ids, out=k_buf[:nblocks])
         v = torch.index_select(value_cache, 0, g.block_ids, out=v_buf[:nblocks])
-        if fp8:
+        if widen:
             k, v = k.to(query.dtype), v.to(query.dtype)
         if g.pad_rows is not None:
             # Stale slots past each sequence's end may hold inf/NaN (see DecodeGroup.pad_rows).
@@ -189,7 +191,7 @@ def paged_attention_torch(
         # k, v: [seq_len, KVH, D] after slicing, the sequence's contiguous context
         k = torch.index_select(key_cache, 0, p.block_ids, out=k_buf[:nblocks])
         v = torch.index_select(value_cache, 0, p.block_ids, out=v_buf[:nblocks])
-        if fp8:
+        if widen:
             k, v = k.to(query.dtype), v.to(query.dtype)
         k = k.view(nblocks * block_size, num_kv_heads, head_dim)
         v = v.view(nblocks * block_size, num_kv_heads, head_dim)

@@ -5,10 +5,11 @@ One vocabulary:
   None means by device: Triton for CUDA tensors when it is installed and supports the cache
   dtype, else torch.
 - `AttentionImpl` ("torch" | "cpp" | "triton"): a concrete attention path. The torch backend
-  runs "cpp" (the C++ decode kernel, kernels.cpu_ext; prefill stays torch) on the CPU for an
-  fp32 model over an fp32 or FP8 (e4m3 / e5m2) cache when the kernel builds, else "torch".
+  runs "cpp" (the C++ decode and prefill kernels, kernels.cpu_ext; FP8 prefill stays torch)
+  on the CPU for an fp32 model over an fp32, bf16 or FP8 (e4m3 / e5m2) cache when the kernels
+  build, else "torch".
 - `CacheWriteImpl` ("torch" | "cpp" | "triton"): write_kv_cache's path; where attention is
-  "cpp" an fp32 cache is written by the C++ copy too. Block copies and swaps have no third
+  "cpp" an fp32 or bf16 cache is written by the C++ copy too. Block copies and swaps have no third
   path: their concrete implementations are the two backends.
 - `ResolvedBackends`: the concrete implementation of each op for one engine, from
   `resolve_backend`, called once when the model runner is built. Every layer call receives
@@ -32,7 +33,7 @@ from typing import Literal
 import torch
 
 from kernels.cpu_ext import load_cpu_kernels
-from kernels.fp8 import is_fp8
+from kernels.fp8 import is_fp8, is_rounded_cache
 from kernels.names import BACKENDS, Backend
 
 AttentionImpl = Literal["torch", "cpp", "triton"]
@@ -40,7 +41,8 @@ ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("torch", "cpp", "triton")
 
 
 # write_kv_cache's concrete paths: the two backends, and "cpp" (kernels/cpu/cache_ops.cpp), a
-# plain copy for fp32 caches on the CPU (FP8 caches quantize on write, in torch).
+# plain copy for fp32 caches on the CPU, a rounding one for bf16 caches (FP8 caches quantize on
+# write, in torch).
 CacheWriteImpl = Literal["torch", "cpp", "triton"]
 
 
@@ -110,13 +112,13 @@ def default_backend(device: torch.device, cache_dtype: torch.dtype | None = None
 
 def cpp_cache_dtype(cache_dtype: torch.dtype) -> bool:
     """Whether the C++ decode kernel reads caches of this dtype (with an fp32 query)."""
-    return cache_dtype == torch.float32 or is_fp8(cache_dtype)
+    return cache_dtype in (torch.float32, torch.bfloat16) or is_fp8(cache_dtype)
 
 
 def _torch_attention(
     device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> AttentionImpl:
-    """The torch backend's attention: the C++ decode kernel for an fp32 query over an fp32 or
+    """The torch backend's attention: the C++ kernels for an fp32 query over an fp32, bf16 or
     FP8 cache on the CPU, if it builds (building it here, once, keeps the seconds-long first
     build out of the first step)."""
     supported = query_dtype == torch.float32 and cpp_cache_dtype(cache_dtype)
@@ -138,11 +140,16 @@ def resolve_backend(
     backend = default_backend(device, cache_dtype) if requested is None else requested
     if backend == "triton":
         require_triton(device, cache_dtype, "--attention-backend triton")
+        if is_rounded_cache(cache_dtype, query_dtype):
+            raise ValueError(
+                "kv_cache_dtype bfloat16 with a float32 model runs on the CPU kernels only; on a GPU use "
+                "--dtype bfloat16 (its cache is bf16 with kv_cache_dtype auto)"
+            )
         return ResolvedBackends(attention="triton", cache="triton", cache_write="triton")
     attention = _torch_attention(device, query_dtype, cache_dtype)
-    # The C++ kernels are built when attention uses them; an fp32 cache is then written by
-    # their copy too.
-    cpp_write = attention == "cpp" and cache_dtype == torch.float32
+    # The C++ kernels are built when attention uses them; an fp32 or bf16 cache is then
+    # written by their copy too.
+    cpp_write = attention == "cpp" and cache_dtype in (torch.float32, torch.bfloat16)
     return ResolvedBackends(attention=attention, cache="torch", cache_write="cpp" if cpp_write else "torch")
 
 

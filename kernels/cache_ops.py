@@ -39,18 +39,21 @@ def write_kv_cache(
     Slots must be distinct and in range (build_attention_metadata guarantees it). An FP8
     cache stores fp8(x / scale), saturating, round-to-nearest-even (kernels.fp8).
 
-    impl "cpp" (fp32 CPU caches; the engine's choice there, ResolvedBackends.cache_write) is the
-    C++ copy, which checks its own inputs (RuntimeError naming the tensor or slot): the
-    Python checks would cost more than the copy at decode row counts.
+    A bf16 cache of an fp32 model stores bf16(x), round to nearest even (torch's cast).
+
+    impl "cpp" (fp32 and bf16 CPU caches of fp32 K/V; the engine's choice there,
+    ResolvedBackends.cache_write) is the C++ copy, which checks its own inputs (RuntimeError
+    naming the tensor or slot): the Python checks would cost more than the copy at decode row
+    counts.
     """
     if impl == "cpp":
         if (
             key_cache.device.type != "cpu"
-            or key_cache.dtype != torch.float32
+            or key_cache.dtype not in (torch.float32, torch.bfloat16)
             or (k_scale, v_scale) != (1.0, 1.0)
         ):
             raise ValueError(
-                f"impl='cpp' writes float32 CPU caches without scales, got a {key_cache.dtype} cache on "
+                f"impl='cpp' writes float32 or bfloat16 CPU caches without scales, got a {key_cache.dtype} cache on "
                 f"{key_cache.device} with k_scale={k_scale}, v_scale={v_scale}"
             )
         kernels = load_cpu_kernels(strict=True)
@@ -80,6 +83,8 @@ def write_kv_cache_torch(
     if is_fp8(key_cache.dtype):
         key = quantize_fp8(key, k_scale, key_cache.dtype)
         value = quantize_fp8(value, v_scale, value_cache.dtype)
+    elif key.dtype != key_cache.dtype:  # a rounded cache (kernels.fp8.is_rounded_cache)
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     # One row per slot: [num_blocks * block_size, KVH, D]; index_copy_ bounds-checks the slots.
     as_bits(key_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bits(key))
     as_bits(value_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bits(value))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.fp8 import is_fp8
+from kernels.fp8 import is_fp8, is_rounded_cache
 
 if TYPE_CHECKING:
     from kernels.metadata import AttentionMetadata
@@ -89,7 +89,7 @@ def check_write_inputs(
         # No silent casts: a dtype mismatch means the model and cache were configured apart.
         if fp8 and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"{name} dtype {t.dtype} cannot be quantized into an FP8 cache")
-        if not fp8 and t.dtype != key_cache.dtype:
+        if not fp8 and t.dtype != key_cache.dtype and not is_rounded_cache(key_cache.dtype, t.dtype):
             raise ValueError(f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
         if t.device != key_cache.device:
             raise ValueError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
@@ -125,7 +125,9 @@ def check_attention_inputs(
         raise ValueError(f"cache block_size {block_size} != metadata block_size {meta.block_size}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
-    if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
+    if query.dtype != key_cache.dtype and not (
+        is_fp8(key_cache.dtype) or is_rounded_cache(key_cache.dtype, query.dtype)
+    ):
         raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
     if query.device != key_cache.device:
         raise ValueError(f"query is on {query.device} but the cache is on {key_cache.device}")

@@ -59,7 +59,9 @@ _SOURCES = tuple(
     )
 )
 # Included by the sources; their contents are part of the build's name like the sources'.
-_HEADERS = tuple(_CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "row_ops.h"))
+_HEADERS = tuple(
+    _CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "panel_bf16.h", "row_ops.h")
+)
 # The instruction-set levels a build can target, best first, and the environment variable
 # that picks one (unset or "auto": the best this CPU runs).
 CPU_ISAS = ("avx512", "avx2", "portable")

@@ -9,12 +9,9 @@ reciprocal `inverse_scale(scale)`, so they produce bit-identical caches.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KVCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
-KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
+from kernels.names import KV_CACHE_DTYPES
 
 # e4m3 "fn": no infinities, one NaN encoding, largest finite 448 (the OCP/NVIDIA format).
 FP8_DTYPES: dict[str, torch.dtype] = {
@@ -34,10 +31,21 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def is_rounded_cache(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+    """Whether K/V of `model_dtype` are stored rounded to a 16-bit cache of `cache_dtype`
+    (an fp32 model's bf16 cache): a plain cast on write, exact widening on read, no scales."""
+    return cache_dtype == torch.bfloat16 and model_dtype == torch.float32
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool's element type: the model's dtype for "auto", else the FP8 format."""
+    """The pool's element type: the model's dtype for "auto", bf16 for "bfloat16" (ValueError
+    for a float16 model, whose values bf16 would round coarser), else the FP8 format."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "bfloat16":
+        if model_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_cache_dtype bfloat16 needs a float32 or bfloat16 model, got {model_dtype}")
+        return torch.bfloat16
     if kv_cache_dtype not in FP8_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return FP8_DTYPES[kv_cache_dtype]

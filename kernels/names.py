@@ -11,3 +11,9 @@ from typing import Literal, get_args
 # "triton": the Triton kernels. No choice (None) means by device: kernels.backend.
 Backend = Literal["torch", "triton"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+
+# `--kv-cache-dtype` (vLLM's names): "auto" stores K/V in the model's dtype; "bfloat16" rounds
+# an fp32 model's K/V to bf16 (half the bytes; the CPU kernels widen them back exactly);
+# the FP8 formats keep 1 byte per element with per-layer scales (kernels.fp8).
+KVCacheDtype = Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = get_args(KVCacheDtype)

@@ -310,8 +310,8 @@ class FusedDecoderLayer(nn.Module):
             return False, False
         qkv, o, gate_up, down = self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
-        # The block ops run the fp32 panel matmul: bf16-weight panels stay op by op.
-        if _fp32_panels(qkv) and self.qk_norm_weight is None:
+        # The block ops run each linear's panel matmul, fp32 or bf16 weights alike.
+        if _panels(qkv) and self.qk_norm_weight is None:
             norm = self.input_layernorm
             self.attention_input_args = (
                 norm.weight.detach(),
@@ -320,7 +320,7 @@ class FusedDecoderLayer(nn.Module):
                 qkv.kernel_bias,
                 qkv.out_features,
             )
-        if _fp32_panels(o) and _fp32_panels(gate_up) and _fp32_panels(down):
+        if _panels(o) and _panels(gate_up) and _panels(down):
             norm = self.post_attention_layernorm
             self.mlp_args = (
                 o.panels, o.kernel_bias, norm.weight.detach(), float(norm.variance_epsilon),
@@ -329,8 +329,8 @@ class FusedDecoderLayer(nn.Module):
         return self.attention_input_args is not None, self.mlp_args is not None
 
 
-def _fp32_panels(linear: object) -> TypeGuard[PanelLinear]:
-    return isinstance(linear, PanelLinear) and not linear.bf16_weights
+def _panels(linear: object) -> TypeGuard[PanelLinear]:
+    return isinstance(linear, PanelLinear)
 
 
 def bind_block_kernels(model: nn.Module) -> tuple[int, int]:

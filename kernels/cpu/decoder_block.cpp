@@ -1,4 +1,5 @@
-// A decoder layer's work before and after attention, each as one op (CPU, fp32).
+// A decoder layer's work before and after attention, each as one op (CPU, fp32 activations;
+// each linear's weight fp32 or bf16 panels).
 //
 // Ops (pagedserve_cpu::):
 //   decoder_attention_input(hidden, norm_weight, eps, qkv_packed, qkv_bias, qkv_features, cos,
@@ -10,8 +11,8 @@
 //       hidden += attn @ W_o.T + b_o; x = rms_norm(hidden); gu = x @ W_gate_up.T + b;
 //       hidden += (silu(gu[:, :I]) * gu[:, I:]) @ W_down.T + b_down; hidden in place.
 //
-// hidden: [T, H] float32, contiguous; norm weights [H]; *_packed: panel-packed weights
-// (kernels/linear.py pack_panels), biases [N] or empty; cos, sin: [T, head_dim] contiguous;
+// hidden: [T, H] float32, contiguous; norm weights [H]; *_packed: panel-packed weights, each
+// fp32 (kernels/linear.py pack_panels) or bf16 (pack_panels_bf16), biases [N] or empty; cos, sin: [T, head_dim] contiguous;
 // attn: [T, heads * head_dim] with a contiguous last dim.
 //
 // Why: in a decode step the work between a layer's matmuls is small, and calling it from
@@ -20,8 +21,8 @@
 // model (measured on a 30-layer model with tiny dimensions, where the step is nearly all
 // overhead). Here each half of the layer is one call.
 //
-// Results: the same row kernels (row_ops.h) and panel matmul (panel.h) in the same order as
-// the separate ops (layer_ops.cpp, linear.cpp), and the residual adds are the matmul's
+// Results: the same row kernels (row_ops.h) and panel matmuls (panel.h, panel_bf16.h) in the
+// same order as the separate ops (layer_ops.cpp, linear.cpp, linear_bf16.cpp), and the residual adds are the matmul's
 // accumulate mode (out + (acc + bias), the IEEE adds of `hidden += linear(x)`): bit-identical
 // to the op-by-op path (tested).
 #define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 10) << 48))
@@ -32,6 +33,7 @@
 #include <cstdint>
 
 #include "panel.h"
+#include "panel_bf16.h"
 #include "row_ops.h"
 
 namespace {
@@ -46,6 +48,29 @@ int64_t check_hidden(const Tensor& hidden) {
   return hidden.size(1);
 }
 
+// One linear of the layer: an fp32 or a bf16 panel matmul, by its packed weight's dtype.
+struct LayerLinear {
+  bool bf16;
+  PanelMatmul f32;
+  PanelMatmulBf16 b16;
+};
+
+LayerLinear linear_problem(const char* what, const Tensor& out, const Tensor& x, const Tensor& packed,
+                           const Tensor& bias) {
+  if (packed.scalar_type() == torch::headeronly::ScalarType::BFloat16) {
+    return LayerLinear{true, {}, panel_problem_bf16(what, out, x, packed, bias)};
+  }
+  return LayerLinear{false, panel_problem(what, out, x, packed, bias), {}};
+}
+
+void run_linear(const LayerLinear& l, bool accumulate) {
+  if (l.bf16) {
+    panel_matmul_bf16(l.b16, accumulate);
+  } else {
+    panel_matmul(l.f32, accumulate);
+  }
+}
+
 Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Tensor qkv_packed, Tensor qkv_bias,
                                int64_t qkv_features, Tensor cos, Tensor sin, int64_t rotary_heads) {
   const int64_t h = check_hidden(hidden);
@@ -58,13 +83,13 @@ Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Te
   Tensor normed = torch::stable::new_empty(hidden, {tokens, h});
   Tensor qkv = torch::stable::new_empty(hidden, {tokens, qkv_features});
   // Every shape is checked before any work, as in decoder_mlp.
-  const PanelMatmul m = panel_problem("decoder_attention_input", qkv, normed, qkv_packed, qkv_bias);
-  STD_TORCH_CHECK(rotary_heads >= 0 && rotary_heads * dim <= m.n, "rotary_heads (", rotary_heads, ") x head_dim (",
-                  dim, ") exceeds the ", m.n, " q/k/v columns");
+  const LayerLinear m = linear_problem("decoder_attention_input", qkv, normed, qkv_packed, qkv_bias);
+  STD_TORCH_CHECK(rotary_heads >= 0 && rotary_heads * dim <= qkv_features, "rotary_heads (", rotary_heads, ") x head_dim (",
+                  dim, ") exceeds the ", qkv_features, " q/k/v columns");
   norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
             tokens, h, static_cast<float>(eps));
-  panel_matmul(m, /*accumulate=*/false);
-  rotate_heads(qkv.mutable_data_ptr<float>(), m.n, dim, tokens, rotary_heads, cos.const_data_ptr<float>(),
+  run_linear(m, /*accumulate=*/false);
+  rotate_heads(qkv.mutable_data_ptr<float>(), qkv_features, dim, tokens, rotary_heads, cos.const_data_ptr<float>(),
                sin.const_data_ptr<float>(), dim);
   return qkv;
 }
@@ -81,16 +106,16 @@ void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Ten
   Tensor gate_up = torch::stable::new_empty(hidden, {tokens, 2 * inter});
   Tensor act = torch::stable::new_empty(hidden, {tokens, inter});
   // Every shape is checked before hidden is touched: a refused call changes nothing.
-  const PanelMatmul o = panel_problem("decoder_mlp (o_proj)", hidden, attn, o_packed, o_bias);
-  const PanelMatmul gu = panel_problem("decoder_mlp (gate_up_proj)", gate_up, normed, gate_up_packed, gate_up_bias);
-  const PanelMatmul down = panel_problem("decoder_mlp (down_proj)", hidden, act, down_packed, down_bias);
+  const LayerLinear o = linear_problem("decoder_mlp (o_proj)", hidden, attn, o_packed, o_bias);
+  const LayerLinear gu = linear_problem("decoder_mlp (gate_up_proj)", gate_up, normed, gate_up_packed, gate_up_bias);
+  const LayerLinear down = linear_problem("decoder_mlp (down_proj)", hidden, act, down_packed, down_bias);
 
-  panel_matmul(o, /*accumulate=*/true);  // hidden += attn @ W_o.T + b_o
+  run_linear(o, /*accumulate=*/true);  // hidden += attn @ W_o.T + b_o
   norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
             tokens, h, static_cast<float>(eps));
-  panel_matmul(gu, /*accumulate=*/false);
+  run_linear(gu, /*accumulate=*/false);
   silu_mul_rows(act.mutable_data_ptr<float>(), inter, gate_up.const_data_ptr<float>(), 2 * inter, tokens, inter);
-  panel_matmul(down, /*accumulate=*/true);  // hidden += act @ W_down.T + b_down
+  run_linear(down, /*accumulate=*/true);  // hidden += act @ W_down.T + b_down
 }
 
 }  // namespace

@@ -1,21 +1,25 @@
 // CPU decode paged attention: one query token per sequence, K/V read in place from the
-// paged cache (no gather copy), fp32 arithmetic over an fp32 or FP8 cache.
+// paged cache (no gather copy), fp32 arithmetic over an fp32, bf16 or FP8 cache.
 //
 // Op: pagedserve_cpu::paged_decode_attention(out, query, key_cache, value_cache,
 //     block_tables, seq_lens, token_rows, scale, v_scale=1.0) -> ()
 //   out, query:   [T, H, D] float32, head_dim contiguous (out is written in place, only at
 //                 the rows token_rows names)
-//   key_cache, value_cache: [num_blocks, block_size, KVH, D] contiguous, both float32, or
-//                 both float8_e4m3fn, or both float8_e5m2 (kernels/fp8.py: the cache holds
-//                 fp8(K / k_scale), fp8(V / v_scale))
+//   key_cache, value_cache: [num_blocks, block_size, KVH, D] contiguous, both float32, both
+//                 bfloat16 (K and V rounded to bf16), or both float8_e4m3fn, or both
+//                 float8_e5m2 (kernels/fp8.py: the cache holds fp8(K / k_scale), fp8(V / v_scale))
 //   block_tables: [S, max_blocks] int32, contiguous; seq_lens: [S] int32; token_rows: [S] int64
 //   scale:        the softmax scale, times k_scale for an FP8 cache (the Triton kernel's
-//                 qk_scale, without its log2(e)); v_scale multiplies the output (1.0 for fp32)
+//                 qk_scale, without its log2(e)); v_scale multiplies the output (1.0 unless FP8)
 //
-// FP8 blocks are widened exactly to fp32 (F16C conversions where the CPU has them, else a
-// 256-entry table per format; see widen), one block of one kv head at a time into
-// per-thread scratch (bs x D floats, L1-resident), shared by the G query heads; the fp32 code then runs on the scratch rows. The scales are folded in
-// as the Triton kernel does: k_scale into the query scale, v_scale into 1 / denominator.
+// bf16 and FP8 blocks are widened exactly to fp32 (bf16: a shift; FP8: F16C conversions
+// where the CPU has them, else a 256-entry table per format; see widen), one block of one kv
+// head at a time into per-thread scratch (bs x D floats, L1-resident), shared by the G query
+// heads; the fp32 code then runs on the scratch rows. Why bf16: decode attention streams
+// the whole context's K and V every step and is bound by memory bandwidth (~40 % of a
+// 64-sequence step on the default model with an fp32 cache); half the bytes, same code.
+// The scales are folded in as the Triton kernel does: k_scale into the query scale,
+// v_scale into 1 / denominator.
 //
 // Work item = (sequence, kv head). The G = H / KVH query heads sharing a kv head are done
 // together, so every K and V row is loaded once for all of them. Softmax is two-pass in
@@ -151,17 +155,18 @@ inline void widen(const uint8_t* s, float* d, int64_t n, const float* lut) {
 }
 
 struct Problem : PagedLayout {
-  const char* key_cache;  // float or FP8 (one byte) elements, see elem_size / lut
+  const char* key_cache;  // float, bf16 or FP8 (one byte) elements, see elem_size / lut
   const char* value_cache;
-  int64_t elem_size;      // bytes per cache element: 4 (fp32) or 1 (FP8)
-  const float* lut;       // FP8 code -> fp32 value; nullptr for an fp32 cache
+  int64_t elem_size;      // bytes per cache element: 4 (fp32), 2 (bf16) or 1 (FP8)
+  const float* lut;       // FP8 code -> fp32 value; nullptr for an fp32 or bf16 cache
+  bool widened;           // blocks are widened into scratch (bf16, FP8)
   const int64_t* token_rows;
   int64_t max_seq_len;
   float v_scale;  // output multiplier (1 for fp32); scale (PagedLayout) is times k_scale for FP8
 };
 
 // Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D],
-// 1 / softmax denominators [G] and, for an FP8 cache, one widened block [block_size, D],
+// 1 / softmax denominators [G] and, for a bf16 or FP8 cache, one widened block [block_size, D],
 // where Lpad = max_seq_len rounded up to kW so the softmax loops run on whole vectors.
 struct Scratch {
   int64_t score_stride;
@@ -172,7 +177,7 @@ struct Scratch {
         scores(p.group * score_stride),
         acc(p.group * p.head_dim),
         inv(p.group),
-        block(p.lut != nullptr ? p.block_size * p.head_dim : 0) {}
+        block(p.widened ? p.block_size * p.head_dim : 0) {}
 };
 
 // Head-dim specialisations: NV = D / kW vectors per row, so a query or accumulator row
@@ -258,27 +263,32 @@ struct Row<0> {
 };
 
 // Cache element types, the kernel's template argument.
-constexpr int kCacheFp32 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2;
+constexpr int kCacheFp32 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2, kCacheBf16 = 3;
 
 // One sequence's blocks, as seen from one kv head's slice of each row. Strides in elements
 // of the cache; elem_size bytes each.
 struct Blocks {
   const int32_t* table;
   int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim, elem_size;
-  const float* lut;  // FP8 cache: the widening table; nullptr: fp32
-  float* widened;    // FP8 cache: [block_size, D] scratch
+  const float* lut;  // FP8 cache: the widening table; nullptr: fp32, bf16
+  float* widened;    // bf16 / FP8 cache: [block_size, D] scratch
 
   const char* raw_rows(const char* head, int64_t b) const {
     return head + static_cast<int64_t>(table[b]) * block_stride * elem_size;
   }
   // The first n rows of block b as fp32, and the stride between them (elements): the
-  // cache itself for fp32, the widened scratch (stride D) for FP8.
+  // cache itself for fp32, the widened scratch (stride D) for bf16 and FP8.
   template <int kCache>
   const float* rows(const char* head, int64_t b, int64_t n, int64_t& stride) const {
     const char* raw = raw_rows(head, b);
     if constexpr (kCache == kCacheFp32) {
       stride = row_stride;
       return reinterpret_cast<const float*>(raw);
+    } else if constexpr (kCache == kCacheBf16) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(raw);
+      for (int64_t o = 0; o < n; ++o) widen_bf16(src + o * row_stride, widened + o * head_dim, head_dim);
+      stride = head_dim;
+      return widened;
     } else {
       constexpr Fp8Format format = kCache == kCacheE4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
       const uint8_t* src = reinterpret_cast<const uint8_t*>(raw);
@@ -456,11 +466,12 @@ void paged_decode_attention(
   const ScalarType cache_type = key_cache.scalar_type();
   STD_TORCH_CHECK(
       cache_type == ScalarType::Float || cache_type == ScalarType::Float8_e4m3fn ||
-          cache_type == ScalarType::Float8_e5m2,
-      "paged_decode_attention supports float32 only, or a float8_e4m3fn / float8_e5m2 cache");
+          cache_type == ScalarType::Float8_e5m2 || cache_type == ScalarType::BFloat16,
+      "paged_decode_attention supports a float32, bfloat16, float8_e4m3fn or float8_e5m2 cache");
   STD_TORCH_CHECK(value_cache.scalar_type() == cache_type, "value_cache dtype != key_cache dtype");
-  const bool fp8 = cache_type != ScalarType::Float;
-  STD_TORCH_CHECK(fp8 || v_scale == 1.0, "v_scale must be 1.0 for a float32 cache");
+  const bool bf16 = cache_type == ScalarType::BFloat16;
+  const bool fp8 = cache_type != ScalarType::Float && !bf16;
+  STD_TORCH_CHECK(fp8 || v_scale == 1.0, "v_scale must be 1.0 for a float32 or bfloat16 cache");
   STD_TORCH_CHECK(std::isfinite(v_scale) && std::isfinite(scale), "scale and v_scale must be finite");
   const int64_t num_seqs = check_block_tables(block_tables);
   check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
@@ -482,7 +493,8 @@ void paged_decode_attention(
 
   p.key_cache = static_cast<const char*>(key_cache.const_data_ptr());
   p.value_cache = static_cast<const char*>(value_cache.const_data_ptr());
-  p.elem_size = fp8 ? 1 : static_cast<int64_t>(sizeof(float));
+  p.elem_size = fp8 ? 1 : bf16 ? 2 : static_cast<int64_t>(sizeof(float));
+  p.widened = fp8 || bf16;
   p.lut = !fp8                                    ? nullptr
           : cache_type == ScalarType::Float8_e4m3fn ? fp8_tables().e4m3fn
                                                     : fp8_tables().e5m2;
@@ -490,7 +502,9 @@ void paged_decode_attention(
   p.max_seq_len = max_seq_len;
   p.v_scale = static_cast<float>(v_scale);
 
-  if (!fp8) {
+  if (bf16) {
+    dispatch_head_dim<kCacheBf16>(p, num_seqs);
+  } else if (!fp8) {
     dispatch_head_dim<kCacheFp32>(p, num_seqs);
   } else if (cache_type == ScalarType::Float8_e4m3fn) {
     dispatch_head_dim<kCacheE4M3>(p, num_seqs);

@@ -1,11 +1,14 @@
 // CPU prefill (causal) paged attention: several query tokens per sequence, K/V read in place
-// from the paged cache through the block table (no gather copy), fp32 only.
+// from the paged cache through the block table (no gather copy), fp32 arithmetic over an
+// fp32 or bf16 cache.
 //
 // Op: pagedserve_cpu::paged_prefill_attention(out, query, key_cache, value_cache,
 //     block_tables, seq_lens, query_starts, query_lens, scale) -> ()
 //   out, query:   [T, H, D] float32, head_dim contiguous (out is written in place, only at
 //                 the prefill rows)
-//   key_cache, value_cache: [num_blocks, block_size, KVH, D] float32, contiguous
+//   key_cache, value_cache: [num_blocks, block_size, KVH, D] contiguous, both float32 or both
+//                 bfloat16 (a bf16 tile's K and V rows are widened exactly into per-thread
+//                 scratch, once per item and tile: 1 / 48 of the multiply-adds that read them)
 //   block_tables: [S, max_blocks] int32, contiguous; seq_lens, query_lens: [S] int32;
 //   query_starts: [S] int64. Sequence s's queries are rows query_starts[s] .. + query_lens[s]
 //   of the batch; query j sits at position seq_lens[s] - query_lens[s] + j and sees keys
@@ -130,8 +133,9 @@ constexpr std::array<ScoresFn, kBlk> kScores = scores_fns(std::make_integer_sequ
 constexpr std::array<PvFn, kBlk> kPv = pv_fns(std::make_integer_sequence<int, kBlk>{});
 
 struct Problem : PagedLayout {
-  const float* key_cache;
-  const float* value_cache;
+  const char* key_cache;  // float or bf16 elements (bf16 true)
+  const char* value_cache;
+  bool bf16;
   const int64_t* query_starts;
   const int32_t* query_lens;
 };
@@ -145,11 +149,16 @@ struct Item {
 
 // Per-thread scratch: transposed scaled queries [D][kRows], one tile's scores /
 // probabilities [kTileKeys][kRows], the transposed accumulator [D][kRows] and the tile's
-// K and V row pointers.
+// K and V row pointers (into the cache, or for a bf16 cache into the widened tile rows).
 struct Scratch {
-  std::vector<float> qt, s, acc;
+  std::vector<float> qt, s, acc, k_wide, v_wide;
   std::array<const float*, kTileKeys> k_rows{}, v_rows{};
-  explicit Scratch(int64_t head_dim) : qt(head_dim * kRows), s(kTileKeys * kRows), acc(head_dim * kRows) {}
+  Scratch(int64_t head_dim, bool bf16)
+      : qt(head_dim * kRows),
+        s(kTileKeys * kRows),
+        acc(head_dim * kRows),
+        k_wide(bf16 ? kTileKeys * head_dim : 0),
+        v_wide(bf16 ? kTileKeys * head_dim : 0) {}
 };
 
 void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
@@ -199,8 +208,18 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
     int64_t b = k0 / p.block_size, off = k0 % p.block_size;
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t slot = static_cast<int64_t>(table[b]) * p.block_size + off;
-      scratch.k_rows[j] = p.key_cache + slot * row_stride + head_offset;
-      scratch.v_rows[j] = p.value_cache + slot * row_stride + head_offset;
+      const int64_t elem = slot * row_stride + head_offset;
+      if (p.bf16) {
+        float* kw = scratch.k_wide.data() + j * D;
+        float* vw = scratch.v_wide.data() + j * D;
+        widen_bf16(reinterpret_cast<const uint16_t*>(p.key_cache) + elem, kw, D);
+        widen_bf16(reinterpret_cast<const uint16_t*>(p.value_cache) + elem, vw, D);
+        scratch.k_rows[j] = kw;
+        scratch.v_rows[j] = vw;
+      } else {
+        scratch.k_rows[j] = reinterpret_cast<const float*>(p.key_cache) + elem;
+        scratch.v_rows[j] = reinterpret_cast<const float*>(p.value_cache) + elem;
+      }
       if (++off == p.block_size) {
         off = 0;
         ++b;
@@ -270,7 +289,7 @@ void run(const Problem& p, int64_t num_seqs) {
   const int64_t threads = torch::stable::get_num_threads();
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, num_items));
   torch::stable::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    Scratch scratch(p.head_dim);
+    Scratch scratch(p.head_dim, p.bf16);
     for (;;) {
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= num_items) break;
@@ -290,10 +309,13 @@ void paged_prefill_attention(
     Tensor query_lens,
     double scale) {
   check_query_and_caches(out, query, key_cache, value_cache, "paged_prefill_attention");
-  for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
-    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float,
-                    "paged_prefill_attention supports float32 only (query, out and both caches)");
+  for (const Tensor* t : {&out, &query}) {
+    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float, "paged_prefill_attention: query and out must be float32");
   }
+  const ScalarType cache_type = key_cache.scalar_type();
+  STD_TORCH_CHECK((cache_type == ScalarType::Float || cache_type == ScalarType::BFloat16) &&
+                      value_cache.scalar_type() == cache_type,
+                  "paged_prefill_attention supports float32 or bfloat16 caches (both of one dtype)");
   STD_TORCH_CHECK(std::isfinite(scale), "scale must be finite");
   const int64_t num_seqs = check_block_tables(block_tables);
   check_int_vector(seq_lens, ScalarType::Int, num_seqs, "seq_lens must be a contiguous int32 [S] CPU tensor");
@@ -318,8 +340,9 @@ void paged_prefill_attention(
     return;
   }
 
-  p.key_cache = key_cache.const_data_ptr<float>();
-  p.value_cache = value_cache.const_data_ptr<float>();
+  p.key_cache = static_cast<const char*>(key_cache.const_data_ptr());
+  p.value_cache = static_cast<const char*>(value_cache.const_data_ptr());
+  p.bf16 = cache_type == ScalarType::BFloat16;
   p.query_starts = starts;
   p.query_lens = q_lens;
   run(p, num_seqs);

@@ -138,4 +138,46 @@ inline vfloat exp_clamped(vfloat x) {
   return exp_in_range(x > hi ? hi : x);
 }
 
+// bfloat16 is fp32's top half: widening is exact (a shift), narrowing rounds to nearest even
+// (a NaN becomes the canonical NaN 0x7FC0), as torch's fp32 -> bf16 cast (c10::BFloat16) does.
+typedef uint16_t vbf16 __attribute__((vector_size(kW * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(kW * sizeof(uint32_t))));
+
+// d[0:n] = the fp32 values of the bf16 bits s[0:n], whole vectors while they last.
+inline void widen_bf16(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    vbf16 h;
+    std::memcpy(&h, s + i, sizeof(h));
+    const vuint w = __builtin_convertvector(h, vuint) << 16;
+    std::memcpy(d + i, &w, sizeof(w));
+  }
+  for (; i < n; ++i) {
+    const uint32_t w = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(d + i, &w, sizeof(w));
+  }
+}
+
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// d[0:n] = bf16(s[0:n]), round to nearest even, whole vectors while they last.
+inline void narrow_bf16(const float* s, uint16_t* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    vuint bits;
+    std::memcpy(&bits, s + i, sizeof(bits));
+    const vuint rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const vuint r = ((bits & 0x7FFFFFFFu) > 0x7F800000u) ? (vuint{} + 0x7FC0u) : rounded;
+    const vbf16 h = __builtin_convertvector(r, vbf16);
+    std::memcpy(d + i, &h, sizeof(h));
+  }
+  for (; i < n; ++i) d[i] = to_bf16(s[i]);
+}
+
 }  // namespace

@@ -232,18 +232,20 @@ def test_rms_norm_is_bit_identical_to_transformers() -> None:
     assert torch.equal(rms_norm(x16, norm16.weight, norm16.variance_epsilon), norm16(x16))
 
 
+@pytest.mark.parametrize("bf16_weights", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_block_kernels_are_bit_identical_to_the_op_by_op_layers(
-    model_dirs: dict[str, Path], arch: str
+    model_dirs: dict[str, Path], arch: str, bf16_weights: bool
 ) -> None:
     """Each layer's halves as one C++ op each (bind_block_kernels) give the very same logits
-    and cached K/V as the same layers op by op, over prefills, chunks and decodes."""
+    and cached K/V as the same layers op by op, over prefills, chunks and decodes, with fp32
+    and with bf16 weight panels."""
     ops = load_cpu_kernels(strict=True)
     models = []
     for bind in (False, True):
         model = load_model(model_dirs[arch], "float32", "cpu")
         fuse_decoder_layers(model, cpu_ops=ops)
-        pack_linears(model, panel_ops=ops)
+        pack_linears(model, panel_ops=ops, bf16_weights=bf16_weights)
         layers = model.config.num_hidden_layers
         if bind:
             # Qwen3's q/k norm sits between the projection and rotary: that half stays op by op.
@@ -279,8 +281,8 @@ def test_bf16_weights_engine_keeps_fp32_activations_and_frees_every_block(
     model_dirs: dict[str, Path],
 ) -> None:
     """--cpu-weight-dtype bfloat16: every linear is a panel linear over bf16 panels (half the
-    bytes), the block ops that read fp32 panels stay unbound, and the logits stay within bf16
-    rounding of the fp32 model's."""
+    bytes), the layers run as the block ops over those panels, and the logits stay within
+    bf16 rounding of the fp32 model's."""
     fp32 = LLM(str(model_dirs["llama"]), max_model_len=64, block_size=4, max_num_seqs=4)
     bf16 = LLM(
         str(model_dirs["llama"]), max_model_len=64, block_size=4, max_num_seqs=4, cpu_weight_dtype="bfloat16"
@@ -294,8 +296,14 @@ def test_bf16_weights_engine_keeps_fp32_activations_and_frees_every_block(
     assert sum(p.panels.numel() * p.panels.element_size() for p in panels) * 2 >= sum(
         p.panels.numel() * p.panels.element_size() for p in fp32_panels
     )
-    assert all(layer.attention_input_args is None and layer.mlp_args is None for layer in layers)
-    assert all(layer.mlp_args is not None for layer in fp32.engine.runner.decoder.layers)
+    for llm in (fp32, bf16):
+        bound = llm.engine.runner.decoder.layers
+        assert all(layer.attention_input_args is not None and layer.mlp_args is not None for layer in bound)
+    assert all(
+        args.dtype == torch.bfloat16
+        for args in layers[0].mlp_args
+        if isinstance(args, torch.Tensor) and args.dim() == 4
+    )
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(3, 384, (16,), generator=gen).tolist()
     logits = []

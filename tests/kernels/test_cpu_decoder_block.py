@@ -2,7 +2,9 @@
 separate ops (rms_norm, panel_linear, rotary_neox, add_rms_norm, silu_and_mul and torch's
 in-place add): bit-identical, on shapes with ragged panels (out features not a multiple of
 32), biases or none, the row tiles and the 96-row chunks of long prefills; and against a
-float64 reference of the whole half. Bad inputs are refused by name.
+float64 reference of the whole half; with fp32 and with bf16 weight panels (the bf16
+reference uses the bf16-rounded weights, and tolerates the rounding of x that AVX-512 BF16
+builds add). Bad inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from kernels.cpu_ext import CpuKernels
-from kernels.linear import NO_BIAS, pack_panels, panel_linear
+from kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 HIDDEN = 80
 HEADS, KV_HEADS, HEAD_DIM = 5, 1, 16
@@ -27,11 +29,41 @@ def linear(
     return weight, torch.randn(out_features, generator=gen) if bias else None
 
 
+WEIGHTS = ["float32", "bfloat16"]
+
+
+def pack(ext: CpuKernels, weight: torch.Tensor, weights: str) -> torch.Tensor:
+    return (pack_panels_bf16 if weights == "bfloat16" else pack_panels)(weight, ext.panel_width)
+
+
 def packed(
-    ext: CpuKernels, layer: tuple[torch.Tensor, torch.Tensor | None]
+    ext: CpuKernels, layer: tuple[torch.Tensor, torch.Tensor | None], weights: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     weight, bias = layer
-    return pack_panels(weight, ext.panel_width), NO_BIAS if bias is None else bias
+    return pack(ext, weight, weights), NO_BIAS if bias is None else bias
+
+
+def separate_linear(
+    ext: CpuKernels, x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor | None], weights: str
+) -> torch.Tensor:
+    """The separate op of this weight dtype (panel_linear or panel_linear_bf16)."""
+    op = panel_linear_bf16 if weights == "bfloat16" else panel_linear
+    return op(ext, x, pack(ext, layer[0], weights), layer[0].shape[0], layer[1])
+
+
+def as_packed(
+    layer: tuple[torch.Tensor, torch.Tensor | None], weights: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer as its panels hold it (bf16-rounded weights for bf16 panels), for the references."""
+    weight, bias = layer
+    return (weight.bfloat16().float() if weights == "bfloat16" else weight), bias
+
+
+def assert_near(got: torch.Tensor, ref: torch.Tensor, weights: str) -> None:
+    if weights == "bfloat16":  # x rounded to bf16 too where the build has AVX-512 BF16
+        torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    else:
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def rotary_tables(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,33 +90,37 @@ def linear64(x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor | None]) -
     return out if bias is None else out + bias.double()
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 200])
-def test_attention_input_equals_the_separate_ops(ext: CpuKernels, rows: int, bias: bool) -> None:
+def test_attention_input_equals_the_separate_ops(
+    ext: CpuKernels, rows: int, bias: bool, weights: str
+) -> None:
     gen = torch.Generator().manual_seed(rows + 7 * bias)
     hidden = torch.randn(rows, HIDDEN, generator=gen) * 3
     norm_w = torch.randn(HIDDEN, generator=gen)
     qkv_layer = linear(QKV, HIDDEN, gen, bias)
     cos, sin = rotary_tables(rows, gen)
     rotated = HEADS + KV_HEADS
-    qkv_packed, qkv_bias = packed(ext, qkv_layer)
+    qkv_packed, qkv_bias = packed(ext, qkv_layer, weights)
     got = ext.decoder_attention_input(hidden, norm_w, EPS, qkv_packed, qkv_bias, QKV, cos, sin, rotated)
 
     normed = torch.empty_like(hidden)
     ext.rms_norm(normed, hidden, norm_w, EPS)
-    want = panel_linear(ext, normed, qkv_packed, QKV, qkv_layer[1])
+    want = separate_linear(ext, normed, qkv_layer, weights)
     ext.rotary_neox(want[:, : rotated * HEAD_DIM].view(rows, rotated, HEAD_DIM), cos, sin)
     assert torch.equal(got, want)
 
-    ref = linear64(rms_norm64(hidden, norm_w), qkv_layer)
+    ref = linear64(rms_norm64(hidden, norm_w), as_packed(qkv_layer, weights))
     qk = rotate64(ref[:, : rotated * HEAD_DIM].view(rows, rotated, HEAD_DIM), cos, sin)
     ref = torch.cat([qk.reshape(rows, -1), ref[:, rotated * HEAD_DIM :]], dim=1)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert_near(got, ref, weights)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 200])
-def test_mlp_half_equals_the_separate_ops(ext: CpuKernels, rows: int, bias: bool) -> None:
+def test_mlp_half_equals_the_separate_ops(ext: CpuKernels, rows: int, bias: bool, weights: str) -> None:
     gen = torch.Generator().manual_seed(100 + rows + 7 * bias)
     hidden = torch.randn(rows, HIDDEN, generator=gen) * 3
     attn = torch.randn(rows, HEADS * HEAD_DIM, generator=gen)
@@ -96,44 +132,42 @@ def test_mlp_half_equals_the_separate_ops(ext: CpuKernels, rows: int, bias: bool
     ext.decoder_mlp(
         got,
         attn,
-        *packed(ext, o_layer),
+        *packed(ext, o_layer, weights),
         norm_w,
         EPS,
-        *packed(ext, gate_up_layer),
+        *packed(ext, gate_up_layer, weights),
         INTER,
-        *packed(ext, down_layer),
+        *packed(ext, down_layer, weights),
     )
 
     want = hidden.clone()
-    attn_out = panel_linear(ext, attn, pack_panels(o_layer[0], ext.panel_width), HIDDEN, o_layer[1])
+    attn_out = separate_linear(ext, attn, o_layer, weights)
     normed = torch.empty_like(want)
     ext.add_rms_norm(normed, want, attn_out, norm_w, EPS)
-    gate_up = panel_linear(
-        ext, normed, pack_panels(gate_up_layer[0], ext.panel_width), 2 * INTER, gate_up_layer[1]
-    )
+    gate_up = separate_linear(ext, normed, gate_up_layer, weights)
     act = gate_up.new_empty(rows, INTER)
     ext.silu_and_mul(act, gate_up)
-    want += panel_linear(ext, act, pack_panels(down_layer[0], ext.panel_width), HIDDEN, down_layer[1])
+    want += separate_linear(ext, act, down_layer, weights)
     assert torch.equal(got, want)
 
-    residual = hidden.double() + linear64(attn, o_layer)
-    gu = linear64(rms_norm64(residual, norm_w), gate_up_layer)
+    residual = hidden.double() + linear64(attn, as_packed(o_layer, weights))
+    gu = linear64(rms_norm64(residual, norm_w), as_packed(gate_up_layer, weights))
     act64 = torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]
-    ref = residual + linear64(act64, down_layer)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    ref = residual + linear64(act64, as_packed(down_layer, weights))
+    assert_near(got, ref, weights)
 
 
 def test_zero_tokens(ext: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.empty(0, HIDDEN)
     cos, sin = rotary_tables(0, gen)
-    qkv_packed, qkv_bias = packed(ext, linear(QKV, HIDDEN, gen, False))
+    qkv_packed, qkv_bias = packed(ext, linear(QKV, HIDDEN, gen, False), "float32")
     out = ext.decoder_attention_input(hidden, torch.ones(HIDDEN), EPS, qkv_packed, qkv_bias, QKV, cos, sin, 6)
     assert out.shape == (0, QKV)
     ext.decoder_mlp(
-        hidden, torch.empty(0, HEADS * HEAD_DIM), *packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False)),
-        torch.ones(HIDDEN), EPS, *packed(ext, linear(2 * INTER, HIDDEN, gen, False)), INTER,
-        *packed(ext, linear(HIDDEN, INTER, gen, False)),
+        hidden, torch.empty(0, HEADS * HEAD_DIM), *packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False), "float32"),
+        torch.ones(HIDDEN), EPS, *packed(ext, linear(2 * INTER, HIDDEN, gen, False), "float32"), INTER,
+        *packed(ext, linear(HIDDEN, INTER, gen, False), "float32"),
     )  # fmt: skip
 
 
@@ -142,7 +176,7 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
     hidden = torch.randn(4, HIDDEN, generator=gen)
     w = torch.ones(HIDDEN)
     cos, sin = rotary_tables(4, gen)
-    qkv = packed(ext, linear(QKV, HIDDEN, gen, True))
+    qkv = packed(ext, linear(QKV, HIDDEN, gen, True), "float32")
 
     def attention_input(**change: object) -> None:
         args: dict[str, object] = dict(
@@ -180,9 +214,9 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
     with pytest.raises(RuntimeError, match="qkv_features must be positive, got 0"):
         attention_input(features=0)
 
-    o = packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False))
-    gate_up = packed(ext, linear(2 * INTER, HIDDEN, gen, False))
-    down = packed(ext, linear(HIDDEN, INTER, gen, False))
+    o = packed(ext, linear(HIDDEN, HEADS * HEAD_DIM, gen, False), "float32")
+    gate_up = packed(ext, linear(2 * INTER, HIDDEN, gen, False), "float32")
+    down = packed(ext, linear(HIDDEN, INTER, gen, False), "float32")
     attn = torch.randn(4, HEADS * HEAD_DIM, generator=gen)
     before = hidden.clone()
     with pytest.raises(RuntimeError, match=r"decoder_mlp \(o_proj\): x must be \[rows, 80\]"):

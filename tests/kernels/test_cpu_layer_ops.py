@@ -138,5 +138,5 @@ def test_cpp_cache_write_equals_torch_and_checks_slots(ext: CpuKernels) -> None:
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 24 is not a slot of the cache \(24 slots\)"):
         write_kv_cache(key[:2], value[:2], *got, torch.tensor([3, 24]), impl="cpp")
     assert torch.equal(got[0], before)  # checked before anything was written
-    with pytest.raises(ValueError, match="impl='cpp' writes float32 CPU caches"):
+    with pytest.raises(ValueError, match="impl='cpp' writes float32 or bfloat16 CPU caches"):
         write_kv_cache(key, value, got[0].double(), got[1].double(), slots, impl="cpp")

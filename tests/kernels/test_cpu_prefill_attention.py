@@ -200,11 +200,13 @@ def test_rejects_bad_inputs(ext: CpuKernels) -> None:
         ext.paged_prefill_attention(o, q, *kv, *meta_tensors, batch.scale)
 
     call(out, batch.query, caches, tensors)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="query and out must be float32"):
         call(out.double(), batch.query.double(), [c.double() for c in caches], tensors)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        call(out, batch.query, [c.bfloat16() for c in caches], tensors)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    # A bf16 cache is read (test_cpu_bf16_cache.py); mixed or FP8 caches are refused.
+    call(out, batch.query, [c.bfloat16() for c in caches], tensors)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
+        call(out, batch.query, [caches[0], caches[1].bfloat16()], tensors)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
         call(out, batch.query, [c.to(torch.float8_e4m3fn) for c in caches], tensors)
     with pytest.raises(RuntimeError, match="block_tables must be a contiguous int32"):
         call(out, batch.query, caches, [tensors[0].long(), *tensors[1:]])
