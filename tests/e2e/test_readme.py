@@ -9,6 +9,7 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,3 +277,160 @@ def test_every_path_the_readme_names_exists() -> None:
     assert {"docs/api.md", "benchmarks/README.md", "helm/pagedserve/", "clients/go"} <= paths
     missing = [p for p in sorted(paths) if not (glob.glob(str(REPO / p)) if "*" in p else _exists(p))]
     assert missing == []
+
+
+def _strip_comment(line: str) -> str:
+    """`line` without its shell comment (a `#` outside quotes, at the start or after a space)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def shell_commands() -> list[str]:
+    """Every command of the README's ```bash blocks: continued lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            command = _strip_comment(line).strip()
+            if command:
+                commands.append(command)
+    return commands
+
+
+@dataclass(frozen=True)
+class Shell:
+    """What this test does with the README commands that start with `prefix`: run them (`live`:
+    against the server fixture, its addresses in place of 127.0.0.1:50051/8000), or not, and why."""
+
+    prefix: str
+    run: bool
+    why: str
+    live: bool = False
+    timeout_s: float = 60.0
+    needs: str | None = None  # a program on PATH, or a path (with a /) in the checkout; else skipped
+    expect: str | None = None  # printed on stdout
+    in_repo: bool = False  # runs in the checkout (it names repository paths); else in a temp dir
+
+
+# Every README shell command, by its start (the first match wins). A command without a rule
+# fails test_every_readme_shell_command_is_classified; a rule that matches nothing, too.
+SHELL = (
+    Shell(
+        "make serve", False, "installs the venv, then serves on the default ports: the fixture is its `serve`"
+    ),
+    Shell("make test", False, "the whole suite, this test included"),
+    Shell(
+        "make clients",
+        False,
+        "builds the Go and Java clients (minutes); tests/e2e/clients builds them with the same build.sh",
+    ),
+    Shell("python3 -m venv", False, "creates a venv and installs from the package index"),
+    Shell(".venv/bin/pagedserve client generate", True, "calls the server", live=True, expect="Paris"),
+    Shell(
+        "pagedserve models pull --model-home",
+        False,
+        "a second store: extracts and converts the model again (minutes, 0.5 GB written)",
+    ),
+    Shell(
+        "pagedserve models pull", True, "idempotent: the model is in the store already (make test pulls it)"
+    ),
+    Shell("pagedserve models list", True, "reads the store"),
+    Shell("pagedserve serve [", False, "a synopsis ([optional] flags); the fixture runs `pagedserve serve`"),
+    *(
+        Shell(
+            f"build/{lang}/bin/pagedserve-generate ",
+            True,
+            f"the {lang.title()} example, once `make clients` has built it (tests/e2e/clients runs it too)",
+            live=True,
+            timeout_s=120.0,
+            needs=f"build/{lang}/bin/pagedserve-generate",
+            expect="Paris",
+            in_repo=True,
+        )
+        for lang in ("go", "java")
+    ),
+    Shell("grpcurl ", True, "calls the server through reflection", live=True, needs="grpcurl"),
+    Shell("pagedserve dataplane ", False, "a long-running data plane on a fixed port, one per node"),
+    Shell(
+        "pagedserve controlplane ",
+        False,
+        "long-running, and its data planes' addresses are another network's",
+    ),
+    Shell("docker ", False, "no Docker engine in CI (tests/deploy/test_dockerfile.py checks the Dockerfile)"),
+    Shell(
+        "helm template ",
+        True,
+        "renders the chart, no cluster needed (tests/deploy renders it without the helm binary)",
+        needs="helm",
+        in_repo=True,
+    ),
+    Shell("helm ", False, "needs a Kubernetes cluster"),
+    Shell("kubectl ", False, "needs a Kubernetes cluster"),
+    # The offline commands load the model in their own process (and build the CPU kernels on a
+    # first run): a longer bound than the calls to the live server.
+    Shell("pagedserve generate ", True, "generates offline", timeout_s=240.0),
+    Shell("pagedserve chat ", True, "one question on stdin, then EOF", timeout_s=240.0, expect="Paris"),
+    Shell("pagedserve bench plan", True, "arithmetic only (writes its results in the temp dir)"),
+    Shell("pagedserve bench ", False, "a benchmark: minutes of load each (benchmarks/ has its own tests)"),
+)
+CHAT_STDIN = "What is the capital of France?\n"
+
+
+def shell_rule(command: str) -> Shell | None:
+    return next((rule for rule in SHELL if command.startswith(rule.prefix)), None)
+
+
+def test_every_readme_shell_command_is_classified() -> None:
+    commands = shell_commands()
+    assert len(commands) > 20, commands
+    assert [c for c in commands if shell_rule(c) is None] == []
+    used = {shell_rule(c) for c in commands}
+    assert [rule.prefix for rule in SHELL if rule not in used] == []  # stale rules
+
+
+def _live(command: str, grpc_address: str, http_address: str) -> str:
+    command = command.replace("127.0.0.1:50051", grpc_address).replace("127.0.0.1:8000", http_address)
+    if " client generate " in command and "--address" not in command:  # the default, 127.0.0.1:50051
+        command = command.replace(" client generate ", f" client generate --address {grpc_address} ", 1)
+    return command
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in shell_commands() if (r := shell_rule(c)) is not None and r.run]
+)
+def test_readme_shell_command_runs(command: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    rule = shell_rule(command)
+    assert rule is not None
+    if rule.needs is not None and not (
+        _exists(rule.needs) if "/" in rule.needs else shutil.which(rule.needs)
+    ):
+        pytest.skip(f"{rule.needs} is not here: {rule.why}")
+    if rule.live:
+        grpc_address, http_address = request.getfixturevalue("server")
+        command = _live(command, grpc_address, http_address)
+    bin_dir = Path(sys.executable).parent  # the venv's pagedserve, called bare or as .venv/bin/
+    command = re.sub(r"^\.venv/bin/", f"{bin_dir}/", command)
+    done = subprocess.run(
+        ["bash", "-c", command],
+        cwd=REPO if rule.in_repo else tmp_path,
+        env={
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(REPO),
+        },
+        input=CHAT_STDIN,
+        capture_output=True,
+        text=True,
+        timeout=rule.timeout_s,
+    )
+    assert done.returncode == 0, (
+        f"`{command}` exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    )
+    if rule.expect is not None:
+        assert rule.expect in done.stdout, done.stdout[-2000:]
