@@ -401,9 +401,11 @@ def _live(command: str, grpc_address: str, http_address: str) -> str:
     return command
 
 
-@pytest.mark.parametrize(
-    "command", [c for c in shell_commands() if (r := shell_rule(c)) is not None and r.run]
-)
+RUNNABLE = [c for c in shell_commands() if (r := shell_rule(c)) is not None and r.run]
+
+
+# Explicit ids: pytest would name the commands with quotes or braces "command3".
+@pytest.mark.parametrize("command", RUNNABLE, ids=[re.sub(r"[^\w./:-]+", "_", c)[:70] for c in RUNNABLE])
 def test_readme_shell_command_runs(command: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     rule = shell_rule(command)
     assert rule is not None
