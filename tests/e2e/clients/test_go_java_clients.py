@@ -5,6 +5,7 @@ command streams from a real server on the default model.
 - the streamed text equals the Python client's for the same greedy request (plain and chat
   prompts, English and Chinese);
 - a bad request prints the server's INVALID_ARGUMENT message naming the field;
+- `--model` reaches the request: the served name works, another gets NOT_FOUND;
 - a deadline shorter than the generation ends with DEADLINE_EXCEEDED, and Ctrl-C with exit 130,
   and either way the data plane's pool is all free again;
 - over TLS with the test CA and an API key it works; a wrong key gets UNAUTHENTICATED;
@@ -213,6 +214,26 @@ def test_a_bad_request_prints_the_servers_invalid_argument(example: Example, ser
     done = example.run("--address", server.grpc_address, "--temperature", "-1", "x")
     assert done.returncode == 1
     assert f"error: INVALID_ARGUMENT: {message}" in done.stderr, done.stderr
+
+
+@pytest.mark.real_model
+def test_model_reaches_the_server(
+    example: Example, server: ServerThread, python_texts: dict[str, str]
+) -> None:
+    """--model sets GenerateRequest.model: the served name works, any other is NOT_FOUND."""
+    served = server.controlplane.dispatcher.config.model
+    good, unknown = example.run_all(
+        [
+            _args(server.grpc_address, "plain", "--model", served),
+            _args(server.grpc_address, "plain", "--model", "gpt-4"),
+        ]
+    )
+    assert good.returncode == 0, good.stderr
+    assert good.stdout == python_texts["plain"] + "\n"
+    assert unknown.returncode == 1, unknown.stdout
+    assert "error: NOT_FOUND:" in unknown.stderr and "'gpt-4' is not served here" in unknown.stderr, (
+        unknown.stderr
+    )
 
 
 @pytest.mark.real_model

@@ -3,6 +3,7 @@
 //
 //	pagedserve-generate --address 127.0.0.1:50051 --max-tokens 64 "The capital of France is"
 //	pagedserve-generate --chat "What is the capital of France?"
+//	pagedserve-generate --model my-alias "Hello"   # one of the server's --served-model-name names
 //	echo "Prompt from stdin" | pagedserve-generate -
 //
 // Exit status: 0 done, 1 the server (or the deadline) ended the call ("error: CODE: message"
@@ -33,6 +34,8 @@ func main() {
 
 func run() int {
 	address := flag.String("address", "127.0.0.1:50051", "the control plane's gRPC address")
+	model := flag.String("model", "", "model name to ask for: one of the server's --served-model-name names; "+
+		"the server refuses any other with NOT_FOUND (default: the served model)")
 	maxTokens := flag.Uint("max-tokens", 128, "most tokens to generate")
 	temperature := flag.Float64("temperature", 0, "sampling temperature (0: greedy)")
 	chat := flag.Bool("chat", false, "send the prompt as a user chat message")
@@ -80,6 +83,7 @@ func run() int {
 	if *chat {
 		req = pagedserve.ChatRequest([]*pb.ChatMessage{pagedserve.User(prompt)}, params)
 	}
+	req.Model = *model // "": unset, the server's served model
 	completions, err := client.Stream(ctx, req, func(chunk *pb.TokenChunk) {
 		os.Stdout.WriteString(chunk.Text) // unbuffered: each chunk shows as it arrives
 	})

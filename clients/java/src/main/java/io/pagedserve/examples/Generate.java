@@ -38,14 +38,16 @@ import java.util.concurrent.atomic.AtomicBoolean;
  */
 public final class Generate {
   private static final String USAGE =
-      "usage: Generate [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat] [--async]\n"
-          + "                [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM] PROMPT\n"
-          + "  (PROMPT - reads it from stdin; --api-key defaults to $PAGEDSERVE_API_KEY)";
+      "usage: Generate [--address HOST:PORT] [--model NAME] [--max-tokens N] [--temperature T] [--chat]\n"
+          + "                [--async] [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM] PROMPT\n"
+          + "  (PROMPT - reads it from stdin; --model: one of the server's --served-model-name names,\n"
+          + "   default the served model; --api-key defaults to $PAGEDSERVE_API_KEY)";
 
   public static void main(String[] args) throws Exception {
     // UTF-8 whatever the locale, and unbuffered so that each chunk shows as it arrives.
     PrintStream out = new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8);
     String address = "127.0.0.1:50051";
+    String model = "";
     int maxTokens = 128;
     float temperature = 0f;
     boolean chat = false;
@@ -91,6 +93,9 @@ public final class Generate {
           switch (arg) {
             case "--address":
               address = value;
+              break;
+            case "--model":
+              model = value;
               break;
             case "--max-tokens":
               maxTokens = Integer.parseInt(value);
@@ -143,6 +148,7 @@ public final class Generate {
         chat
             ? PagedServeClient.chatRequest(Collections.singletonList(PagedServeClient.user(prompt)), params)
             : PagedServeClient.textRequest(prompt, params);
+    request = request.toBuilder().setModel(model).build(); // "": unset, the server's served model
     int status;
     try (PagedServeClient client = builder.build()) {
       status = async ? runAsync(client, request, out) : runBlocking(client, request, out);
