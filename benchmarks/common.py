@@ -15,15 +15,17 @@ def default_model() -> str:
     return DEFAULT_MODEL
 
 
+# Engine settings a benchmark may take as they are (declared from dataplane.config with
+# settings.add_arguments(..., only=KERNEL_SETTINGS)): the kernels and the dtypes they read.
+KERNEL_SETTINGS = frozenset({"cpu_linear", "cpu_weight_dtype", "kv_cache_dtype"})
+
+
 def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
-    KV pool bytes, threads; the CPU linear kernel and weight dtype where the benchmark has them)."""
+    KV pool bytes, threads; the KERNEL_SETTINGS the benchmark has, else the engine's defaults)."""
     from dataplane import LLM
-    from dataplane.config import ModelConfig
 
-    kernel_flags = {
-        name: getattr(args, name, getattr(ModelConfig, name)) for name in ("cpu_linear", "cpu_weight_dtype")
-    }
+    kernel_flags = {name: getattr(args, name) for name in sorted(KERNEL_SETTINGS) if hasattr(args, name)}
 
     return LLM(
         model,

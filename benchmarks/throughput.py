@@ -61,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    KERNEL_SETTINGS,
     cpu_line,
     default_model,
     engine_from_args,
@@ -73,7 +74,8 @@ from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_avai
 from benchmarks.report import Report
 from benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
 from benchmarks.workloads import chat_prompts, describe, output_lengths
-from dataplane.config import CPU_LINEAR_MODES, CPU_WEIGHT_DTYPES
+from dataplane.config import EngineConfig
+from pagedserve.common import settings
 from pagedserve.common.settings import parse_bytes
 
 GOAL_RATIO = 2.0
@@ -335,6 +337,7 @@ def build_report(
             "kernels_selected": ours.kernels,
             "cpu_linear": args.cpu_linear,
             "cpu_weight_dtype": args.cpu_weight_dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "phases": {k: {**asdict(v), "gflops": v.gflops} for k, v in ph.items()},
             "step_overhead_seconds": ours.total_seconds - ph["all"].seconds,
             "steps": [
@@ -538,15 +541,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size (as `serve`)"
     )
-    ap.add_argument(
-        "--cpu-linear", default="auto", choices=CPU_LINEAR_MODES, help="engine CPU linear kernel (as `serve`)"
-    )
-    ap.add_argument(
-        "--cpu-weight-dtype",
-        default="float32",
-        choices=CPU_WEIGHT_DTYPES,
-        help="what the engine's panel kernel holds weights in (as `serve`)",
-    )
+    settings.add_arguments(ap, EngineConfig, only=KERNEL_SETTINGS)  # as `serve` takes them
     ap.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -700,7 +695,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
     notes = [
         f"workload: {rep['workload']['summary']}",
-        f"{model_path.name}, fp32 (engine linear weights {args.cpu_weight_dtype}), "
+        f"{model_path.name}, fp32 (engine linear weights {args.cpu_weight_dtype}, KV cache "
+        f"{args.kv_cache_dtype}), "
         f"{rep['torch']['threads']} torch threads; greedy, ignore_eos; "
         f"load average at start {report.loads['start']}",
         cpu_line(),

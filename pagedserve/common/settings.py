@@ -145,15 +145,26 @@ def add_arguments(
     cls: type,
     title: str | None = None,
     skip: set[str] | frozenset[str] = frozenset(),
+    only: set[str] | frozenset[str] | None = None,
 ) -> None:
     """Add a flag for every `setting` of `cls` (sections in their own groups) to `parser` (or an
-    argument group); `skip` names settings another group of the same parser already has."""
+    argument group); `skip` names settings another group of the same parser already has, and
+    `only`, when given, the settings to add (a tool that takes a few engine flags declares them
+    from the one source, with the engine's help, choices and default)."""
     group = parser.add_argument_group(title) if title else parser
     for f, tp in fields_with_types(cls):
         if is_config(tp):
-            add_arguments(parser, tp, title=f.name, skip=skip)
+            add_arguments(
+                parser if only is None else group,
+                tp,
+                title=f.name if only is None else None,
+                skip=skip,
+                only=only,
+            )
             continue
         if "help" not in f.metadata or not f.metadata["cli"] or f.name in skip:
+            continue
+        if only is not None and f.name not in only:
             continue
         value_type, _ = scalar_type(tp)
         default = f.default

@@ -98,6 +98,63 @@ def test_both_servers_get_the_same_limits_and_vllm_its_own_environment(
     assert serve_peers.vllm_spec(args, tmp_path).settings["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
+def test_our_kernel_flags_and_vllm_dtype_reach_the_servers(tmp_path: Path) -> None:
+    args = validated("--launch")
+    flags = dict(
+        zip(*(lambda a: (a[4::2], a[5::2]))(serve_peers.pagedserve_spec(args, tmp_path).argv), strict=True)
+    )
+    # the engine's own defaults, from dataplane.config
+    assert (flags["--cpu-linear"], flags["--cpu-weight-dtype"], flags["--kv-cache-dtype"]) == (
+        "auto",
+        "float32",
+        "auto",
+    )
+    args = validated(
+        "--launch",
+        "--cpu-weight-dtype",
+        "bfloat16",
+        "--kv-cache-dtype",
+        "bfloat16",
+        "--vllm-dtype",
+        "bfloat16",
+    )
+    args.vllm_python, args.vllm_version = "/peer/bin/python", "0.32.0"
+    ours = serve_peers.pagedserve_spec(args, tmp_path)
+    flags = dict(zip(ours.argv[4::2], ours.argv[5::2], strict=True))
+    assert (flags["--cpu-weight-dtype"], flags["--kv-cache-dtype"]) == ("bfloat16", "bfloat16")
+    assert ours.settings["kv_cache_dtype"] == "bfloat16"
+    peer = serve_peers.vllm_spec(args, tmp_path)
+    flags = dict(zip(peer.argv[3:-1:2], peer.argv[4:-1:2], strict=True))
+    assert flags["--dtype"] == "bfloat16" and peer.settings["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse("--launch", "--kv-cache-dtype", "int4")
+
+
+def test_the_kernel_choice_is_read_from_our_servers_log(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    event = {
+        "mode": "auto",
+        "shapes": [
+            {
+                "shape": "576x960",
+                "choice": "panel",
+                "panel_ms": [0.1, 0.2],
+                "onednn_ms": [0.2, 0.3],
+                "reason": "timed",
+            }
+        ],
+        "event": "cpu_kernels_selected",
+    }
+    log.write_text("starting\n" + "[dataplane] " + json.dumps(event) + "\n")
+    selection = serve_peers.kernels_selected(log)
+    assert [(c["in_features"], c["out_features"], c["choice"]) for c in selection] == [
+        ("576", "960", "panel")
+    ]
+    assert serve_peers.kernels_selected(tmp_path / "missing.log") == []
+    log.write_text('{"event": "dataplane_serving"}\n')
+    assert serve_peers.kernels_selected(log) == []
+
+
 def test_tokens_are_counted_in_both_servers_stream_formats() -> None:
     # vLLM (return_token_ids): the ids are listed, the last one rides with the finish_reason.
     assert tokens_in_choice({"text": " a", "token_ids": [7], "finish_reason": None}) == 1

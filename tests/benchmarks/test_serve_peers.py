@@ -204,7 +204,7 @@ def test_one_round_reports_as_before_without_rounds() -> None:
     assert table["title"] == "served over the OpenAI API, 16 streams"
     assert table["notes"][0] == "output tok/s pagedserve serve / vLLM serve: 1.25x, goal >= 1.1x met"
     assert not any("interleaved" in note for note in table["notes"])
-    assert set(result) == {"mode", "workload", "model", "ratios", "same_text", "servers"}
+    assert set(result) == {"mode", "workload", "model", "ratios", "same_text", "servers", "kernels_selected"}
 
 
 def test_rounds_interleave_fresh_servers_on_the_same_workload(
