@@ -64,7 +64,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 SCRIPTS: dict[str, tuple[str, str]] = {
     "fp8-quality": (
         "benchmarks.fp8_quality",
-        "FP8 KV cache quality: KV bytes, blocks, perplexity and greedy agreement per kv_cache_dtype",
+        "KV cache quality (bf16, FP8): KV bytes, blocks, perplexity and greedy agreement per kv_cache_dtype",
     ),
     "attention-kernels": (
         "benchmarks.attention_kernels",

@@ -1,9 +1,9 @@
-"""FP8 KV cache quality: memory, greedy agreement with the 16/32-bit cache, and perplexity.
+"""KV cache quality (bf16 and FP8 against the model's dtype): memory, greedy agreement with the 16/32-bit cache, and perplexity.
 
     .venv/bin/python -m benchmarks.fp8_quality --json benchmarks/results/fp8_quality.json
 
 Not a timing benchmark: the figures do not depend on machine load. For each
-`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2), one engine on the default model (fp32
+`--kv-cache-dtype` (auto, bfloat16, fp8_e4m3, fp8_e5m2), one engine on the default model (fp32
 weights, per-layer K/V scales calibrated at start-up as the server does):
 
 1. KV bytes per token and the block count at a fixed `--kv-cache-memory` (the budget formula).
@@ -41,7 +41,7 @@ from kernels import build_attention_metadata
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.settings import ArgumentParser, parse_bytes
 
-KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
 @torch.inference_mode()
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     mem = args.kv_cache_memory / 2**30
     print(
-        f"\nFP8 KV cache quality — {args.model}, fp32 weights; budget {mem:g} GiB; perplexity on "
+        f"\nKV cache quality — {args.model}, fp32 weights; budget {mem:g} GiB; perplexity on "
         f"{len(ppl_ids)} tokens ({args.chunk}-token chunks); greedy {len(prompts)} prompts x {args.max_tokens} tokens\n"
     )
     print(
