@@ -182,16 +182,18 @@ inline void panel_matmul_bf16(const PanelMatmulBf16& m, bool accumulate) {
   if (m.rows == 0 || m.n == 0) return;
   const int64_t rows = m.rows, pairs = m.pairs, k_len = m.k_len, n = m.n;
 #ifdef PAGEDSERVE_DPBF16
-  // x as bf16 pairs, once per call (rows x K roundings against rows x K x N multiply-adds).
-  std::vector<uint32_t> xpairs(rows * pairs, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = m.x + r * m.ldx;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const uint32_t lo = to_bf16(xr[2 * j]);
-      const uint32_t hi = 2 * j + 1 < k_len ? to_bf16(xr[2 * j + 1]) : 0u;
-      xpairs[r * pairs + j] = lo | (hi << 16);
+  // x as bf16 pairs, once per call (rows x K roundings against rows x K x N multiply-adds):
+  // a row of pairs is the row's bf16 values in order (input 2j in the low half), so each row
+  // is narrowed on whole vectors, an odd K padded with a zero; a prefill's rows split over
+  // the threads (128 rows a task: a decode's few rows are not worth waking them for).
+  std::vector<uint32_t> xpairs(rows * pairs);
+  torch::stable::parallel_for(0, rows, 128, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(xpairs.data() + r * pairs);
+      narrow_bf16(m.x + r * m.ldx, dst, k_len);
+      if (k_len % 2) dst[k_len] = 0;
     }
-  }
+  });
   const void* xs = xpairs.data();
   const int64_t ldx = pairs;
   const int64_t row_bytes = sizeof(uint32_t);
