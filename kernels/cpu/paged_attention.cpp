@@ -21,9 +21,11 @@
 // The scales are folded in as the Triton kernel does: k_scale into the query scale,
 // v_scale into 1 / denominator.
 //
-// Work item = (sequence, kv head). The G = H / KVH query heads sharing a kv head are done
-// together, so every K and V row is loaded once for all of them. Softmax is two-pass in
-// fp32: scores for the whole context (G x seq_len floats, in L1/L2), then exp and the
+// Work item = (sequence, kv head), or a whole sequence (all its kv heads, each block's rows
+// swept as one span) when there are enough sequences. The G = H / KVH query heads sharing
+// a kv head are done together, so every K and V row is loaded once for all of them.
+// Softmax is two-pass in fp32: scores for the whole context (G x seq_len floats per kv head,
+// in L1/L2), then exp and the
 // P @ V pass. Work items are handed out dynamically from an atomic counter inside one
 // parallel_for over torch's own intra-op threads (no second thread pool); items come in
 // the order given, so the caller passes sequences longest first. Slots past a sequence's
@@ -165,18 +167,18 @@ struct Problem : PagedLayout {
   float v_scale;  // output multiplier (1 for fp32); scale (PagedLayout) is times k_scale for FP8
 };
 
-// Per-thread scratch: scaled queries [G, D], scores [G, Lpad], accumulators [G, D],
-// 1 / softmax denominators [G] and, for a bf16 or FP8 cache, one widened block [block_size, D],
+// Per-thread scratch for up to all KVH kv heads (R = KVH x G query heads): scaled queries
+// [R, D], scores [R, Lpad], accumulators [R, D], 1 / softmax denominators [R] and, for a bf16 or FP8 cache, one widened block [block_size, D],
 // where Lpad = max_seq_len rounded up to kW so the softmax loops run on whole vectors.
 struct Scratch {
   int64_t score_stride;
   std::vector<float> q, scores, acc, inv, block;
   explicit Scratch(const Problem& p)
       : score_stride((p.max_seq_len + kW - 1) / kW * kW),
-        q(p.group * p.head_dim),
-        scores(p.group * score_stride),
-        acc(p.group * p.head_dim),
-        inv(p.group),
+        q(p.num_kv_heads * p.group * p.head_dim),
+        scores(p.num_kv_heads * p.group * score_stride),
+        acc(p.num_kv_heads * p.group * p.head_dim),
+        inv(p.num_kv_heads * p.group),
         block(p.widened ? p.block_size * p.head_dim : 0) {}
 };
 
@@ -269,7 +271,9 @@ constexpr int kCacheFp32 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2, kCacheBf16 = 3;
 // of the cache; elem_size bytes each.
 struct Blocks {
   const int32_t* table;
-  int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim, elem_size;
+  int64_t num_blocks, seq_len, block_size, block_stride, row_stride, head_dim;
+  int64_t span;  // elements of a row the item reads (and prefetches): its kv heads' slices
+  int64_t elem_size;
   const float* lut;  // FP8 cache: the widening table; nullptr: fp32, bf16
   float* widened;    // bf16 / FP8 cache: [block_size, D] scratch
 
@@ -306,16 +310,21 @@ struct Blocks {
       const int64_t n = std::min(block_size, seq_len - b * block_size);
       const int64_t lo = n * part / parts, hi = n * (part + 1) / parts;
       prefetch_rows(raw_rows(head, b) + lo * row_stride * elem_size, hi - lo, row_stride * elem_size,
-                    head_dim * elem_size);
+                    span * elem_size);
     }
   }
 };
 
-// One work item: sequence s, kv head h, i.e. query heads [h * G, (h + 1) * G).
+// One work item: sequence s, kv heads [h0, h0 + nh), i.e. query heads [h0 G, (h0 + nh) G).
+// Each block is swept once for all of the item's kv heads, head after head: a token's kv
+// heads sit side by side in its row, so a whole sequence's item reads each block's rows as
+// one contiguous span (its prefetch too) rather than one head's slice per sweep. Per head
+// and query head the arithmetic and its order are those of a one-head item.
 template <int NV, int kCache>
-void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
+void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& scratch) {
   const int64_t D = p.head_dim;
   const int64_t G = p.group;
+  const int64_t R = nh * G;  // query heads of the item
   const int64_t L = p.seq_lens[s];
   const int64_t row = p.token_rows[s];
   const int32_t* table = p.block_tables + s * p.max_blocks;
@@ -325,46 +334,51 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
   // Elements between consecutive token rows of one kv head, and between blocks.
   const int64_t row_stride = p.num_kv_heads * D;
   const int64_t block_stride = bs * row_stride;
-  const char* k_head = p.key_cache + h * D * p.elem_size;
-  const char* v_head = p.value_cache + h * D * p.elem_size;
-  const Blocks blocks{table, num_blocks, L, bs, block_stride, row_stride, D, p.elem_size, p.lut, scratch.block.data()};
+  const int64_t head_bytes = D * p.elem_size;
+  const char* k_base = p.key_cache + h0 * head_bytes;
+  const char* v_base = p.value_cache + h0 * head_bytes;
+  const Blocks blocks{table, num_blocks, L, bs, block_stride, row_stride, D, nh * D, p.elem_size, p.lut,
+                      scratch.block.data()};
   const int64_t ss = scratch.score_stride;
-  float* q = scratch.q.data();            // [G, D]
-  float* scores = scratch.scores.data();  // [G, ss], positions >= L unused
-  float* acc = scratch.acc.data();        // [G, D]
+  float* q = scratch.q.data();            // [R, D]
+  float* scores = scratch.scores.data();  // [R, ss], positions >= L unused
+  float* acc = scratch.acc.data();        // [R, D]
 
-  for (int64_t g = 0; g < G; ++g) {
-    const float* src = p.query + row * p.q_stride_t + (h * G + g) * p.q_stride_h;
-    for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * p.scale;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = p.query + row * p.q_stride_t + (h0 * G + r) * p.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = src[d] * p.scale;
   }
 
   // Pass 1: scores = (q * scale) . k for every context position, straight from the blocks.
-  // A block's rows are swept once per query head and stay in L1 between heads.
+  // A head's block rows are swept once per query head and stay in L1 between them.
   // The last K blocks' look-ahead goes to the first V blocks, so pass 2 does not start cold.
-  for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(k_head, b);
+  for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(k_base, b);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t ahead = b + pf_blocks;
-    const char* pf_head = ahead < num_blocks ? k_head : v_head;
+    const char* pf_base = ahead < num_blocks ? k_base : v_base;
     const int64_t pf_b = ahead < num_blocks ? ahead : ahead - num_blocks;
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
-    int64_t rs;
-    const float* k_rows = blocks.rows<kCache>(k_head, b, n, rs);
-    for (int64_t g = 0; g < G; ++g) {
-      blocks.prefetch(pf_head, pf_b, g, G);
-      const float* qg = q + g * D;
-      float* sc = scores + g * ss + pos;
-      int64_t o = 0;
-      for (; o + 4 <= n; o += 4) Row<NV>::dot4(qg, k_rows + o * rs, rs, sc + o, D);
-      for (; o < n; ++o) sc[o] = Row<NV>::dot(qg, k_rows + o * rs, D);
+    for (int64_t hi = 0; hi < nh; ++hi) {
+      int64_t rs;
+      const float* k_rows = blocks.rows<kCache>(k_base + hi * head_bytes, b, n, rs);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hi * G + g;
+        blocks.prefetch(pf_base, pf_b, r, R);
+        const float* qg = q + r * D;
+        float* sc = scores + r * ss + pos;
+        int64_t o = 0;
+        for (; o + 4 <= n; o += 4) Row<NV>::dot4(qg, k_rows + o * rs, rs, sc + o, D);
+        for (; o < n; ++o) sc[o] = Row<NV>::dot(qg, k_rows + o * rs, D);
+      }
     }
   }
 
   // Softmax numerators in place, on whole vectors: the tail past L is padded with -inf
   // (its exp is ~0 and pass 2 never reads it). 1 / denominator scales the output.
   const int64_t l_pad = (L + kW - 1) / kW * kW;
-  for (int64_t g = 0; g < G; ++g) {
-    float* sc = scores + g * ss;
+  for (int64_t r = 0; r < R; ++r) {
+    float* sc = scores + r * ss;
     for (int64_t i = L; i < l_pad; ++i) sc[i] = -std::numeric_limits<float>::infinity();
     vfloat mv = load(sc);
     for (int64_t i = kW; i < l_pad; i += kW) {
@@ -379,29 +393,32 @@ void attend_one(const Problem& p, int64_t s, int64_t h, Scratch& scratch) {
       sum += e;
     }
     // Padding adds at most exp(-87) ~ 1e-38 per slot: nothing at fp32 resolution.
-    scratch.inv[g] = p.v_scale / hsum(sum);
+    scratch.inv[r] = p.v_scale / hsum(sum);
   }
 
   // Pass 2: acc = P @ V, block by block, each head's accumulator row in registers.
-  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(acc, acc + R * D, 0.0f);
   // Pass 1's last pf_blocks blocks prefetched V blocks [0, pf_blocks), all but the first
   // pf_blocks - num_blocks where the sequence is shorter than that.
-  for (int64_t b = 0; b < pf_blocks - num_blocks; ++b) blocks.prefetch(v_head, b);
+  for (int64_t b = 0; b < pf_blocks - num_blocks; ++b) blocks.prefetch(v_base, b);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
-    int64_t rs;
-    const float* v_rows = blocks.rows<kCache>(v_head, b, n, rs);
-    for (int64_t g = 0; g < G; ++g) {
-      blocks.prefetch(v_head, b + pf_blocks, g, G);
-      Row<NV>::axpy_rows(acc + g * D, scores + g * ss + pos, v_rows, n, rs, D);
+    for (int64_t hi = 0; hi < nh; ++hi) {
+      int64_t rs;
+      const float* v_rows = blocks.rows<kCache>(v_base + hi * head_bytes, b, n, rs);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hi * G + g;
+        blocks.prefetch(v_base, b + pf_blocks, r, R);
+        Row<NV>::axpy_rows(acc + r * D, scores + r * ss + pos, v_rows, n, rs, D);
+      }
     }
   }
 
-  for (int64_t g = 0; g < G; ++g) {
-    float* dst = p.out + row * p.out_stride_t + (h * G + g) * p.out_stride_h;
-    const float inv = scratch.inv[g];
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = p.out + row * p.out_stride_t + (h0 * G + r) * p.out_stride_h;
+    const float inv = scratch.inv[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
   }
 }
 
@@ -424,9 +441,9 @@ void run(const Problem& p, int64_t num_seqs) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= num_items) break;
       if (heads_per_item == 1) {
-        attend_one<NV, kCache>(p, item / p.num_kv_heads, item % p.num_kv_heads, scratch);
+        attend_heads<NV, kCache>(p, item / p.num_kv_heads, item % p.num_kv_heads, 1, scratch);
       } else {
-        for (int64_t h = 0; h < p.num_kv_heads; ++h) attend_one<NV, kCache>(p, item, h, scratch);
+        attend_heads<NV, kCache>(p, item, 0, p.num_kv_heads, scratch);
       }
     }
   });
