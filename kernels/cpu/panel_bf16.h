@@ -202,26 +202,13 @@ inline void panel_matmul_bf16(const PanelMatmulBf16& m, bool accumulate) {
   const int64_t ldx = m.ldx;
   const int64_t row_bytes = sizeof(float);
 #endif
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = (rows + chunks - 1) / chunks;
-  torch::stable::parallel_for(0, m.panels * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / chunks, c = item % chunks;
-      const int64_t row0 = c * chunk_rows, nrows = std::min(chunk_rows, rows - row0);
-      const int64_t col0 = p * kPanel, cols = std::min(kPanel, n - col0);
-      const uint32_t* panel = m.packed + p * pairs * kPanel;
-      // The first tile full-height (it reads the panel from memory), the rest balanced.
-      const int64_t tiles = (nrows + kMaxTileRows - 1) / kMaxTileRows;
-      int64_t done = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t left = tiles - t;
-        const int64_t mt = t == 0 ? std::min<int64_t>(kMaxTileRows, nrows) : (nrows - done + left - 1) / left;
-        const char* xrow = static_cast<const char*>(xs) + (row0 + done) * ldx * row_bytes;
-        kBf16Tiles[mt - 1](xrow, ldx, panel, pairs, k_len, m.bias ? m.bias + col0 : nullptr,
-                           m.out + (row0 + done) * m.ldo + col0, m.ldo, cols, accumulate);
-        done += mt;
-      }
-    }
+  for_each_panel_item(rows, m.panels, n, [&](int64_t p, int64_t row0, int64_t nrows, int64_t col0, int64_t cols) {
+    const uint32_t* panel = m.packed + p * pairs * kPanel;
+    for_each_row_tile(nrows, [&](int64_t done, int64_t mt) {
+      const char* xrow = static_cast<const char*>(xs) + (row0 + done) * ldx * row_bytes;
+      kBf16Tiles[mt - 1](xrow, ldx, panel, pairs, k_len, m.bias ? m.bias + col0 : nullptr,
+                         m.out + (row0 + done) * m.ldo + col0, m.ldo, cols, accumulate);
+    });
   });
 }
 

@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cpu_fp8 import DECODE_SEQ_LENS, generate_greedy
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
-from dataplane import LLM, SamplingParams
 from kernels import paged_attention, write_kv_cache
 from kernels.backend import AttentionImpl, resolve_backend
 from kernels.cpu_ext import CpuKernels
 from kernels.fp8 import kv_cache_torch_dtype
-from tests.dataplane.test_engine_exactness import assert_no_leaks, workload
 from tests.tiny_models import make_tiny_model
-
-DECODE_SEQ_LENS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 64, 100, 129, 250, 301]
 
 
 def split(batch: Batch) -> tuple[Batch, Batch]:
@@ -172,18 +169,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
 
 
-def generate(path: Path, kv_cache_dtype: str) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(path), max_model_len=256, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=2**20)
-    items = workload()[:6]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in items]
-    outs = llm.generate([p for p, _ in items], params, use_tqdm=False)
-    assert_no_leaks(llm)
-    return llm, [o.token_ids for o in outs]
-
-
 def test_engine_bf16_cache(ext: CpuKernels, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fp32_llm, _ = generate(tiny_llama, "auto")
-    llm, tokens = generate(tiny_llama, "bfloat16")
+    fp32_llm, _ = generate_greedy(tiny_llama, "auto")
+    llm, tokens = generate_greedy(tiny_llama, "bfloat16")
     runner = llm.engine.runner
     assert runner.backends.attention == "cpp" and runner.backends.cache_write == "cpp"
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
@@ -193,6 +181,6 @@ def test_engine_bf16_cache(ext: CpuKernels, tiny_llama: Path, monkeypatch: pytes
     import kernels.backend
 
     monkeypatch.setattr(kernels.backend, "load_cpu_kernels", lambda: None)
-    llm_torch, tokens_torch = generate(tiny_llama, "bfloat16")
+    llm_torch, tokens_torch = generate_greedy(tiny_llama, "bfloat16")
     assert llm_torch.engine.runner.backends.attention == "torch"
     assert tokens == tokens_torch

@@ -229,7 +229,7 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
-def generate_fp8(path: Path, kv_cache_dtype: str) -> tuple[LLM, list[list[int]]]:
+def generate_greedy(path: Path, kv_cache_dtype: str) -> tuple[LLM, list[list[int]]]:
     llm = LLM(str(path), max_model_len=256, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=2**20)
     items = workload()[:6]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in items]
@@ -242,7 +242,7 @@ def generate_fp8(path: Path, kv_cache_dtype: str) -> tuple[LLM, list[list[int]]]
 def test_engine_fp8_uses_the_kernel_and_matches_the_torch_path(
     ext: CpuKernels, tiny_qwen3: Path, kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, tokens = generate_fp8(tiny_qwen3, kv_cache_dtype)
+    llm, tokens = generate_greedy(tiny_qwen3, kv_cache_dtype)
     assert llm.engine.runner.backends.attention == "cpp"
     assert llm.engine.runner.kv_caches[0][0].element_size() == 1
     scales: Any = llm.engine.kv_scales
@@ -251,6 +251,6 @@ def test_engine_fp8_uses_the_kernel_and_matches_the_torch_path(
     import kernels.backend
 
     monkeypatch.setattr(kernels.backend, "load_cpu_kernels", lambda: None)
-    llm_torch, tokens_torch = generate_fp8(tiny_qwen3, kv_cache_dtype)
+    llm_torch, tokens_torch = generate_greedy(tiny_qwen3, kv_cache_dtype)
     assert llm_torch.engine.runner.backends.attention == "torch"
     assert tokens == tokens_torch
