@@ -324,6 +324,7 @@ class Frontend:
             cache_salt=salt,
             deadline=deadline,
             client_request_id=request_id or "",
+            constraint_field=field(params.constraint.kind) if params.constraint is not None else "",
         )
 
     # -- the stream -----------------------------------------------------------------------------
@@ -375,6 +376,7 @@ class Frontend:
                     )
                 yield event
         except ServiceError as exc:
+            exc = _named_constraint_error(gen, exc)
             self.record_failure(exc)
             span.set_status(Status(StatusCode.ERROR, exc.code))
             log.info(
@@ -385,7 +387,7 @@ class Frontend:
                 reason=exc.message,
                 **ids,
             )
-            raise
+            raise exc from None
         finally:
             span.end()
 
@@ -464,3 +466,20 @@ class Frontend:
                 yield done
                 if all(x.done for x in completions):
                     return  # leaving the `aclosing` block aborts what still runs on the data plane
+
+
+def _named_constraint_error(gen: GenerationRequest, exc: ServiceError) -> ServiceError:
+    """A data plane's refusal of a constraint ("json_schema could not be compiled: ...") with
+    the constraint named as the client named it (e.g. "response_format.json_schema.schema ...")."""
+    constraint = gen.sampling_params.constraint
+    if (
+        constraint is None
+        or exc.code != "INVALID_ARGUMENT"
+        or not exc.message.startswith(constraint.kind + " ")
+    ):
+        return exc
+    named = ServiceError(
+        exc.code, gen.constraint_field + exc.message[len(constraint.kind) :], param=gen.constraint_field
+    )
+    named.counted = exc.counted
+    return named

@@ -36,6 +36,9 @@ class GenerationRequest:
     cache_salt: str | None = None
     deadline: float | None = None  # time.monotonic() value
     client_request_id: str = ""  # the client's label (echoed in responses); "" = none given
+    # Where the client set the structured-output constraint (e.g. "response_format.json_schema.schema"):
+    # a data plane's refusal to compile it ("json_schema could not be compiled ...") is reported so.
+    constraint_field: str = ""
 
     @property
     def label(self) -> str:

@@ -168,8 +168,22 @@ class SchedulerConfig:
     watermark: float = setting(
         0.01, "fraction of the KV blocks kept free when admitting or resuming work (0: none)"
     )
+    structured_outputs_compile_timeout: float = setting(
+        10.0,
+        "seconds a structured-output grammar (JSON schema, regex, choice, EBNF) may take to "
+        "compile; past it the request fails with INVALID_ARGUMENT naming the field",
+    )
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.structured_outputs_compile_timeout, bool)
+            or not isinstance(self.structured_outputs_compile_timeout, int | float)
+            or not 0.0 < self.structured_outputs_compile_timeout <= 3600.0
+        ):
+            raise ValueError(
+                "structured_outputs_compile_timeout must be in (0, 3600] seconds, "
+                f"got {self.structured_outputs_compile_timeout!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.common.block_hash import BlockHash
+
+
+class OutputGrammar(Protocol):
+    """A sample's structured-output matcher, as the scheduler sees it (dataplane/structured
+    implements it; the scheduler stays free of the grammar backend)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a generated token; False if the grammar does not allow it."""
+        ...
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted."""
+        ...
 
 
 class RequestStatus(enum.Enum):
@@ -82,6 +96,9 @@ class Request:
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # Structured output: this sample's matcher (the engine sets it); it advances on each
+        # token appended, and only then, so preemption and recompute leave it in step.
+        self.grammar: OutputGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,7 @@ import itertools
 import time
 import weakref
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,11 @@ from kernels import kv_cache_torch_dtype
 from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
+    from dataplane.structured.compile_service import CompileService
 
 log = get_logger(__name__)
 
@@ -154,6 +159,7 @@ class LLMEngine:
         # computed the prompt, then join and reuse its cached full blocks (ref counts rise).
         self._pending_siblings: dict[str, list[Request]] = {}
         self._samples: dict[str, list[Request]] = {}
+        self._grammars: CompileService | None = None
 
     # -- set-up helpers ----------------------------------------------------------------------
     def _resolve_max_model_len(self, hf: Any) -> int:
@@ -325,8 +331,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Validate, tokenize and queue one request; raises ValueError naming the bad field.
+
+        A request with a `params.constraint` needs its compiled `grammar`: the server compiles
+        it off the step loop first (`grammars().submit`); without one it is compiled here,
+        blocking (the offline API), and a constraint that cannot be compiled raises GrammarError
+        (a ValueError). Every sample gets its own matcher.
 
         With `params.n` / `best_of` > 1 the returned request is the first sample; the others
         (ids from `sample_request_id`) join once it has computed the prompt, sharing its full
@@ -339,27 +351,65 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._samples:
             raise ValueError(f"request_id {rid!r} is already in use")
-        primary = self._new_request(rid, token_ids, params, cache_salt)
+        if params.constraint is not None and grammar is None:
+            grammar = self.grammars().compile(params.constraint)
+        if params.constraint is None:
+            grammar = None
+        primary = self._new_request(rid, token_ids, params, cache_salt, grammar)
         self.scheduler.add_request(primary)
         samples = [primary]
         for i in range(1, params.num_samples):
             seed = None if params.seed is None else params.seed + i
             sibling = sample_request_id(rid, i)
-            samples.append(self._new_request(sibling, token_ids, replace(params, seed=seed), cache_salt))
+            samples.append(
+                self._new_request(sibling, token_ids, replace(params, seed=seed), cache_salt, grammar)
+            )
         if len(samples) > 1:
             self._pending_siblings[rid] = samples[1:]
         self._samples[rid] = samples
         return primary
 
     def _new_request(
-        self, rid: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None
+        self,
+        rid: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         if len(self.eos_token_ids) > 1 and not params.ignore_eos:
             # Models with several end tokens (chat end + document end) stop on any of them.
             extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
-        return Request(rid, token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
+        request = Request(rid, token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
+        if grammar is not None:
+            from dataplane.structured.grammar import GrammarState  # imports xgrammar: only when used
+
+            request.grammar = GrammarState(grammar)
+        return request
+
+    def grammars(self) -> CompileService:
+        """The structured-output compiler, started on first use (it needs the tokenizer)."""
+        if self._grammars is None:
+            from dataplane.structured.compile_service import CompileService
+
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer, and {self.model_path} has none")
+            self._grammars = CompileService(
+                self.tokenizer,
+                str(self.model_path),
+                self.runner.model.config.vocab_size,
+                self.eos_token_ids,
+                timeout_s=self.config.scheduler.structured_outputs_compile_timeout,
+            )
+        return self._grammars
+
+    def close(self) -> None:
+        """Stop the engine's helper processes (the grammar compiler); idempotent."""
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def samples_of(self, request_id: str) -> list[Request]:
         """Every sample of a request added with `add_request` (one unless n/best_of > 1)."""

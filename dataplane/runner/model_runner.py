@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +130,8 @@ class ModelRunner:
         ]
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._token_masks: Any = None  # structured outputs' bitmask, allocated on first use
+        self.mask_seconds = 0.0  # time spent filling and applying grammar masks
 
     def _layer_kernels(self, model: Any) -> CpuKernels | None:
         """The C++ kernels for the fused layers' elementwise work and the panel-packed
@@ -218,8 +221,26 @@ class ModelRunner:
             (s.request.prompt_token_ids, s.request.output_token_ids) if p.has_penalties else no_history
             for s, p in zip(sampling, params, strict=True)
         ]
+        constrained = [
+            (i, s.request.grammar) for i, s in enumerate(sampling) if s.request.grammar is not None
+        ]
+        if constrained:
+            self._mask_logits(logits, constrained)
         tokens = sample(logits, params, generators, histories)
         return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+
+    def _mask_logits(self, logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
+        """Structured outputs: each constrained row keeps only the tokens its grammar allows
+        next (the others become -inf), in place, before penalties and sampling; a constrained
+        row's logprobs are therefore those of the allowed tokens, renormalised. Unconstrained
+        rows are not touched."""
+        from dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
+
+        if self._token_masks is None:
+            self._token_masks = TokenMasks(logits.shape[-1])
+        started = time.perf_counter()
+        self._token_masks.apply(logits, rows)
+        self.mask_seconds += time.perf_counter() - started
 
     @torch.inference_mode()
     def execute_inputs(self, inputs: StepInputs) -> None:

@@ -6,14 +6,22 @@ loop with a light fake engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from dataplane.engine.outputs import EngineStats, StepResult
 from dataplane.kvcache import BlockHash, KVEventRecord
 from dataplane.request import Request
+from pagedserve.common.constraints import Constraint
 from pagedserve.common.sampling_params import SamplingParams
 from protos.pagedserve.v1 import dataplane_pb2
+
+
+class GrammarCompiler(Protocol):
+    """Compiles a constraint off the caller's thread (dataplane/structured/compile_service.py)."""
+
+    def submit(self, constraint: Constraint, done: Callable[[Any, Any], None]) -> None: ...
 
 
 class Engine(Protocol):
@@ -25,7 +33,12 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        grammar: Any = None,
     ) -> Request: ...
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler; raises ValueError when the model cannot have one."""
+        ...
 
     def samples_of(self, request_id: str) -> list[Request]: ...
 

@@ -27,6 +27,7 @@ from dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
 from dataplane.server.streams import Sink, StreamMux
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import sampling_params_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
@@ -41,6 +42,8 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams = StreamMux()
         self._groups = GroupTable()
+        # Submitted requests whose structured-output grammar is compiling (not yet in the engine).
+        self._compiling: dict[StreamRequestKey, dataplane_pb2.SubmitCommand] = {}
         self._kv_event_seq = 0
         self._pending_events: list[dataplane_pb2.KVEvent] = []
         self._stats_dirty = False
@@ -210,6 +213,8 @@ class EngineLoop:
     def _on_disconnect(self, stream_id: str) -> None:
         if not self._streams.remove(stream_id):
             return
+        for key in [k for k in self._compiling if k.stream_id == stream_id]:
+            del self._compiling[key]
         orphans = self._groups.of_stream(stream_id)
         for key in orphans:
             self._on_abort(key, notify=False)
@@ -227,20 +232,75 @@ class EngineLoop:
 
         if self._draining:
             return reject("UNAVAILABLE", "the data plane is draining")
-        if not key.request_id or key in self._groups:
+        if not key.request_id or key in self._groups or key in self._compiling:
             return reject(
                 "INVALID_ARGUMENT", f"request_id {key.request_id!r} is empty or already in use on this stream"
             )
         try:
             params = sampling_params_from_proto(command.sampling_params)
+            constraint = params.constraint
+            grammars = self.engine.grammars() if constraint is not None else None
+        except ValueError as exc:  # bad params (or structured outputs without a tokenizer)
+            return reject("INVALID_ARGUMENT", str(exc))
+        if constraint is None or grammars is None:
+            return self._admit(key, command, params, None)
+        # Structured output: the grammar compiles off this thread (other requests keep
+        # stepping); the request joins the batch when it is ready, or is refused.
+        self._compiling[key] = command
+        self.metrics.constrained_request(constraint.kind)
+        submitted = time.perf_counter()
+
+        def compiled(grammar: object | None, error: Exception | None) -> None:
+            self.metrics.grammar_ready(time.perf_counter() - submitted, refused=error is not None)
+            self._post(lambda: self._on_compiled(key, command, params, grammar, error))
+
+        grammars.submit(constraint, compiled)
+
+    def _on_compiled(
+        self,
+        key: StreamRequestKey,
+        command: dataplane_pb2.SubmitCommand,
+        params: SamplingParams,
+        grammar: object | None,
+        error: Exception | None,
+    ) -> None:
+        if self._compiling.get(key) is not command:
+            return  # aborted, or its stream closed, while it compiled
+        del self._compiling[key]
+        if key.stream_id not in self._streams:
+            return
+        if error is not None or grammar is None:
+            self._streams.outbox(key.stream_id).rejected.append(
+                dataplane_pb2.SubmitRejected(
+                    request_id=key.request_id, code="INVALID_ARGUMENT", message=str(error)
+                )
+            )
+            self._stats_dirty = True
+            return
+        self._admit(key, command, params, grammar)
+
+    def _admit(
+        self,
+        key: StreamRequestKey,
+        command: dataplane_pb2.SubmitCommand,
+        params: SamplingParams,
+        grammar: object | None,
+    ) -> None:
+        try:
             primary = self.engine.add_request(
                 list(command.prompt_token_ids),
                 params,
                 request_id=self._groups.engine_request_id(key),
                 cache_salt=command.cache_salt or None,
+                grammar=grammar,
             )
-        except ValueError as exc:  # bad params, or a request the scheduler can never run
-            return reject("INVALID_ARGUMENT", str(exc))
+        except ValueError as exc:  # a request the scheduler can never run
+            self._streams.outbox(key.stream_id).rejected.append(
+                dataplane_pb2.SubmitRejected(
+                    request_id=key.request_id, code="INVALID_ARGUMENT", message=str(exc)
+                )
+            )
+            return
         group = Group.open(
             key,
             primary.request_id,
@@ -253,6 +313,9 @@ class EngineLoop:
         self._stats_dirty = True
 
     def _on_abort(self, key: StreamRequestKey, notify: bool) -> None:
+        if self._compiling.pop(key, None) is not None:
+            self._num_aborted += 1  # never admitted: no samples to report
+            return
         group = self._groups.get(key)
         if group is None:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -150,6 +150,32 @@ class DataPlaneMetrics:
             registry=self.registry,
             buckets=TOKEN_LATENCY_BUCKETS,
         )
+        self.constrained = Counter(
+            PREFIX + "structured_output_requests",
+            "Requests with a structured-output constraint, by kind (json_schema, json_object, regex, choice, grammar).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.constraint_refusals = Counter(
+            PREFIX + "structured_output_refusals",
+            "Constrained requests refused because their grammar did not compile (or not in time).",
+            registry=self.registry,
+        )
+        self.grammar_wait = Histogram(
+            PREFIX + "structured_output_compile_seconds",
+            "Time from a constrained request's arrival until its grammar was ready (compiled, or "
+            "from the cache) or refused.",
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+        )
+
+    def constrained_request(self, kind: str) -> None:
+        self.constrained.labels(kind=kind).inc()
+
+    def grammar_ready(self, seconds: float, refused: bool) -> None:
+        self.grammar_wait.observe(seconds)
+        if refused:
+            self.constraint_refusals.inc()
 
     def finished(self, msg: dataplane_pb2.RequestFinished) -> None:
         """Observe a sample's end from its wire message: the numbers the control plane gets."""

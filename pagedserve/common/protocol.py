@@ -14,6 +14,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import fields
 
+from pagedserve.common.constraints import Constraint
 from pagedserve.common.sampling_params import InvalidField, SamplingParams
 from protos.pagedserve.v1 import common_pb2
 
@@ -144,7 +145,34 @@ def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, obje
     values["ignore_eos"] = msg.ignore_eos
     if msg.logit_bias:
         values["logit_bias"] = dict(msg.logit_bias)
+    constraint = constraint_from_proto(msg)
+    if constraint is not None:
+        values["constraint"] = constraint
     return values
+
+
+def constraint_from_proto(msg: common_pb2.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof of a wire message, None when unset; raises InvalidField naming
+    the kind."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidField("json_object", "must be true when set")
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, kind))
+
+
+def _set_constraint(msg: common_pb2.SamplingParams, constraint: Constraint) -> None:
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.choices.extend(constraint.choices)
+    else:
+        setattr(msg, constraint.kind, constraint.value)
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -176,4 +204,6 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.constraint is not None:
+        _set_constraint(msg, params.constraint)
     return msg

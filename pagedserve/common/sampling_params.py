@@ -6,6 +6,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pagedserve.common.constraints import Constraint
+from pagedserve.common.invalid_field import InvalidField
+
+__all__ = ["InvalidField", "SamplingParams"]
+
 MAX_NUM_SAMPLES = 128
 """The most completions one prompt may ask for (`n`, and `best_of`): each costs its own KV
 blocks, engine sequence and detokenizer, so one request cannot ask for unbounded work."""
@@ -21,16 +26,6 @@ infinity and the sampler's probabilities to NaN; at 0.01 sampling is all but gre
 MIN_REPETITION_PENALTY = 0.01
 """The lowest repetition penalty applied: a positive one below it is applied as it, for the
 same reason (the penalty divides the logits of seen tokens)."""
-
-
-class InvalidField(ValueError):
-    """A sampling parameter out of range: `field` (as SamplingParams names it) and the reason.
-    The message reads "<field> <reason>", e.g. "top_p must be in (0, 1], got 1.5"."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"{name} {reason}")
-        self.field = name
-        self.reason = reason
 
 
 def _is_int(value: object) -> bool:
@@ -50,7 +45,9 @@ class SamplingParams:
     can make the sampler's arithmetic overflow. `seed` makes a sampled request reproducible on its own,
     whatever else shares its batch. `logit_bias` (token id -> bias, a mapping or pairs) is
     added to the logits before sampling; it is kept as sorted (id, bias) pairs. Invalid values
-    raise `InvalidField` (a ValueError) naming the field.
+    raise `InvalidField` (a ValueError) naming the field. `constraint` (structured outputs,
+    pagedserve.common.constraints) makes every completion match a schema, regex, choice or
+    grammar.
     """
 
     max_tokens: int = 16
@@ -68,6 +65,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # CTRL/HF semantics, over prompt and generated tokens
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    constraint: Constraint | None = None  # structured output: what every completion must match
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -119,6 +117,16 @@ class SamplingParams:
             raise InvalidField("stop_token_ids", f"must be non-negative integers, got {shown}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidField(
+                    "constraint", f"must be a Constraint, got {type(self.constraint).__name__}"
+                )
+            if self.ignore_eos:
+                # A finished grammar allows only EOS; generating past it has no constrained meaning.
+                raise InvalidField(
+                    "ignore_eos", f"cannot be combined with a {self.constraint.kind} constraint"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,11 @@ public final class Common {
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_Choices_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_Choices_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
     internal_static_pagedserve_v1_Usage_descriptor;
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
@@ -49,32 +54,36 @@ public final class Common {
   static {
     java.lang.String[] descriptorData = {
       "\n\032pagedserve/v1/common.proto\022\rpagedserve" +
-      ".v1\"\342\004\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
-      "(\rH\000\210\001\001\022\030\n\013temperature\030\002 \001(\002H\001\210\001\001\022\022\n\005top" +
-      "_p\030\003 \001(\002H\002\210\001\001\022\022\n\005top_k\030\004 \001(\005H\003\210\001\001\022\022\n\005min" +
-      "_p\030\005 \001(\002H\004\210\001\001\022\021\n\004seed\030\006 \001(\003H\005\210\001\001\022\026\n\016stop" +
+      ".v1\"\354\005\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
+      "(\rH\001\210\001\001\022\030\n\013temperature\030\002 \001(\002H\002\210\001\001\022\022\n\005top" +
+      "_p\030\003 \001(\002H\003\210\001\001\022\022\n\005top_k\030\004 \001(\005H\004\210\001\001\022\022\n\005min" +
+      "_p\030\005 \001(\002H\005\210\001\001\022\021\n\004seed\030\006 \001(\003H\006\210\001\001\022\026\n\016stop" +
       "_token_ids\030\007 \003(\r\022\022\n\nignore_eos\030\010 \001(\010\022\016\n\001" +
-      "n\030\t \001(\rH\006\210\001\001\022\025\n\010logprobs\030\n \001(\rH\007\210\001\001\022\035\n\020p" +
-      "resence_penalty\030\013 \001(\002H\010\210\001\001\022\036\n\021frequency_" +
-      "penalty\030\014 \001(\002H\t\210\001\001\022\037\n\022repetition_penalty" +
-      "\030\r \001(\002H\n\210\001\001\022\014\n\004stop\030\016 \003(\t\022@\n\nlogit_bias\030" +
+      "n\030\t \001(\rH\007\210\001\001\022\025\n\010logprobs\030\n \001(\rH\010\210\001\001\022\035\n\020p" +
+      "resence_penalty\030\013 \001(\002H\t\210\001\001\022\036\n\021frequency_" +
+      "penalty\030\014 \001(\002H\n\210\001\001\022\037\n\022repetition_penalty" +
+      "\030\r \001(\002H\013\210\001\001\022\014\n\004stop\030\016 \003(\t\022@\n\nlogit_bias\030" +
       "\017 \003(\0132,.pagedserve.v1.SamplingParams.Log" +
-      "itBiasEntry\0320\n\016LogitBiasEntry\022\013\n\003key\030\001 \001" +
-      "(\r\022\r\n\005value\030\002 \001(\002:\0028\001B\r\n\013_max_tokensB\016\n\014" +
-      "_temperatureB\010\n\006_top_pB\010\n\006_top_kB\010\n\006_min" +
-      "_pB\007\n\005_seedB\004\n\002_nB\013\n\t_logprobsB\023\n\021_prese" +
-      "nce_penaltyB\024\n\022_frequency_penaltyB\025\n\023_re" +
-      "petition_penalty\"P\n\005Usage\022\025\n\rprompt_toke" +
-      "ns\030\001 \001(\r\022\031\n\021completion_tokens\030\002 \001(\r\022\025\n\rc" +
-      "ached_tokens\030\003 \001(\r\"/\n\nTopLogprob\022\020\n\010toke" +
-      "n_id\030\001 \001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014TokenLogp" +
-      "rob\022\017\n\007logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132\031.page" +
-      "dserve.v1.TopLogprob*x\n\014FinishReason\022\035\n\031" +
-      "FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH_RE" +
-      "ASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n" +
-      "\023FINISH_REASON_ABORT\020\003BN\n\020io.pagedserve." +
-      "v1P\001Z8github.com/pagedserve/pagedserve/c" +
-      "lients/go/pagedservev1b\006proto3"
+      "itBiasEntry\022\025\n\013json_schema\030\020 \001(\tH\000\022\025\n\013js" +
+      "on_object\030\021 \001(\010H\000\022\017\n\005regex\030\022 \001(\tH\000\022(\n\006ch" +
+      "oice\030\023 \001(\0132\026.pagedserve.v1.ChoicesH\000\022\021\n\007" +
+      "grammar\030\024 \001(\tH\000\0320\n\016LogitBiasEntry\022\013\n\003key" +
+      "\030\001 \001(\r\022\r\n\005value\030\002 \001(\002:\0028\001B\014\n\nconstraintB" +
+      "\r\n\013_max_tokensB\016\n\014_temperatureB\010\n\006_top_p" +
+      "B\010\n\006_top_kB\010\n\006_min_pB\007\n\005_seedB\004\n\002_nB\013\n\t_" +
+      "logprobsB\023\n\021_presence_penaltyB\024\n\022_freque" +
+      "ncy_penaltyB\025\n\023_repetition_penalty\"\032\n\007Ch" +
+      "oices\022\017\n\007choices\030\001 \003(\t\"P\n\005Usage\022\025\n\rpromp" +
+      "t_tokens\030\001 \001(\r\022\031\n\021completion_tokens\030\002 \001(" +
+      "\r\022\025\n\rcached_tokens\030\003 \001(\r\"/\n\nTopLogprob\022\020" +
+      "\n\010token_id\030\001 \001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014Tok" +
+      "enLogprob\022\017\n\007logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132" +
+      "\031.pagedserve.v1.TopLogprob*x\n\014FinishReas" +
+      "on\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FIN" +
+      "ISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGT" +
+      "H\020\002\022\027\n\023FINISH_REASON_ABORT\020\003BN\n\020io.paged" +
+      "serve.v1P\001Z8github.com/pagedserve/pageds" +
+      "erve/clients/go/pagedservev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -85,27 +94,33 @@ public final class Common {
     internal_static_pagedserve_v1_SamplingParams_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_SamplingParams_descriptor,
-        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", });
+        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "JsonSchema", "JsonObject", "Regex", "Choice", "Grammar", "Constraint", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", });
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_descriptor =
       internal_static_pagedserve_v1_SamplingParams_descriptor.getNestedTypes().get(0);
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_descriptor,
         new java.lang.String[] { "Key", "Value", });
-    internal_static_pagedserve_v1_Usage_descriptor =
+    internal_static_pagedserve_v1_Choices_descriptor =
       getDescriptor().getMessageTypes().get(1);
+    internal_static_pagedserve_v1_Choices_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_Choices_descriptor,
+        new java.lang.String[] { "Choices", });
+    internal_static_pagedserve_v1_Usage_descriptor =
+      getDescriptor().getMessageTypes().get(2);
     internal_static_pagedserve_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_Usage_descriptor,
         new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
     internal_static_pagedserve_v1_TopLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(2);
+      getDescriptor().getMessageTypes().get(3);
     internal_static_pagedserve_v1_TopLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TopLogprob_descriptor,
         new java.lang.String[] { "TokenId", "Logprob", });
     internal_static_pagedserve_v1_TokenLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(3);
+      getDescriptor().getMessageTypes().get(4);
     internal_static_pagedserve_v1_TokenLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenLogprob_descriptor,

@@ -64,6 +64,53 @@ private static final long serialVersionUID = 0L;
   }
 
   private int bitField0_;
+  private int constraintCase_ = 0;
+  private java.lang.Object constraint_;
+  public enum ConstraintCase
+      implements com.google.protobuf.Internal.EnumLite,
+          com.google.protobuf.AbstractMessage.InternalOneOfEnum {
+    JSON_SCHEMA(16),
+    JSON_OBJECT(17),
+    REGEX(18),
+    CHOICE(19),
+    GRAMMAR(20),
+    CONSTRAINT_NOT_SET(0);
+    private final int value;
+    private ConstraintCase(int value) {
+      this.value = value;
+    }
+    /**
+     * @param value The number of the enum to look for.
+     * @return The enum associated with the given number.
+     * @deprecated Use {@link #forNumber(int)} instead.
+     */
+    @java.lang.Deprecated
+    public static ConstraintCase valueOf(int value) {
+      return forNumber(value);
+    }
+
+    public static ConstraintCase forNumber(int value) {
+      switch (value) {
+        case 16: return JSON_SCHEMA;
+        case 17: return JSON_OBJECT;
+        case 18: return REGEX;
+        case 19: return CHOICE;
+        case 20: return GRAMMAR;
+        case 0: return CONSTRAINT_NOT_SET;
+        default: return null;
+      }
+    }
+    public int getNumber() {
+      return this.value;
+    }
+  };
+
+  public ConstraintCase
+  getConstraintCase() {
+    return ConstraintCase.forNumber(
+        constraintCase_);
+  }
+
   public static final int MAX_TOKENS_FIELD_NUMBER = 1;
   private int maxTokens_ = 0;
   /**
@@ -568,6 +615,270 @@ private static final long serialVersionUID = 0L;
     return map.get(key);
   }
 
+  public static final int JSON_SCHEMA_FIELD_NUMBER = 16;
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return Whether the jsonSchema field is set.
+   */
+  public boolean hasJsonSchema() {
+    return constraintCase_ == 16;
+  }
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return The jsonSchema.
+   */
+  public java.lang.String getJsonSchema() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 16) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 16) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return The bytes for jsonSchema.
+   */
+  public com.google.protobuf.ByteString
+      getJsonSchemaBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 16) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 16) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int JSON_OBJECT_FIELD_NUMBER = 17;
+  /**
+   * <pre>
+   * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+   * </pre>
+   *
+   * <code>bool json_object = 17;</code>
+   * @return Whether the jsonObject field is set.
+   */
+  @java.lang.Override
+  public boolean hasJsonObject() {
+    return constraintCase_ == 17;
+  }
+  /**
+   * <pre>
+   * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+   * </pre>
+   *
+   * <code>bool json_object = 17;</code>
+   * @return The jsonObject.
+   */
+  @java.lang.Override
+  public boolean getJsonObject() {
+    if (constraintCase_ == 17) {
+      return (java.lang.Boolean) constraint_;
+    }
+    return false;
+  }
+
+  public static final int REGEX_FIELD_NUMBER = 18;
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return Whether the regex field is set.
+   */
+  public boolean hasRegex() {
+    return constraintCase_ == 18;
+  }
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return The regex.
+   */
+  public java.lang.String getRegex() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 18) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 18) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return The bytes for regex.
+   */
+  public com.google.protobuf.ByteString
+      getRegexBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 18) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 18) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int CHOICE_FIELD_NUMBER = 19;
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   * @return Whether the choice field is set.
+   */
+  @java.lang.Override
+  public boolean hasChoice() {
+    return constraintCase_ == 19;
+  }
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   * @return The choice.
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.Choices getChoice() {
+    if (constraintCase_ == 19) {
+       return (io.pagedserve.v1.Choices) constraint_;
+    }
+    return io.pagedserve.v1.Choices.getDefaultInstance();
+  }
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ChoicesOrBuilder getChoiceOrBuilder() {
+    if (constraintCase_ == 19) {
+       return (io.pagedserve.v1.Choices) constraint_;
+    }
+    return io.pagedserve.v1.Choices.getDefaultInstance();
+  }
+
+  public static final int GRAMMAR_FIELD_NUMBER = 20;
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return Whether the grammar field is set.
+   */
+  public boolean hasGrammar() {
+    return constraintCase_ == 20;
+  }
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The grammar.
+   */
+  public java.lang.String getGrammar() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 20) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 20) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The bytes for grammar.
+   */
+  public com.google.protobuf.ByteString
+      getGrammarBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 20) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 20) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -635,6 +946,22 @@ private static final long serialVersionUID = 0L;
         internalGetLogitBias(),
         LogitBiasDefaultEntryHolder.defaultEntry,
         15);
+    if (constraintCase_ == 16) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 16, constraint_);
+    }
+    if (constraintCase_ == 17) {
+      output.writeBool(
+          17, (boolean)((java.lang.Boolean) constraint_));
+    }
+    if (constraintCase_ == 18) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 18, constraint_);
+    }
+    if (constraintCase_ == 19) {
+      output.writeMessage(19, (io.pagedserve.v1.Choices) constraint_);
+    }
+    if (constraintCase_ == 20) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 20, constraint_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -724,6 +1051,24 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
           .computeMessageSize(15, logitBias__);
     }
+    if (constraintCase_ == 16) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(16, constraint_);
+    }
+    if (constraintCase_ == 17) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(
+            17, (boolean)((java.lang.Boolean) constraint_));
+    }
+    if (constraintCase_ == 18) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(18, constraint_);
+    }
+    if (constraintCase_ == 19) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(19, (io.pagedserve.v1.Choices) constraint_);
+    }
+    if (constraintCase_ == 20) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(20, constraint_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -808,6 +1153,31 @@ private static final long serialVersionUID = 0L;
         .equals(other.getStopList())) return false;
     if (!internalGetLogitBias().equals(
         other.internalGetLogitBias())) return false;
+    if (!getConstraintCase().equals(other.getConstraintCase())) return false;
+    switch (constraintCase_) {
+      case 16:
+        if (!getJsonSchema()
+            .equals(other.getJsonSchema())) return false;
+        break;
+      case 17:
+        if (getJsonObject()
+            != other.getJsonObject()) return false;
+        break;
+      case 18:
+        if (!getRegex()
+            .equals(other.getRegex())) return false;
+        break;
+      case 19:
+        if (!getChoice()
+            .equals(other.getChoice())) return false;
+        break;
+      case 20:
+        if (!getGrammar()
+            .equals(other.getGrammar())) return false;
+        break;
+      case 0:
+      default:
+    }
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -884,6 +1254,31 @@ private static final long serialVersionUID = 0L;
     if (!internalGetLogitBias().getMap().isEmpty()) {
       hash = (37 * hash) + LOGIT_BIAS_FIELD_NUMBER;
       hash = (53 * hash) + internalGetLogitBias().hashCode();
+    }
+    switch (constraintCase_) {
+      case 16:
+        hash = (37 * hash) + JSON_SCHEMA_FIELD_NUMBER;
+        hash = (53 * hash) + getJsonSchema().hashCode();
+        break;
+      case 17:
+        hash = (37 * hash) + JSON_OBJECT_FIELD_NUMBER;
+        hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+            getJsonObject());
+        break;
+      case 18:
+        hash = (37 * hash) + REGEX_FIELD_NUMBER;
+        hash = (53 * hash) + getRegex().hashCode();
+        break;
+      case 19:
+        hash = (37 * hash) + CHOICE_FIELD_NUMBER;
+        hash = (53 * hash) + getChoice().hashCode();
+        break;
+      case 20:
+        hash = (37 * hash) + GRAMMAR_FIELD_NUMBER;
+        hash = (53 * hash) + getGrammar().hashCode();
+        break;
+      case 0:
+      default:
     }
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
@@ -1058,6 +1453,11 @@ private static final long serialVersionUID = 0L;
       stop_ = com.google.protobuf.LazyStringArrayList.EMPTY;
       bitField0_ = (bitField0_ & ~0x00002000);
       internalGetMutableLogitBias().clear();
+      if (choiceBuilder_ != null) {
+        choiceBuilder_.clear();
+      }
+      constraintCase_ = 0;
+      constraint_ = null;
       return this;
     }
 
@@ -1086,6 +1486,7 @@ private static final long serialVersionUID = 0L;
       io.pagedserve.v1.SamplingParams result = new io.pagedserve.v1.SamplingParams(this);
       buildPartialRepeatedFields(result);
       if (bitField0_ != 0) { buildPartial0(result); }
+      buildPartialOneofs(result);
       onBuilt();
       return result;
     }
@@ -1158,6 +1559,15 @@ private static final long serialVersionUID = 0L;
         result.logitBias_.makeImmutable();
       }
       result.bitField0_ |= to_bitField0_;
+    }
+
+    private void buildPartialOneofs(io.pagedserve.v1.SamplingParams result) {
+      result.constraintCase_ = constraintCase_;
+      result.constraint_ = this.constraint_;
+      if (constraintCase_ == 19 &&
+          choiceBuilder_ != null) {
+        result.constraint_ = choiceBuilder_.build();
+      }
     }
 
     @java.lang.Override
@@ -1263,6 +1673,37 @@ private static final long serialVersionUID = 0L;
       internalGetMutableLogitBias().mergeFrom(
           other.internalGetLogitBias());
       bitField0_ |= 0x00004000;
+      switch (other.getConstraintCase()) {
+        case JSON_SCHEMA: {
+          constraintCase_ = 16;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case JSON_OBJECT: {
+          setJsonObject(other.getJsonObject());
+          break;
+        }
+        case REGEX: {
+          constraintCase_ = 18;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case CHOICE: {
+          mergeChoice(other.getChoice());
+          break;
+        }
+        case GRAMMAR: {
+          constraintCase_ = 20;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case CONSTRAINT_NOT_SET: {
+          break;
+        }
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -1380,6 +1821,36 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00004000;
               break;
             } // case 122
+            case 130: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 16;
+              constraint_ = s;
+              break;
+            } // case 130
+            case 136: {
+              constraint_ = input.readBool();
+              constraintCase_ = 17;
+              break;
+            } // case 136
+            case 146: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 18;
+              constraint_ = s;
+              break;
+            } // case 146
+            case 154: {
+              input.readMessage(
+                  getChoiceFieldBuilder().getBuilder(),
+                  extensionRegistry);
+              constraintCase_ = 19;
+              break;
+            } // case 154
+            case 162: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 20;
+              constraint_ = s;
+              break;
+            } // case 162
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1395,6 +1866,21 @@ private static final long serialVersionUID = 0L;
       } // finally
       return this;
     }
+    private int constraintCase_ = 0;
+    private java.lang.Object constraint_;
+    public ConstraintCase
+        getConstraintCase() {
+      return ConstraintCase.forNumber(
+          constraintCase_);
+    }
+
+    public Builder clearConstraint() {
+      constraintCase_ = 0;
+      constraint_ = null;
+      onChanged();
+      return this;
+    }
+
     private int bitField0_;
 
     private int maxTokens_ ;
@@ -2467,6 +2953,593 @@ private static final long serialVersionUID = 0L;
       internalGetMutableLogitBias().getMutableMap()
           .putAll(values);
       bitField0_ |= 0x00004000;
+      return this;
+    }
+
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @return Whether the jsonSchema field is set.
+     */
+    @java.lang.Override
+    public boolean hasJsonSchema() {
+      return constraintCase_ == 16;
+    }
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @return The jsonSchema.
+     */
+    @java.lang.Override
+    public java.lang.String getJsonSchema() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 16) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 16) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @return The bytes for jsonSchema.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getJsonSchemaBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 16) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 16) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @param value The jsonSchema to set.
+     * @return This builder for chaining.
+     */
+    public Builder setJsonSchema(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 16;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearJsonSchema() {
+      if (constraintCase_ == 16) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+     * </pre>
+     *
+     * <code>string json_schema = 16;</code>
+     * @param value The bytes for jsonSchema to set.
+     * @return This builder for chaining.
+     */
+    public Builder setJsonSchemaBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 16;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    /**
+     * <pre>
+     * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+     * </pre>
+     *
+     * <code>bool json_object = 17;</code>
+     * @return Whether the jsonObject field is set.
+     */
+    public boolean hasJsonObject() {
+      return constraintCase_ == 17;
+    }
+    /**
+     * <pre>
+     * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+     * </pre>
+     *
+     * <code>bool json_object = 17;</code>
+     * @return The jsonObject.
+     */
+    public boolean getJsonObject() {
+      if (constraintCase_ == 17) {
+        return (java.lang.Boolean) constraint_;
+      }
+      return false;
+    }
+    /**
+     * <pre>
+     * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+     * </pre>
+     *
+     * <code>bool json_object = 17;</code>
+     * @param value The jsonObject to set.
+     * @return This builder for chaining.
+     */
+    public Builder setJsonObject(boolean value) {
+      
+      constraintCase_ = 17;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+     * </pre>
+     *
+     * <code>bool json_object = 17;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearJsonObject() {
+      if (constraintCase_ == 17) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @return Whether the regex field is set.
+     */
+    @java.lang.Override
+    public boolean hasRegex() {
+      return constraintCase_ == 18;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @return The regex.
+     */
+    @java.lang.Override
+    public java.lang.String getRegex() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 18) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 18) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @return The bytes for regex.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getRegexBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 18) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 18) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @param value The regex to set.
+     * @return This builder for chaining.
+     */
+    public Builder setRegex(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 18;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearRegex() {
+      if (constraintCase_ == 18) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 18;</code>
+     * @param value The bytes for regex to set.
+     * @return This builder for chaining.
+     */
+    public Builder setRegexBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 18;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.SingleFieldBuilderV3<
+        io.pagedserve.v1.Choices, io.pagedserve.v1.Choices.Builder, io.pagedserve.v1.ChoicesOrBuilder> choiceBuilder_;
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     * @return Whether the choice field is set.
+     */
+    @java.lang.Override
+    public boolean hasChoice() {
+      return constraintCase_ == 19;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     * @return The choice.
+     */
+    @java.lang.Override
+    public io.pagedserve.v1.Choices getChoice() {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 19) {
+          return (io.pagedserve.v1.Choices) constraint_;
+        }
+        return io.pagedserve.v1.Choices.getDefaultInstance();
+      } else {
+        if (constraintCase_ == 19) {
+          return choiceBuilder_.getMessage();
+        }
+        return io.pagedserve.v1.Choices.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    public Builder setChoice(io.pagedserve.v1.Choices value) {
+      if (choiceBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        constraint_ = value;
+        onChanged();
+      } else {
+        choiceBuilder_.setMessage(value);
+      }
+      constraintCase_ = 19;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    public Builder setChoice(
+        io.pagedserve.v1.Choices.Builder builderForValue) {
+      if (choiceBuilder_ == null) {
+        constraint_ = builderForValue.build();
+        onChanged();
+      } else {
+        choiceBuilder_.setMessage(builderForValue.build());
+      }
+      constraintCase_ = 19;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    public Builder mergeChoice(io.pagedserve.v1.Choices value) {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 19 &&
+            constraint_ != io.pagedserve.v1.Choices.getDefaultInstance()) {
+          constraint_ = io.pagedserve.v1.Choices.newBuilder((io.pagedserve.v1.Choices) constraint_)
+              .mergeFrom(value).buildPartial();
+        } else {
+          constraint_ = value;
+        }
+        onChanged();
+      } else {
+        if (constraintCase_ == 19) {
+          choiceBuilder_.mergeFrom(value);
+        } else {
+          choiceBuilder_.setMessage(value);
+        }
+      }
+      constraintCase_ = 19;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    public Builder clearChoice() {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 19) {
+          constraintCase_ = 0;
+          constraint_ = null;
+          onChanged();
+        }
+      } else {
+        if (constraintCase_ == 19) {
+          constraintCase_ = 0;
+          constraint_ = null;
+        }
+        choiceBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    public io.pagedserve.v1.Choices.Builder getChoiceBuilder() {
+      return getChoiceFieldBuilder().getBuilder();
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    @java.lang.Override
+    public io.pagedserve.v1.ChoicesOrBuilder getChoiceOrBuilder() {
+      if ((constraintCase_ == 19) && (choiceBuilder_ != null)) {
+        return choiceBuilder_.getMessageOrBuilder();
+      } else {
+        if (constraintCase_ == 19) {
+          return (io.pagedserve.v1.Choices) constraint_;
+        }
+        return io.pagedserve.v1.Choices.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings (1 to 256).
+     * </pre>
+     *
+     * <code>.pagedserve.v1.Choices choice = 19;</code>
+     */
+    private com.google.protobuf.SingleFieldBuilderV3<
+        io.pagedserve.v1.Choices, io.pagedserve.v1.Choices.Builder, io.pagedserve.v1.ChoicesOrBuilder> 
+        getChoiceFieldBuilder() {
+      if (choiceBuilder_ == null) {
+        if (!(constraintCase_ == 19)) {
+          constraint_ = io.pagedserve.v1.Choices.getDefaultInstance();
+        }
+        choiceBuilder_ = new com.google.protobuf.SingleFieldBuilderV3<
+            io.pagedserve.v1.Choices, io.pagedserve.v1.Choices.Builder, io.pagedserve.v1.ChoicesOrBuilder>(
+                (io.pagedserve.v1.Choices) constraint_,
+                getParentForChildren(),
+                isClean());
+        constraint_ = null;
+      }
+      constraintCase_ = 19;
+      onChanged();
+      return choiceBuilder_;
+    }
+
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return Whether the grammar field is set.
+     */
+    @java.lang.Override
+    public boolean hasGrammar() {
+      return constraintCase_ == 20;
+    }
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return The grammar.
+     */
+    @java.lang.Override
+    public java.lang.String getGrammar() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 20) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 20) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return The bytes for grammar.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getGrammarBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 20) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 20) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @param value The grammar to set.
+     * @return This builder for chaining.
+     */
+    public Builder setGrammar(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 20;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearGrammar() {
+      if (constraintCase_ == 20) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @param value The bytes for grammar to set.
+     * @return This builder for chaining.
+     */
+    public Builder setGrammarBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 20;
+      constraint_ = value;
+      onChanged();
       return this;
     }
     @java.lang.Override

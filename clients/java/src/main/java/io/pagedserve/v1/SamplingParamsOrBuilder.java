@@ -354,4 +354,139 @@ public interface SamplingParamsOrBuilder extends
    */
   float getLogitBiasOrThrow(
       int key);
+
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return Whether the jsonSchema field is set.
+   */
+  boolean hasJsonSchema();
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return The jsonSchema.
+   */
+  java.lang.String getJsonSchema();
+  /**
+   * <pre>
+   * A JSON Schema document (JSON text): the output is a JSON value valid under it.
+   * </pre>
+   *
+   * <code>string json_schema = 16;</code>
+   * @return The bytes for jsonSchema.
+   */
+  com.google.protobuf.ByteString
+      getJsonSchemaBytes();
+
+  /**
+   * <pre>
+   * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+   * </pre>
+   *
+   * <code>bool json_object = 17;</code>
+   * @return Whether the jsonObject field is set.
+   */
+  boolean hasJsonObject();
+  /**
+   * <pre>
+   * Any JSON object (OpenAI's response_format {"type": "json_object"}); set it to true.
+   * </pre>
+   *
+   * <code>bool json_object = 17;</code>
+   * @return The jsonObject.
+   */
+  boolean getJsonObject();
+
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return Whether the regex field is set.
+   */
+  boolean hasRegex();
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return The regex.
+   */
+  java.lang.String getRegex();
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 18;</code>
+   * @return The bytes for regex.
+   */
+  com.google.protobuf.ByteString
+      getRegexBytes();
+
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   * @return Whether the choice field is set.
+   */
+  boolean hasChoice();
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   * @return The choice.
+   */
+  io.pagedserve.v1.Choices getChoice();
+  /**
+   * <pre>
+   * The output is exactly one of these strings (1 to 256).
+   * </pre>
+   *
+   * <code>.pagedserve.v1.Choices choice = 19;</code>
+   */
+  io.pagedserve.v1.ChoicesOrBuilder getChoiceOrBuilder();
+
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return Whether the grammar field is set.
+   */
+  boolean hasGrammar();
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The grammar.
+   */
+  java.lang.String getGrammar();
+  /**
+   * <pre>
+   * An EBNF grammar (GBNF dialect, with a `root` rule) the output is a sentence of.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The bytes for grammar.
+   */
+  com.google.protobuf.ByteString
+      getGrammarBytes();
+
+  public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }

@@ -1,0 +1,117 @@
+"""Constraints compiled into token-level grammars, and the per-sample matcher state, through
+xgrammar (the grammar backend vLLM and SGLang default to).
+
+A compiled grammar is bound to one tokenizer and vocabulary size (the model's logits width,
+which may exceed the tokenizer's). A `GrammarState` is one sample's position in its grammar:
+it fills that sample's row of the step's token bitmask and advances on each accepted token.
+It is created once per sample (n > 1: one each) and lives on the request, so preemption
+(recompute or swap) and prefix-cache hits leave it where it is: they recompute KV, not tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pagedserve.common.constraints import Constraint
+
+
+class GrammarError(ValueError):
+    """A constraint the backend refuses (a bad schema, regex or grammar), or one it could not
+    compile in time. The message names the constraint's kind ("json_schema could not be ...")."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind} {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """The backend's view of a Hugging Face tokenizer: its tokens' bytes, padded to the
+    model's `vocab_size`; `stop_token_ids` (the model's EOS ids) end a finished grammar."""
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+    )
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices` (JSON string escapes are GBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
+    """Compile one constraint; raises GrammarError naming its kind.
+
+    JSON is generated compactly (no free whitespace between tokens): with free whitespace a
+    small model can emit newlines until max_tokens inside a valid prefix. A schema is held
+    strictly (no properties or items beyond those it lists), which keeps every output valid
+    under the schema as written; `json_object` allows any properties.
+    """
+    try:
+        if constraint.kind == "json_schema":
+            return compiler.compile_json_schema(constraint.value, any_whitespace=False, strict_mode=True)
+        if constraint.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if constraint.kind == "regex":
+            return compiler.compile_regex(constraint.value)
+        if constraint.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(constraint.choices))
+        return compiler.compile_grammar(constraint.value)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GrammarError(constraint.kind, f"could not be compiled: {reason[:500]}") from None
+
+
+class GrammarState:
+    """One sample's matcher: `accept` each generated token, `fill_mask` before each sampling."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False if the grammar does not allow it (the state is then
+        unchanged, and the sample must stop)."""
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted: nothing more may follow."""
+        return bool(self._matcher.is_terminated())
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (one bit per token id)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class TokenMasks:
+    """The step's token bitmask, allocated once for the rows it has seen and reused: only the
+    constrained rows are filled and applied, so unconstrained rows in the same batch are never
+    touched."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState]]) -> None:
+        """Mask `logits` [N, vocab] in place: row i keeps only what its state allows."""
+        if not rows:
+            return
+        needed = max(i for i, _ in rows) + 1
+        if self._bitmask.shape[0] < needed:
+            self._bitmask = xgr.allocate_token_bitmask(
+                max(needed, 2 * self._bitmask.shape[0]), self.vocab_size
+            )
+        for i, state in rows:
+            state.fill_mask(self._bitmask, i)
+        indices = [i for i, _ in rows]
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(
+                logits, self._bitmask, vocab_size=self.vocab_size, indices=indices
+            )
+        else:
+            bitmask = self._bitmask.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
