@@ -8,8 +8,10 @@ second snapshot is answered only after the step and its flush.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -38,6 +40,22 @@ class Plan:
     finish: dict[Request, RequestStatus] = field(default_factory=dict)
 
 
+class FakeCompiler:
+    """Holds each submitted constraint until the test answers it (`finish`), like a compile
+    that takes as long as the test wants."""
+
+    def __init__(self) -> None:
+        self.submitted: queue.SimpleQueue[tuple[Any, Callable[[Any, Any], None]]] = queue.SimpleQueue()
+
+    def submit(self, constraint: Any, done: Callable[[Any, Any], None]) -> None:
+        self.submitted.put((constraint, done))
+
+    def finish(self, grammar: Any = None, error: Exception | None = None) -> Any:
+        constraint, done = self.submitted.get(timeout=5)
+        done(grammar, error)
+        return constraint
+
+
 class FakeEngine:
     """The engine's contract on scripted steps: samples, release, abort; no model, no blocks."""
 
@@ -49,6 +67,11 @@ class FakeEngine:
         self.events: queue.SimpleQueue[KVEventRecord] = queue.SimpleQueue()  # the test thread puts
         self.plans: queue.SimpleQueue[Plan] = queue.SimpleQueue()
         self.clock = ARRIVAL
+        self.compiler = FakeCompiler()
+        self.grammar_of: dict[str, Any] = {}  # request id -> the grammar it was added with
+
+    def grammars(self) -> FakeCompiler:
+        return self.compiler
 
     def add_request(
         self,
@@ -56,8 +79,11 @@ class FakeEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        grammar: Any = None,
     ) -> Request:
         assert request_id is not None and request_id not in self.groups
+        assert (grammar is None) == (params.constraint is None)
+        self.grammar_of[request_id] = grammar
         if len(prompt) > 8:
             raise ValueError("prompt too long for the fake")
         self.groups[request_id] = [
@@ -183,11 +209,14 @@ def run_step(loop: EngineLoop, engine: FakeEngine, plan: Plan) -> None:
     settle(loop)
 
 
-def submit(loop: EngineLoop, stream_id: str, request_id: str, n: int = 1, prompt: int = 3) -> None:
+def submit(
+    loop: EngineLoop, stream_id: str, request_id: str, n: int = 1, prompt: int = 3, regex: str | None = None
+) -> None:
+    params = common_pb2.SamplingParams(n=n, max_tokens=4)
+    if regex is not None:
+        params.regex = regex
     command = dataplane_pb2.SubmitCommand(
-        request_id=request_id,
-        prompt_token_ids=list(range(1, prompt + 1)),
-        sampling_params=common_pb2.SamplingParams(n=n, max_tokens=4),
+        request_id=request_id, prompt_token_ids=list(range(1, prompt + 1)), sampling_params=params
     )
     loop.submit(stream_id, command)
 
@@ -388,3 +417,66 @@ def test_group_table_maps_engine_ids_to_typed_samples() -> None:
     assert table.engine_request_id(key) == "s1.1"
     assert table.engine_request_id(StreamRequestKey("s2", "r")) == "s2.2"
     assert SampleId(key, 1) == SampleId(StreamRequestKey("s1", "r"), 1)
+
+
+def test_a_constrained_request_waits_for_its_grammar_while_others_step(
+    loop: EngineLoop, engine: FakeEngine
+) -> None:
+    sink = Sink()
+    stream = loop.connect(sink)
+    submit(loop, stream, "json", regex="[0-9]+")
+    submit(loop, stream, "plain")
+    settle(loop)
+    assert engine.added == ["s1.1"]  # "plain": the constrained one is compiling, not in the engine
+    plain = engine.groups["s1.1"][0]
+    run_step(loop, engine, Plan(tokens={plain: 7}))
+    run_step(loop, engine, Plan(tokens={plain: 8}))
+    assert sink.deltas() == [("plain", 0, [7]), ("plain", 0, [8])]
+    grammar = object()
+    assert engine.compiler.finish(grammar).value == "[0-9]+"
+    settle(loop)
+    assert engine.added == ["s1.1", "s1.2"]
+    assert engine.grammar_of["s1.2"] is grammar
+    counted = loop.metrics.registry.get_sample_value(
+        "pagedserve_structured_output_requests_total", {"kind": "regex"}
+    )
+    assert counted == 1.0
+
+
+def test_a_grammar_refusal_rejects_the_request_by_name(loop: EngineLoop, engine: FakeEngine) -> None:
+    from dataplane.structured.grammar import GrammarError
+
+    sink = Sink()
+    stream = loop.connect(sink)
+    submit(loop, stream, "bad", regex="(")
+    submit(loop, stream, "bad", regex="(")  # its id is in use while it compiles
+    engine.compiler.finish(error=GrammarError("regex", "could not be compiled: unbalanced parenthesis"))
+    settle(loop)
+    rejected = [r for m in sink.messages if m for r in m.rejected]
+    assert [(r.request_id, r.code) for r in rejected] == [
+        ("bad", "INVALID_ARGUMENT"),
+        ("bad", "INVALID_ARGUMENT"),
+    ]
+    assert "already in use" in rejected[0].message
+    assert rejected[1].message == "regex could not be compiled: unbalanced parenthesis"
+    assert engine.added == []
+    assert loop.metrics.registry.get_sample_value("pagedserve_structured_output_refusals_total") == 1.0
+
+
+def test_abort_or_disconnect_while_compiling_never_admits(loop: EngineLoop, engine: FakeEngine) -> None:
+    sink_a, sink_b = Sink(), Sink()
+    stream_a, stream_b = loop.connect(sink_a), loop.connect(sink_b)
+    submit(loop, stream_a, "r", regex="a")
+    submit(loop, stream_b, "r", regex="b")
+    settle(loop)
+    loop.abort(stream_a, "r")
+    loop.disconnect(stream_b)
+    settle(loop)
+    finished = threading.Event()
+    for _ in range(2):
+        engine.compiler.finish(object())
+    loop.snapshot().add_done_callback(lambda _: finished.set())
+    assert finished.wait(5)
+    settle(loop)
+    assert engine.added == []
+    assert sink_a.rejected() == [] and sink_a.finished() == []

@@ -1,0 +1,214 @@
+"""Structured outputs in the engine, on the real default model: every completion matches its
+constraint, unconstrained neighbours are untouched, and preemption, prefix hits and n > 1
+leave each sample's matcher in step with its tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from dataplane import LLM, SamplingParams
+from dataplane.structured.grammar import GrammarError
+from pagedserve.common.constraints import Constraint
+from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+
+pytestmark = pytest.mark.real_model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+}
+PROMPTS = [
+    "Describe a person called Ada as JSON.",
+    "Give me a JSON record of a retired teacher.",
+    "JSON for a child who owns a dog:",
+    "Make up a person. Answer in JSON.",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    try:
+        return resolve_model_path(DEFAULT_MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: Path) -> Any:
+    engine = LLM(str(model_path), max_model_len=512, kv_cache_memory=64 * 2**20, num_threads=2)
+    yield engine
+    engine.engine.close()
+
+
+def chat(llm: Any, text: str) -> str:
+    prompt: str = llm.apply_chat_template([{"role": "user", "content": text}])
+    return prompt
+
+
+def schema_params(**kw: Any) -> SamplingParams:
+    settings: dict[str, Any] = {"max_tokens": 80, "temperature": 0.0, **kw}
+    return SamplingParams(constraint=Constraint("json_schema", json.dumps(PERSON)), **settings)
+
+
+def test_json_schema_outputs_validate_and_stop(llm: Any) -> None:
+    outs = llm.generate([chat(llm, p) for p in PROMPTS], schema_params(), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+        # Properties come in the schema's order (the normalised schema keeps it).
+        assert list(json.loads(out.text)) == ["name", "age", "pets"]
+
+
+def test_choice_regex_and_json_object(llm: Any) -> None:
+    choice = SamplingParams(
+        max_tokens=8, temperature=0.0, constraint=Constraint("choice", choices=("yes", "no", "maybe"))
+    )
+    regex = SamplingParams(
+        max_tokens=16, temperature=0.0, constraint=Constraint("regex", r"[0-9]{3}-[0-9]{4}")
+    )
+    obj = SamplingParams(max_tokens=120, temperature=0.0, constraint=Constraint("json_object"))
+    grammar = SamplingParams(
+        max_tokens=16, temperature=0.0, constraint=Constraint("grammar", 'root ::= "x=" [0-9] [0-9]? ";"')
+    )
+    outs = llm.generate(
+        [
+            chat(llm, "Is water wet?"),
+            chat(llm, "A phone number:"),
+            chat(llm, 'Reply with the JSON object {"city": "Paris", "country": "France"} and nothing else.'),
+            "x",
+        ],
+        [choice, regex, obj, grammar],
+        use_tqdm=False,
+    )
+    assert outs[0].text in ("yes", "no", "maybe")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[1].text), outs[1].text
+    assert isinstance(json.loads(outs[2].text), dict)
+    assert re.fullmatch(r"x=[0-9][0-9]?;", outs[3].text), outs[3].text
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_each_sample_has_its_own_matcher(llm: Any) -> None:
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, seed=7, n=4, constraint=Constraint("regex", r"(ab|cd){2,4}!")
+    )
+    (out,) = llm.generate([chat(llm, "Letters:")], params, use_tqdm=False)
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 4
+    for text in texts:
+        assert re.fullmatch(r"(ab|cd){2,4}!", text), texts
+
+
+def test_unconstrained_neighbours_get_the_same_tokens(llm: Any) -> None:
+    plain = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [chat(llm, "What is the capital of France?"), chat(llm, "Name three colours.")]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    mixed = llm.generate(
+        [prompts[0], chat(llm, PROMPTS[0]), prompts[1], chat(llm, PROMPTS[1])],
+        [plain, schema_params(), plain, schema_params()],
+        use_tqdm=False,
+    )
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    jsonschema.validate(json.loads(mixed[1].text), PERSON)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_greedy_equals_the_unpreempted_run(
+    llm: Any, model_path: Path, mode: str
+) -> None:
+    prompts = [chat(llm, f"{p} (record {i})") for i, p in enumerate(PROMPTS * 2)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, schema_params(), use_tqdm=False)]
+    small = LLM(
+        str(model_path),
+        max_model_len=512,
+        num_gpu_blocks_override=24,
+        block_size=16,
+        max_num_seqs=8,
+        preemption_mode=mode,
+        num_threads=2,
+    )
+    try:
+        outs = small.generate(prompts, schema_params(), use_tqdm=False)
+        stats = small.engine.stats()
+    finally:
+        small.engine.close()
+    assert stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert small.engine.pool.num_free_blocks == small.engine.pool.num_blocks
+
+
+def test_prefix_cache_hits_keep_the_output(llm: Any) -> None:
+    prompt = chat(llm, PROMPTS[2])
+    first = llm.generate([prompt], schema_params(), use_tqdm=False)[0]
+    second = llm.generate([prompt], schema_params(), use_tqdm=False)[0]
+    assert second.num_cached_tokens > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_max_tokens_mid_object_finishes_with_length(llm: Any) -> None:
+    out = llm.generate([chat(llm, PROMPTS[0])], schema_params(max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.text.startswith("{")
+
+
+def test_uncompilable_constraints_are_refused_by_kind_and_the_engine_goes_on(llm: Any) -> None:
+    for constraint in (
+        Constraint("json_schema", json.dumps({"$ref": "#/$defs/missing"})),
+        Constraint("regex", "(unclosed"),
+        Constraint("grammar", "root ::= undefined_rule"),
+    ):
+        with pytest.raises(GrammarError, match=f"^{constraint.kind} could not be compiled"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, constraint=constraint), use_tqdm=False)
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    (out,) = llm.generate([chat(llm, PROMPTS[3])], schema_params(), use_tqdm=False)
+    jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_equal_constraints_compile_once(llm: Any) -> None:
+    service = llm.engine.grammars()
+    before = service.stats
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+    for text in (json.dumps(schema), json.dumps(schema, indent=2)):  # the same schema, spelled twice
+        llm.generate(
+            ["x"], SamplingParams(max_tokens=8, constraint=Constraint("json_schema", text)), use_tqdm=False
+        )
+    after = service.stats
+    assert after.compiles - before.compiles == 1
+    assert after.cache_hits - before.cache_hits == 1
+
+
+def test_a_compile_past_the_timeout_is_refused_and_the_next_compile_works(llm: Any, model_path: Path) -> None:
+    from dataplane.structured.compile_service import CompileService
+
+    engine = llm.engine
+    service = CompileService(
+        engine.tokenizer,
+        str(model_path),
+        engine.runner.model.config.vocab_size,
+        engine.eos_token_ids,
+        timeout_s=5.0,
+    )
+    try:
+        service.compile(Constraint("regex", "warm-up"))  # the child starts (and is timed) here
+        service.timeout_s = 1e-4  # no schema compiles against a 49k-token vocabulary this fast
+        with pytest.raises(
+            GrammarError, match=r"^json_schema could not be compiled within the compile timeout"
+        ):
+            service.compile(Constraint("json_schema", json.dumps(PERSON)))
+        assert service.stats.timeouts == 1
+        service.timeout_s = 30.0
+        compiled = service.compile(Constraint("json_schema", json.dumps(PERSON)))  # a fresh child
+        assert compiled is not None
+    finally:
+        service.close()
