@@ -66,6 +66,10 @@ SCRIPTS: dict[str, tuple[str, str]] = {
         "benchmarks.fp8_quality",
         "KV cache quality (bf16, FP8): KV bytes, blocks, perplexity and greedy agreement per kv_cache_dtype",
     ),
+    "structured": (
+        "benchmarks.structured",
+        "structured outputs: constrained vs unconstrained tok/s on the same prompts, compile p50/p99, mask share",
+    ),
     "attention-kernels": (
         "benchmarks.attention_kernels",
         "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",

@@ -102,6 +102,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--watermark=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "structuredOutputsCompileTimeout" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--structured-outputs-compile-timeout=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "tensorParallelSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tensor-parallel-size=%d" (int64 $v) | toJson }}
