@@ -95,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt = llm.apply_chat_template(
             [{"role": "user", "content": INSTRUCTION + question + "\nSchema: " + json.dumps(schema)}]
         )
-        prompts.append(prompt if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False))
+        prompts.append(
+            prompt if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False)
+        )
         constraint = Constraint("json_schema", json.dumps(schema))
         constrained.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.0, constraint=constraint))
 
