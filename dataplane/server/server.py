@@ -174,6 +174,9 @@ async def serve(
     log.info("dataplane_stopping")
     await server.stop(grace_s)
     engine_loop.stop()
+    close = getattr(engine_loop.engine, "close", None)  # the grammar compiler's child, if started
+    if close is not None:
+        close()
     for task in (waiter, stopper):
         task.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):
