@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
@@ -63,6 +64,19 @@ class _Job:
     waiters: list[Done] = field(default_factory=list)
 
 
+def _child_env() -> dict[str, str]:
+    """The parent's environment, one thread for torch (imported by xgrammar, unused), and the
+    folder this package was imported from first on the path (a source checkout that was
+    never installed still works)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": root if not path else root + os.pathsep + path,
+    }
+
+
 class _Worker:
     """One compile child (`python -m dataplane.structured.compile_worker`) and its pipes.
 
@@ -77,7 +91,7 @@ class _Worker:
             [sys.executable, "-m", "dataplane.structured.compile_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=_child_env(),
         )
         self.send((tokenizer_path, vocab_size, list(stop_ids)))
         status, payload = self.receive(start_timeout_s, "start")
