@@ -25,6 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         constraint = Constraint("json_schema", json.dumps(schema))
         constrained.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.0, constraint=constraint))
 
-    rounds = []
+    rounds: list[dict[str, float]] = []
     valid = finished = 0
     mask_total = step_total = 0.0
     for r in range(args.rounds):
         outs, wall_c, mask_c = phase(f"constrained, round {r + 1}", lambda: _timed(llm, prompts, constrained))
         lengths = [len(o.outputs[0].token_ids) for o in outs]
         plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-        _, wall_u, _ = phase(f"unconstrained, round {r + 1}", lambda plain=plain: _timed(llm, prompts, plain))
+        _, wall_u, _ = phase(f"unconstrained, round {r + 1}", partial(_timed, llm, prompts, plain))
         tokens = sum(lengths)
         rounds.append(
             {
