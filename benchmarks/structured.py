@@ -33,6 +33,7 @@ from benchmarks.common import default_model, phase
 from benchmarks.workloads import chat_prompts
 from dataplane import LLM, SamplingParams
 from pagedserve.common.constraints import Constraint
+from pagedserve.common.settings import ArgumentParser
 
 SCHEMAS_FILE = Path(__file__).parent / "data" / "schemas.json"
 INSTRUCTION = "Answer with one JSON value for this request and nothing else.\n\n"
@@ -49,12 +50,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve bench structured", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=default_model())
-    parser.add_argument("--streams", type=int, default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser = ArgumentParser(prog="pagedserve bench structured", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default=default_model(), help="store name or local Hugging Face folder")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent requests, one batch")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved constrained / unconstrained rounds"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per constrained output")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the figures here (default: print only)"
+    )
     return parser
 
 

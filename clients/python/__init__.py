@@ -3,8 +3,27 @@
 from clients.python import GenerationClient
 with GenerationClient("127.0.0.1:50051") as client:
     print(client.generate("Hello", max_tokens=32)[0].text)
+    # structured outputs: at most one of json_schema= (dict, JSON text or pydantic model class),
+    # json_object=True, regex=, choice=[...], grammar=
+    print(client.generate("Is the sky blue? Answer:", choice=["yes", "no"])[0].text)
 """
 
-from clients.python.client import AsyncGenerationClient, Completion, GenerationClient, StreamChunk
+from clients.python.client import (
+    AsyncGenerationClient,
+    Completion,
+    GenerationClient,
+    JsonSchema,
+    SchemaModel,
+    StreamChunk,
+    build_request,
+)
 
-__all__ = ["AsyncGenerationClient", "Completion", "GenerationClient", "StreamChunk"]
+__all__ = [
+    "AsyncGenerationClient",
+    "Completion",
+    "GenerationClient",
+    "JsonSchema",
+    "SchemaModel",
+    "StreamChunk",
+    "build_request",
+]

@@ -31,6 +31,34 @@ def add_client_parser(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="constrain the output to JSON valid under this JSON Schema (its text, or @FILE); at most one "
+        "of the constraint flags (default: unconstrained)",
+    )
+    constraint.add_argument(
+        "--json-object", action="store_true", help="constrain the output to any JSON object"
+    )
+    constraint.add_argument(
+        "--regex",
+        default=None,
+        help="constrain the output to match this regular expression (default: unconstrained)",
+    )
+    constraint.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        help="constrain the output to exactly one of the --choice values, repeatable (default: unconstrained)",
+    )
+    constraint.add_argument(
+        "--grammar",
+        default=None,
+        help="constrain the output to this EBNF grammar (GBNF dialect, a `root` rule; its text, or @FILE) "
+        "(default: unconstrained)",
+    )
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     # Read when the command runs, so --help never prints the key itself.
@@ -54,6 +82,11 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     from clients.python.client import Completion, GenerationClient
 
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        json_schema, grammar = _text_or_file(args.json_schema), _text_or_file(args.grammar)
+    except OSError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
     kwargs = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -61,6 +94,11 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         model=args.model or "",  # proto3: "" is unset, the server's served model
+        json_schema=json_schema,
+        json_object=args.json_object,
+        regex=args.regex,
+        choice=args.choice,
+        grammar=grammar,
     )
     try:
         with GenerationClient(
@@ -85,6 +123,14 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         print(f"pagedserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """A flag's text, or the contents of FILE for "@FILE"."""
+    if value is None or not value.startswith("@"):
+        return value
+    with open(value[1:], encoding="utf-8") as f:
+        return f.read()
 
 
 def _report(c: Any) -> None:

@@ -1,17 +1,33 @@
 """Sync and asyncio clients for `GenerationService`. Errors surface as `grpc.RpcError` /
 `grpc.aio.AioRpcError` carrying the server's status code and message. Calls retry as
-`RetryPolicy` says (docs/api.md, "Retries"; the Go and Java clients do the same)."""
+`RetryPolicy` says (docs/api.md, "Retries"; the Go and Java clients do the same).
+
+Structured outputs (docs/api.md, "Structured outputs over gRPC"): `generate`, `generate_stream`
+and `build_request` take at most one of `json_schema=` (a dict, its JSON text, or a pydantic
+model class), `json_object=True`, `regex=`, `choice=[...]` and `grammar=`, which constrain the
+output to match it:
+
+    with GenerationClient("127.0.0.1:50051") as client:
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+        out = client.generate("A person as JSON:", max_tokens=64, temperature=0.0, json_schema=schema)
+        json.loads(out[0].text)  # valid under the schema when finish_reason is "stop"
+        client.generate("Is water wet? Answer:", choice=["yes", "no"])[0].text  # "yes" or "no"
+
+A schema or grammar the server cannot compile fails the call with INVALID_ARGUMENT, whose
+details start with the field's name ("sampling_params.json_schema could not be compiled ...").
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -20,6 +36,81 @@ from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 T = TypeVar("T")
+
+
+class SchemaModel(Protocol):
+    """A class with pydantic's (v2) `model_json_schema()`: any `pydantic.BaseModel` subclass."""
+
+    @classmethod
+    def model_json_schema(cls) -> dict[str, Any]: ...
+
+
+JsonSchema = str | Mapping[str, Any] | type[SchemaModel]
+"""A JSON Schema: its JSON text, the parsed document, or a pydantic model class."""
+
+CONSTRAINT_ARGUMENTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""The keyword arguments that constrain the output, named as the wire's `SamplingParams` oneof."""
+
+
+def json_schema_text(schema: JsonSchema) -> str:
+    """A JSON schema as the JSON text the wire carries: a string is sent as it is (the server
+    checks it), a mapping is dumped, a pydantic model class gives its `model_json_schema()`.
+    Raises TypeError for anything else (and json.dumps' errors for a mapping that is not JSON data)."""
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, type):
+        method = getattr(schema, "model_json_schema", None)
+        if method is None:
+            raise TypeError(
+                f"json_schema: the class {schema.__name__} has no model_json_schema() (a pydantic model has)"
+            )
+        schema = method()
+    if not isinstance(schema, Mapping):
+        raise TypeError(
+            "json_schema must be a dict, its JSON text or a pydantic model class, "
+            f"got {type(schema).__name__}"
+        )
+    return json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def set_constraint(
+    params: common_pb2.SamplingParams,
+    *,
+    json_schema: JsonSchema | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+) -> None:
+    """Set the `constraint` oneof of `params` from at most one of the arguments (None, and
+    `json_object=False`, mean "not given"); two or more raise ValueError naming them. The
+    server validates the values (sizes, a compilable schema) and names the field when it refuses
+    one ("sampling_params.json_schema ...")."""
+    given = {
+        "json_schema": json_schema is not None,
+        "json_object": bool(json_object),
+        "regex": regex is not None,
+        "choice": choice is not None,
+        "grammar": grammar is not None,
+    }
+    names = [name for name in CONSTRAINT_ARGUMENTS if given[name]]
+    if len(names) > 1:
+        listed = ", ".join(names[:-1]) + " and " + names[-1]
+        raise ValueError(f"{listed} given: at most one constraint per request")
+    if json_schema is not None:
+        params.json_schema = json_schema_text(json_schema)
+    elif json_object:
+        params.json_object = True
+    elif regex is not None:
+        params.regex = regex
+    elif choice is not None:
+        if isinstance(choice, str):
+            raise TypeError("choice must be a sequence of strings, got one string")
+        params.choice.choices.extend(choice)
+        if not choice:  # an empty list still selects the kind (the server refuses it, naming it)
+            params.choice.SetInParent()
+    elif grammar is not None:
+        params.grammar = grammar
 
 
 @dataclass(frozen=True)
@@ -135,11 +226,24 @@ def build_request(
     request_id: str = "",
     cache_salt: str = "",
     model: str = "",
+    json_schema: JsonSchema | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
-    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits."""
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
+
+    At most one constraint (structured outputs; two raise ValueError naming both):
+    `json_schema` (a dict, its JSON text, or a pydantic model class: its `model_json_schema()`),
+    `json_object=True` (any JSON object), `regex` (the whole output matches it), `choice` (the
+    output is exactly one of these strings) or `grammar` (EBNF, GBNF dialect, a `root` rule)."""
     params = common_pb2.SamplingParams(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+    )
+    set_constraint(
+        params, json_schema=json_schema, json_object=json_object, regex=regex, choice=choice, grammar=grammar
     )
     params.logit_bias.update(logit_bias or {})
     for name, value in (
@@ -262,7 +366,9 @@ class GenerationClient:
     def generate_stream(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> Iterator[StreamChunk | Completion]:
-        """Stream chunks and, per index, a final Completion. Breaking out of the loop cancels the request."""
+        """Stream chunks and, per index, a final Completion. Breaking out of the loop cancels the
+        request. `kwargs` are `build_request`'s: sampling parameters and at most one constraint
+        (`json_schema=`, `json_object=True`, `regex=`, `choice=`, `grammar=`)."""
         request = build_request(prompt, **kwargs)
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -283,6 +389,8 @@ class GenerationClient:
             time.sleep(wait)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> list[Completion]:
+        """One Completion per index (`n`), in index order; `kwargs` as `generate_stream`, e.g.
+        `generate(prompt, max_tokens=64, temperature=0.0, json_schema=Person)`."""
         collector = _Collector()
         for item in self.generate_stream(prompt, timeout=timeout, **kwargs):
             collector.add(item)
@@ -346,6 +454,7 @@ class AsyncGenerationClient:
     async def generate_stream(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[StreamChunk | Completion]:
+        """As GenerationClient.generate_stream (constraints included)."""
         request = build_request(prompt, **kwargs)
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -368,6 +477,7 @@ class AsyncGenerationClient:
     async def generate(
         self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
     ) -> list[Completion]:
+        """As GenerationClient.generate (constraints included)."""
         collector = _Collector()
         async for item in self.generate_stream(prompt, timeout=timeout, **kwargs):
             collector.add(item)

@@ -8,7 +8,53 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/pagedserve/pagedserve/clients/go/pagedservev1"
 )
+
+func TestConstraintHelpersSetTheOneof(t *testing.T) {
+	schema := `{"type":"object","properties":{"name":{"type":"string"}},"required":["name"]}`
+	if got := WithJSONSchema(Greedy(8), schema).GetJsonSchema(); got != schema {
+		t.Errorf("WithJSONSchema: %q", got)
+	}
+	type property struct {
+		Type string `json:"type"`
+	}
+	of, err := WithJSONSchemaOf(Greedy(8), struct {
+		Type       string              `json:"type"`
+		Properties map[string]property `json:"properties"`
+	}{"object", map[string]property{"age": {"integer"}}})
+	if err != nil || of.GetJsonSchema() != `{"type":"object","properties":{"age":{"type":"integer"}}}` {
+		t.Errorf("WithJSONSchemaOf: %q %v", of.GetJsonSchema(), err)
+	}
+	if _, err := WithJSONSchemaOf(Greedy(8), func() {}); err == nil {
+		t.Error("WithJSONSchemaOf marshalled a func")
+	}
+	if !WithJSONObject(Greedy(8)).GetJsonObject() {
+		t.Error("WithJSONObject")
+	}
+	if got := WithRegex(Greedy(8), "[0-9]+").GetRegex(); got != "[0-9]+" {
+		t.Errorf("WithRegex: %q", got)
+	}
+	if got := WithGrammar(Greedy(8), `root ::= "a"`).GetGrammar(); got != `root ::= "a"` {
+		t.Errorf("WithGrammar: %q", got)
+	}
+	// The last helper wins: a request carries at most one constraint.
+	params := WithChoice(WithRegex(Greedy(8), "x"), "yes", "no")
+	if got := params.GetChoice().GetChoices(); len(got) != 2 || got[0] != "yes" || got[1] != "no" || params.GetRegex() != "" {
+		t.Errorf("WithChoice: %v (regex %q)", got, params.GetRegex())
+	}
+	// It survives the wire: the oneof is encoded and decoded.
+	data, err := proto.Marshal(params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back pb.SamplingParams
+	if err := proto.Unmarshal(data, &back); err != nil || !proto.Equal(&back, params) {
+		t.Errorf("round trip: %v %v", &back, err)
+	}
+}
 
 func TestCodeNamesAreTheCanonicalOnes(t *testing.T) {
 	want := map[codes.Code]string{

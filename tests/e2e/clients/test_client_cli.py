@@ -1,11 +1,13 @@
 """`pagedserve client generate` against an in-process GenerationService that records what it
 was sent and, like the real control plane (Frontend.check_model), answers only to its served
-model names: --model reaches GenerateRequest.model, an unknown name fails with NOT_FOUND."""
+model names: --model reaches GenerateRequest.model, an unknown name fails with NOT_FOUND; the
+constraint flags (--json-schema, --choice, ...) set SamplingParams' constraint, one at most."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -96,3 +98,24 @@ def test_api_key_comes_from_the_environment_unless_given(
     assert main(["client", "generate", "--address", address, "hi"]) == 0
     assert main(["client", "generate", "--address", address, "--api-key", "from-flag", "hi"]) == 0
     assert [m.get("authorization") for m in servicer.metadata] == ["Bearer from-env", "Bearer from-flag"]
+
+
+def test_constraint_flags_reach_the_sampling_params(
+    server: tuple[str, RecordingGeneration], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, servicer = server
+    schema = tmp_path / "person.schema.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}}')
+    assert main(["client", "generate", "--address", address, "--json-schema", f"@{schema}", "hi"]) == 0
+    assert main(["client", "generate", "--address", address, "--choice", "yes", "--choice", "no", "hi"]) == 0
+    assert main(["client", "generate", "--address", address, "--json-object", "hi"]) == 0
+    first, second, third = (r.sampling_params for r in servicer.requests)
+    assert first.json_schema == schema.read_text()
+    assert list(second.choice.choices) == ["yes", "no"]
+    assert third.WhichOneof("constraint") == "json_object" and third.json_object
+    with pytest.raises(SystemExit) as info:  # argparse: the constraint flags exclude each other
+        main(["client", "generate", "--address", address, "--regex", "a", "--choice", "a", "hi"])
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["client", "generate", "--address", address, "--json-schema", "@/nonexistent", "hi"]) == 2
+    assert len(servicer.requests) == 3

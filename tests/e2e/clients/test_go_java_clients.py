@@ -9,7 +9,10 @@ command streams from a real server on the default model.
 - a deadline shorter than the generation ends with DEADLINE_EXCEEDED, and Ctrl-C with exit 130,
   and either way the data plane's pool is all free again;
 - over TLS with the test CA and an API key it works; a wrong key gets UNAUTHENTICATED;
-- the retry policy (docs/api.md) makes exactly the Python client's attempts against the fake.
+- the retry policy (docs/api.md) makes exactly the Python client's attempts against the fake;
+- structured outputs: `--json-schema` gives greedy JSON valid under the schema, ending with STOP
+  and equal to the Python client's; `--choice` answers one of the choices; a schema the server
+  cannot compile prints its INVALID_ARGUMENT naming `sampling_params.json_schema`.
 
 The Java example runs twice: iterating the blocking stub, and with `--async` (a StreamObserver).
 Without go/javac/mvn the tests skip, saying what to install; PAGEDSERVE_REQUIRE_CLIENTS=1 (CI)
@@ -19,6 +22,7 @@ makes that a failure.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import shutil
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 
 from clients.python import AsyncGenerationClient, GenerationClient
@@ -301,6 +306,50 @@ def test_the_readme_quickstarts_print_the_python_clients_text(
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
     assert "Paris" in expected
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+PERSON_PROMPT = "Give me a JSON object describing a person, with a name and an age."
+
+
+@pytest.mark.real_model
+def test_structured_outputs_json_schema_and_choice(example: Example, server: ServerThread) -> None:
+    """--json-schema and --choice (at most one constraint flag) set SamplingParams' constraint."""
+    with GenerationClient(server.grpc_address, timeout=120) as client:
+        chat = [{"role": "user", "content": PERSON_PROMPT}]
+        expected = client.generate(chat, max_tokens=64, temperature=0.0, json_schema=PERSON_SCHEMA)[0]
+    assert expected.finish_reason == "stop"
+    address = ["--address", server.grpc_address]
+    person, answer, uncompilable = example.run_all(
+        [
+            [
+                *address,
+                "--max-tokens",
+                "64",
+                "--chat",
+                "--json-schema",
+                json.dumps(PERSON_SCHEMA),
+                PERSON_PROMPT,
+            ],
+            [*address, "--max-tokens", "16", "--choice", "yes", "--choice", "no", "Is the sky blue? Answer:"],
+            [*address, "--max-tokens", "8", "--json-schema", '{"$ref": "#/$defs/missing"}', "x"],
+        ]
+    )
+    assert person.returncode == 0, person.stderr
+    assert "[stop;" in person.stderr, person.stderr
+    jsonschema.validate(json.loads(person.stdout), PERSON_SCHEMA)
+    assert person.stdout == expected.text + "\n"
+    assert answer.returncode == 0 and "[stop;" in answer.stderr, answer.stderr
+    assert answer.stdout in ("yes\n", "no\n"), answer.stdout
+    assert uncompilable.returncode == 1, uncompilable.stdout
+    assert "error: INVALID_ARGUMENT: sampling_params.json_schema could not be compiled" in uncompilable.stderr
+    both = example.run(*address, "--regex", "a", "--choice", "a", "x")
+    assert both.returncode == 2 and "at most one constraint flag, got --regex and --choice" in both.stderr
+    server.wait_idle()
 
 
 # -- the retry policy, against the scripted fake -------------------------------------------------

@@ -6,6 +6,13 @@
 //	pagedserve-generate --model my-alias "Hello"   # one of the server's --served-model-name names
 //	echo "Prompt from stdin" | pagedserve-generate -
 //
+// Structured outputs (at most one of the flags; @FILE reads the schema or grammar from a file):
+//
+//	pagedserve-generate --chat --json-schema '{"type":"object","properties":{"name":{"type":"string"}},"required":["name"]}' "A person as JSON"
+//	pagedserve-generate --json-schema @person.schema.json "A person as JSON:"
+//	pagedserve-generate --choice yes --choice no "Is the sky blue? Answer:"
+//	pagedserve-generate --json-object / --regex '[0-9]{3}' / --grammar @arith.gbnf ...
+//
 // Exit status: 0 done, 1 the server (or the deadline) ended the call ("error: CODE: message"
 // on stderr), 2 bad flags, 130 cancelled by Ctrl-C.
 package main
@@ -18,6 +25,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -32,6 +40,56 @@ func main() {
 	os.Exit(run())
 }
 
+// repeated is a flag that may be given several times (--choice yes --choice no).
+type repeated []string
+
+func (r *repeated) String() string     { return strings.Join(*r, ",") }
+func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }
+
+// textOrFile is a flag's text, or the contents of FILE for "@FILE".
+func textOrFile(value string) (string, error) {
+	if !strings.HasPrefix(value, "@") {
+		return value, nil
+	}
+	data, err := os.ReadFile(value[1:])
+	return string(data), err
+}
+
+// constrain sets at most one constraint on params from the flags that were given; more than
+// one is an error naming them.
+func constrain(params *pb.SamplingParams, set map[string]bool, jsonSchema, regex, grammar string, choices []string) error {
+	var given []string
+	for _, name := range []string{"json-schema", "json-object", "regex", "choice", "grammar"} {
+		if set[name] {
+			given = append(given, "--"+name)
+		}
+	}
+	if len(given) > 1 {
+		return fmt.Errorf("at most one constraint flag, got %s", strings.Join(given, " and "))
+	}
+	switch {
+	case set["json-schema"]:
+		text, err := textOrFile(jsonSchema)
+		if err != nil {
+			return err
+		}
+		pagedserve.WithJSONSchema(params, text)
+	case set["json-object"]:
+		pagedserve.WithJSONObject(params)
+	case set["regex"]:
+		pagedserve.WithRegex(params, regex)
+	case set["choice"]:
+		pagedserve.WithChoice(params, choices...)
+	case set["grammar"]:
+		text, err := textOrFile(grammar)
+		if err != nil {
+			return err
+		}
+		pagedserve.WithGrammar(params, text)
+	}
+	return nil
+}
+
 func run() int {
 	address := flag.String("address", "127.0.0.1:50051", "the control plane's gRPC address")
 	model := flag.String("model", "", "model name to ask for: one of the server's --served-model-name names; "+
@@ -43,6 +101,12 @@ func run() int {
 	apiKey := flag.String("api-key", os.Getenv("PAGEDSERVE_API_KEY"), "API key (default $PAGEDSERVE_API_KEY)")
 	useTLS := flag.Bool("tls", false, "connect over TLS (system roots)")
 	caFile := flag.String("tls-ca-file", "", "connect over TLS, verifying the server with this CA")
+	jsonSchema := flag.String("json-schema", "", "constrain the output to JSON valid under this JSON Schema (its text, or @FILE)")
+	jsonObject := flag.Bool("json-object", false, "constrain the output to any JSON object")
+	regex := flag.String("regex", "", "constrain the output to match this regular expression")
+	var choices repeated
+	flag.Var(&choices, "choice", "constrain the output to exactly one of the --choice values (repeatable)")
+	grammar := flag.String("grammar", "", "constrain the output to this EBNF grammar (GBNF dialect, a root rule; its text, or @FILE)")
 	flag.Usage = func() {
 		fmt.Fprintf(flag.CommandLine.Output(), "usage: %s [flags] PROMPT (- reads it from stdin)\n", os.Args[0])
 		flag.PrintDefaults()
@@ -52,6 +116,9 @@ func run() int {
 		flag.Usage()
 		return 2
 	}
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	set["json-object"] = *jsonObject // --json-object=false: not given
 	prompt := flag.Arg(0)
 	if prompt == "-" {
 		data, err := io.ReadAll(os.Stdin)
@@ -60,6 +127,12 @@ func run() int {
 			return 2
 		}
 		prompt = string(data)
+	}
+
+	params := pagedserve.Sampled(uint32(*maxTokens), float32(*temperature))
+	if err := constrain(params, set, *jsonSchema, *regex, *grammar, choices); err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		return 2
 	}
 
 	// Ctrl-C (or SIGTERM) cancels the context, which cancels the call on the server.
@@ -78,7 +151,6 @@ func run() int {
 	}
 	defer client.Close()
 
-	params := pagedserve.Sampled(uint32(*maxTokens), float32(*temperature))
 	req := pagedserve.TextRequest(prompt, params)
 	if *chat {
 		req = pagedserve.ChatRequest([]*pb.ChatMessage{pagedserve.User(prompt)}, params)

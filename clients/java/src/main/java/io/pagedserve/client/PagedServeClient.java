@@ -14,6 +14,7 @@ import io.grpc.stub.MetadataUtils;
 import io.netty.handler.ssl.SslContextBuilder;
 import io.pagedserve.v1.ChatMessage;
 import io.pagedserve.v1.ChatMessages;
+import io.pagedserve.v1.Choices;
 import io.pagedserve.v1.DetokenizeRequest;
 import io.pagedserve.v1.GenerateComplete;
 import io.pagedserve.v1.GenerateRequest;
@@ -27,6 +28,7 @@ import io.pagedserve.v1.TokenizeRequest;
 import java.io.File;
 import java.time.Duration;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.Iterator;
 import java.util.List;
 import java.util.Map;
@@ -54,6 +56,10 @@ import javax.net.ssl.SSLException;
  *   List<Completion> out = client.stream(request, chunk -> System.out.print(chunk.getText()));
  * }
  * }</pre>
+ *
+ * <p>Structured outputs: {@link #withJsonSchema}, {@link #withJsonObject}, {@link #withRegex},
+ * {@link #withChoice} and {@link #withGrammar} constrain the output of a request's sampling
+ * parameters, e.g. {@code withChoice(greedy(4), "yes", "no")}.
  *
  * <p>Errors are {@link StatusRuntimeException}s carrying the server's status code and message
  * (which names the offending field for INVALID_ARGUMENT). Calls retry as {@link RetryPolicy}
@@ -167,6 +173,45 @@ public final class PagedServeClient implements AutoCloseable {
   /** Sampling at {@code temperature}, at most {@code maxTokens} tokens. */
   public static SamplingParams sampled(int maxTokens, float temperature) {
     return SamplingParams.newBuilder().setMaxTokens(maxTokens).setTemperature(temperature).build();
+  }
+
+  // -- structured outputs: each sets the constraint oneof (replacing any set before: a request has
+  // at most one) on a copy of params. The server checks the values (sizes, a compilable schema
+  // or grammar) and refuses a bad one with INVALID_ARGUMENT naming the field
+  // ("sampling_params.json_schema could not be compiled: ...").
+  //
+  //   SamplingParams params = PagedServeClient.withJsonSchema(PagedServeClient.greedy(64),
+  //       "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"}},\"required\":[\"name\"]}");
+  //   SamplingParams yesNo = PagedServeClient.withChoice(PagedServeClient.greedy(4), "yes", "no");
+
+  /** The output is a JSON value valid under {@code schema} (a JSON Schema document, as JSON text). */
+  public static SamplingParams withJsonSchema(SamplingParams params, String schema) {
+    return params.toBuilder().setJsonSchema(schema).build();
+  }
+
+  /** The output is any JSON object (OpenAI's response_format json_object). */
+  public static SamplingParams withJsonObject(SamplingParams params) {
+    return params.toBuilder().setJsonObject(true).build();
+  }
+
+  /** The whole output matches the regular expression {@code pattern}. */
+  public static SamplingParams withRegex(SamplingParams params, String pattern) {
+    return params.toBuilder().setRegex(pattern).build();
+  }
+
+  /** The output is exactly one of {@code choices} (1 to 256 non-empty strings). */
+  public static SamplingParams withChoice(SamplingParams params, List<String> choices) {
+    return params.toBuilder().setChoice(Choices.newBuilder().addAllChoices(choices)).build();
+  }
+
+  /** The output is exactly one of {@code choices} (1 to 256 non-empty strings). */
+  public static SamplingParams withChoice(SamplingParams params, String... choices) {
+    return withChoice(params, Arrays.asList(choices));
+  }
+
+  /** The output is a sentence of an EBNF grammar (GBNF dialect, with a {@code root} rule). */
+  public static SamplingParams withGrammar(SamplingParams params, String grammar) {
+    return params.toBuilder().setGrammar(grammar).build();
   }
 
   /** A plain-text prompt (no chat template). */

@@ -12,10 +12,14 @@ import java.io.FileOutputStream;
 import java.io.IOException;
 import java.io.PrintStream;
 import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
 import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collections;
+import java.util.LinkedHashSet;
 import java.util.List;
+import java.util.Set;
 import java.util.concurrent.CancellationException;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CountDownLatch;
@@ -30,7 +34,13 @@ import java.util.concurrent.atomic.AtomicBoolean;
  * <pre>
  * java -cp ... io.pagedserve.examples.Generate --address 127.0.0.1:50051 --max-tokens 64 "The capital of France is"
  * java -cp ... io.pagedserve.examples.Generate --chat --async "What is the capital of France?"
+ * java -cp ... io.pagedserve.examples.Generate --chat --json-schema @person.schema.json "A person as JSON"
+ * java -cp ... io.pagedserve.examples.Generate --choice yes --choice no "Is the sky blue? Answer:"
  * </pre>
+ *
+ * <p>Structured outputs: at most one of {@code --json-schema SCHEMA}, {@code --json-object},
+ * {@code --regex RE}, {@code --choice C} (repeatable) and {@code --grammar GBNF}; {@code @FILE}
+ * reads a schema or grammar from a file.
  *
  * <p>{@code --async} streams through the async stub (a StreamObserver) instead of iterating the
  * blocking stub. Exit status: 0 done, 1 the server (or the deadline) ended the call ("error:
@@ -39,9 +49,11 @@ import java.util.concurrent.atomic.AtomicBoolean;
 public final class Generate {
   private static final String USAGE =
       "usage: Generate [--address HOST:PORT] [--model NAME] [--max-tokens N] [--temperature T] [--chat]\n"
-          + "                [--async] [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM] PROMPT\n"
+          + "                [--async] [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM]\n"
+          + "                [--json-schema SCHEMA | --json-object | --regex RE | --choice C... | --grammar GBNF] PROMPT\n"
           + "  (PROMPT - reads it from stdin; --model: one of the server's --served-model-name names,\n"
-          + "   default the served model; --api-key defaults to $PAGEDSERVE_API_KEY)";
+          + "   default the served model; --api-key defaults to $PAGEDSERVE_API_KEY; at most one\n"
+          + "   constraint, --choice repeatable, @FILE reads a schema or grammar from FILE)";
 
   public static void main(String[] args) throws Exception {
     // UTF-8 whatever the locale, and unbuffered so that each chunk shows as it arrives.
@@ -56,6 +68,11 @@ public final class Generate {
     String apiKey = System.getenv("PAGEDSERVE_API_KEY");
     boolean tls = false;
     String caFile = null;
+    Set<String> constraints = new LinkedHashSet<>(); // the constraint flags given, in order
+    String jsonSchema = null;
+    String regex = null;
+    String grammar = null;
+    List<String> choices = new ArrayList<>();
     List<String> positional = new ArrayList<>();
     try {
       for (int i = 0; i < args.length; i++) {
@@ -74,6 +91,9 @@ public final class Generate {
             continue;
           case "--tls":
             tls = true;
+            continue;
+          case "--json-object":
+            constraints.add(arg);
             continue;
           case "-h":
           case "--help":
@@ -112,6 +132,22 @@ public final class Generate {
             case "--tls-ca-file":
               caFile = value;
               break;
+            case "--json-schema":
+              jsonSchema = value;
+              constraints.add(arg);
+              break;
+            case "--regex":
+              regex = value;
+              constraints.add(arg);
+              break;
+            case "--choice":
+              choices.add(value);
+              constraints.add(arg);
+              break;
+            case "--grammar":
+              grammar = value;
+              constraints.add(arg);
+              break;
             default:
               throw new IllegalArgumentException("unknown flag " + arg);
           }
@@ -121,6 +157,9 @@ public final class Generate {
       }
       if (positional.size() != 1) {
         throw new IllegalArgumentException("one PROMPT expected");
+      }
+      if (constraints.size() > 1) {
+        throw new IllegalArgumentException("at most one constraint flag, got " + String.join(" and ", constraints));
       }
     } catch (IllegalArgumentException e) {
       System.err.println("error: " + e.getMessage() + "\n" + USAGE);
@@ -144,6 +183,22 @@ public final class Generate {
       builder.timeout(Duration.ofNanos((long) (timeout * 1e9)));
     }
     SamplingParams params = PagedServeClient.sampled(maxTokens, temperature);
+    try {
+      if (jsonSchema != null) {
+        params = PagedServeClient.withJsonSchema(params, textOrFile(jsonSchema));
+      } else if (constraints.contains("--json-object")) {
+        params = PagedServeClient.withJsonObject(params);
+      } else if (regex != null) {
+        params = PagedServeClient.withRegex(params, regex);
+      } else if (!choices.isEmpty()) {
+        params = PagedServeClient.withChoice(params, choices);
+      } else if (grammar != null) {
+        params = PagedServeClient.withGrammar(params, textOrFile(grammar));
+      }
+    } catch (IOException e) {
+      System.err.println("error: " + e);
+      System.exit(2);
+    }
     GenerateRequest request =
         chat
             ? PagedServeClient.chatRequest(Collections.singletonList(PagedServeClient.user(prompt)), params)
@@ -157,6 +212,11 @@ public final class Generate {
       status = 1;
     }
     System.exit(status);
+  }
+
+  /** A flag's text, or the contents of FILE for "@FILE". */
+  private static String textOrFile(String value) throws IOException {
+    return value.startsWith("@") ? Files.readString(Path.of(value.substring(1)), StandardCharsets.UTF_8) : value;
   }
 
   /** Iterates the blocking stub inside a cancellable context that Ctrl-C cancels. */
