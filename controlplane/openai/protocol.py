@@ -2,10 +2,12 @@
 
 The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
 `cache_salt`) are honoured, so `extra_body={...}` from the official client works; `model` may
-be omitted (the served model). A parameter that would change the output but that we do not
-implement (tools, structured output, beam search, ...) is refused with 400 naming it
-(`unsupported()`), never silently ignored; other unknown fields (`user`, `store`, `metadata`,
-...) are ignored. Values are range-checked by `Frontend.validate`, not here.
+be omitted (the served model). Structured outputs (`response_format`, vLLM's
+`structured_outputs` and its `guided_*` aliases) are read from the extra fields by
+`controlplane.openai.structured`. A parameter that would change the output but that we do not
+implement (tools, beam search, ...) is refused with 400 naming it (`unsupported()`), never
+silently ignored; other unknown fields (`user`, `store`, `metadata`, ...) are ignored. Values
+are range-checked by `Frontend.validate`, not here.
 """
 
 from __future__ import annotations
@@ -35,15 +37,13 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v in (None, "none"),
     "functions": _falsy,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": _unset,
     "modalities": lambda v: v is None or v == ["text"],
     "prompt_logprobs": _unset,
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "structured_outputs": _unset,
+    # (structured outputs are read by controlplane/openai/structured.py; these vLLM options
+    # of theirs are not implemented)
+    "guided_whitespace_pattern": _unset,
+    "structural_tag": _unset,
     "min_tokens": _falsy,
     "bad_words": _falsy,
     "allowed_token_ids": _unset,

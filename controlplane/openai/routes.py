@@ -3,7 +3,9 @@
 `/v1/models` (and `/v1/models/{id}`), `/v1/completions`, `/v1/chat/completions`, and vLLM's
 `/tokenize`, `/detokenize` and `/version`. Streaming is server-sent events (`data: {chunk}`
 ... `data: [DONE]`), with a final usage chunk when `stream_options.include_usage` is set (and the
-usage so far on every chunk with `continuous_usage_stats`, as vLLM).
+usage so far on every chunk with `continuous_usage_stats`, as vLLM). Structured outputs
+(`response_format`, `structured_outputs`, `guided_*`) are read by `structured.py` into the
+request's constraint, named as the client put it.
 Every error, including a body that is not JSON, a route that does not exist or a wrong method,
 is OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` with `param` naming
 the field the message is about, and the status the gRPC code maps to (400 bad field, 401,
@@ -36,6 +38,7 @@ from controlplane.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from controlplane.openai.structured import Structured, structured_output
 from controlplane.request import GenerationRequest
 from pagedserve import __version__
 from pagedserve.common.log import get_logger
@@ -297,9 +300,13 @@ class OpenAIRoutes:
         body: CompletionRequest | ChatCompletionRequest,
         sampling: dict[str, object],
         http: Request,
+        structured: Structured,
         field_names: dict[str, str] | None = None,
     ) -> list[GenerationRequest]:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if structured.constraint is not None:  # named (and renamed on refusal) as the client put it
+            sampling = {**sampling, "constraint": structured.constraint}
+            field_names = {**(field_names or {}), **structured.field_names}
         label = http.headers.get("x-request-id")
         return [
             self.frontend.validate(
@@ -315,13 +322,15 @@ class OpenAIRoutes:
             for i, prompt in enumerate(prompts)
         ]
 
-    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """What is checked before any prompt is tokenized: the model, refused parameters."""
+    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> Structured:
+        """What is checked before any prompt is tokenized: the model, refused parameters, the
+        structured output asked for (returned)."""
         self.frontend.check_model(body.model)
         refused = body.unsupported()
         if refused is not None:
             param, message = refused
             raise invalid_argument(message, param)
+        return structured_output(body.model_extra or {})
 
     async def _merged(
         self, gens: list[GenerationRequest], n: int, http: Request
@@ -425,10 +434,11 @@ class OpenAIRoutes:
 
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
-        self._check(body)
+        structured = self._check(body)
         self.frontend.check_batch(_num_prompts(body.prompt), body.num_choices)
         prompts = self._completion_prompts(body.prompt)
-        gens = self._requests(prompts, body, self._sampling(body, body.max_tokens, body.logprobs), http)
+        sampling = self._sampling(body, body.max_tokens, body.logprobs)
+        gens = self._requests(prompts, body, sampling, http, structured)
         rid, created = f"cmpl-{_response_id(http)}", int(time.time())
         decode = self._token_text
         wants_logprobs = body.logprobs is not None
@@ -445,8 +455,8 @@ class OpenAIRoutes:
                 pos += len(t)
             return {
                 "tokens": tokens,
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{decode(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "token_logprobs": [_logprob(lp.logprob) for lp in lps],
+                "top_logprobs": [{decode(t.token_id): _logprob(t.logprob) for t in lp.top} for lp in lps],
                 "text_offset": offsets,
             }
 
@@ -509,7 +519,7 @@ class OpenAIRoutes:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
-        self._check(body)
+        structured = self._check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = self.frontend.encode_chat(messages, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -518,7 +528,8 @@ class OpenAIRoutes:
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
-        gens = self._requests([prompt], body, self._sampling(body, max_tokens, logprobs), http, names)
+        sampling = self._sampling(body, max_tokens, logprobs)
+        gens = self._requests([prompt], body, sampling, http, structured, names)
         rid, created = f"chatcmpl-{_response_id(http)}", int(time.time())
         decode = self._token_text
 
@@ -533,13 +544,18 @@ class OpenAIRoutes:
                 top = [
                     {
                         "token": decode(x.token_id),
-                        "logprob": x.logprob,
+                        "logprob": _logprob(x.logprob),
                         "bytes": list(decode(x.token_id).encode()),
                     }
                     for x in lp.top
                 ]
                 content.append(
-                    {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+                    {
+                        "token": text,
+                        "logprob": _logprob(lp.logprob),
+                        "bytes": list(text.encode()),
+                        "top_logprobs": top,
+                    }
                 )
             return {"content": content}
 
@@ -598,6 +614,15 @@ class OpenAIRoutes:
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+MIN_LOGPROB = -9999.0
+"""What a logprob of -inf is reported as (vLLM's floor): a token a structured output's grammar
+masks has probability 0, and JSON has no infinity."""
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

@@ -11,6 +11,7 @@ It is created once per sample (n > 1: one each) and lives on the request, so pre
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,29 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# "[15:40:02] /project/cpp/json_schema_converter.cc:4950: " before the backend's own message.
+_BACKEND_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+def unenforced_keyword(schema: object, path: str = "#") -> str | None:
+    """Where a schema uses a keyword the backend would silently not enforce (its output could
+    then violate the schema and still finish with "stop"): `not`, and `allOf` with more than
+    one subschema. None when there is none. `oneOf` is generated as `anyOf` (documented)."""
+    stack: list[tuple[object, str]] = [(schema, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            if "not" in node:
+                return f"{where}/not"
+            all_of = node.get("allOf")
+            if isinstance(all_of, list) and len(all_of) > 1:
+                return f"{where}/allOf"
+            stack.extend((v, f"{where}/{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}/{i}") for i, v in enumerate(node))
+    return None
+
+
 def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
     """Compile one constraint; raises GrammarError naming its kind.
 
@@ -51,6 +75,12 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) ->
     strictly (no properties or items beyond those it lists), which keeps every output valid
     under the schema as written; `json_object` allows any properties.
     """
+    if constraint.kind == "json_schema":
+        where = unenforced_keyword(json.loads(constraint.value))
+        if where is not None:
+            raise GrammarError(
+                constraint.kind, f"uses a keyword that cannot be enforced while generating: {where}"
+            )
     try:
         if constraint.kind == "json_schema":
             return compiler.compile_json_schema(constraint.value, any_whitespace=False, strict_mode=True)
@@ -62,7 +92,8 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) ->
             return compiler.compile_grammar(choice_grammar(constraint.choices))
         return compiler.compile_grammar(constraint.value)
     except (RuntimeError, ValueError, TypeError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        reason = _BACKEND_LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
         raise GrammarError(constraint.kind, f"could not be compiled: {reason[:500]}") from None
 
 

@@ -212,3 +212,23 @@ def test_a_compile_past_the_timeout_is_refused_and_the_next_compile_works(llm: A
         assert compiled is not None
     finally:
         service.close()
+
+
+def test_keywords_the_backend_cannot_enforce_are_refused_by_path(llm: Any) -> None:
+    for schema, where in (
+        ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, "#/properties/x/not"),
+        ({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, "#/allOf"),
+    ):
+        params = SamplingParams(max_tokens=4, constraint=Constraint("json_schema", json.dumps(schema)))
+        with pytest.raises(GrammarError, match=f"cannot be enforced while generating: {where}$"):
+            llm.generate(["x"], params, use_tqdm=False)
+
+
+def test_a_refusal_carries_the_backends_message_without_its_log_prefix(llm: Any) -> None:
+    params = SamplingParams(
+        max_tokens=4, constraint=Constraint("json_schema", json.dumps({"$ref": "#/$defs/nope"}))
+    )
+    with pytest.raises(GrammarError) as err:
+        llm.generate(["x"], params, use_tqdm=False)
+    assert not re.search(r"\.cc:[0-9]+", str(err.value)), str(err.value)
+    assert "$defs" in str(err.value)

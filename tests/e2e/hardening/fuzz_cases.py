@@ -219,8 +219,8 @@ UNSUPPORTED_PARAMS = (
     "tools",
     "tool_choice",
     "functions",
-    "response_format",
-    "guided_json",
+    "guided_whitespace_pattern",
+    "structural_tag",
     "use_beam_search",
     "min_tokens",
     "echo",
@@ -230,6 +230,74 @@ UNSUPPORTED_PARAMS = (
     "chat_template",
     "audio",
 )
+
+
+# Structured outputs (controlplane/openai/structured.py): shapes near the valid ones, wrong in
+# one place or not at all (a body that carries one counts as mutated: it must never be a 5xx);
+# schemas, regexes and grammars that parse but do not compile reach the data plane's compiler.
+# (short texts only: a 10,000-character regex takes the compiler seconds, a case's whole time)
+_SHORT_TEXT = st.text(ANY_CHAR, max_size=40)
+_SHORT_JUNK = st.recursive(
+    st.none() | st.booleans() | NUMBERS | _SHORT_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_SHORT_TEXT, inner, max_size=4),
+    max_leaves=8,
+)
+_SCHEMAS = st.sampled_from(
+    [
+        {"type": "object"},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"$ref": "#/$defs/missing"},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 1},
+        {"enum": []},
+        {"type": "nope"},
+        {"type": "string", "pattern": "("},
+        {"anyOf": []},
+        {"properties": {"\ud800": {"type": "string"}}},
+    ]
+)
+_REGEXES = st.sampled_from(["[0-9]{2}", "(", "[", "\\", "a**", "(?=a)b", "a{2,1}", "\\p{Lu}"])
+_GRAMMARS = st.sampled_from(['root ::= "a" | "b"', "root ::= undefined", "root ::=", 'x ::= "a"', "::="])
+_STRUCTURED_KEYS = st.sampled_from(
+    [
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "whitespace_pattern",
+        "structural_tag",
+        "disable_fallback",
+    ]
+)
+STRUCTURED_HOSTILE: dict[str, st.SearchStrategy[Any]] = {
+    "response_format": _SHORT_JUNK
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag", ""]) | _SHORT_JUNK},
+        optional={
+            "json_schema": _SHORT_JUNK
+            | st.fixed_dictionaries(
+                {},
+                optional={
+                    "name": st.sampled_from(["s", "a b", "x" * 65]) | _SHORT_TEXT | _SHORT_JUNK,
+                    "schema": _SCHEMAS | _SHORT_JUNK,
+                    "strict": _SHORT_JUNK,
+                    "description": _SHORT_JUNK,
+                },
+            )
+        },
+    ),
+    "structured_outputs": _SHORT_JUNK
+    | st.dictionaries(
+        _STRUCTURED_KEYS | _SHORT_TEXT,
+        _SCHEMAS | _REGEXES | _GRAMMARS | st.lists(_SHORT_TEXT, max_size=3) | _SHORT_JUNK,
+        max_size=3,
+    ),
+    "guided_json": _SCHEMAS | _SCHEMAS.map(json.dumps) | _SHORT_TEXT | _SHORT_JUNK,
+    "guided_regex": _REGEXES | _SHORT_TEXT | _SHORT_JUNK,
+    "guided_choice": st.lists(_SHORT_TEXT | _SHORT_JUNK, max_size=4) | st.just(["a"] * 257) | _SHORT_JUNK,
+    "guided_grammar": _GRAMMARS | _SHORT_TEXT | _SHORT_JUNK,
+}
 
 
 def _valid_message() -> st.SearchStrategy[dict[str, Any]]:
@@ -359,7 +427,17 @@ def openai_body(draw: st.DrawFn, route: str) -> Body:
 def _mutate(draw: st.DrawFn, body: Body, chat: bool) -> None:
     kind = draw(
         st.sampled_from(
-            ["hostile", "hostile", "hostile", "drop", "unknown", "unsupported", "duplicate", "raw"]
+            [
+                "hostile",
+                "hostile",
+                "hostile",
+                "drop",
+                "unknown",
+                "unsupported",
+                "structured",
+                "duplicate",
+                "raw",
+            ]
         )
     )
     keys = [k for k, _ in body.pairs]
@@ -388,6 +466,10 @@ def _mutate(draw: st.DrawFn, body: Body, chat: bool) -> None:
         body.pairs.append((draw(STRINGS), draw(JUNK)))
     elif kind == "unsupported":
         body.pairs.append((draw(st.sampled_from(UNSUPPORTED_PARAMS)), draw(JUNK | st.just(True))))
+    elif kind == "structured":
+        name = draw(st.sampled_from(sorted(STRUCTURED_HOSTILE)))
+        label = f"structured:{name}"
+        body.pairs.append((name, draw(STRUCTURED_HOSTILE[name])))
     else:  # raw UTF-8 (a lone surrogate becomes bytes that are not UTF-8)
         body.ensure_ascii = False
         try:

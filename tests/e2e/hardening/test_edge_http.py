@@ -266,8 +266,7 @@ def test_top_p_1e_minus_9_is_not_rounded_to_0_and_refused(http: Http) -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ],
 )
 def test_unsupported_parameters_are_400_naming_them(http: Http, extra: dict[str, Any], param: str) -> None:
@@ -279,6 +278,79 @@ def test_n_above_the_maximum_is_400_before_any_work(http: Http) -> None:
     assert error_of(chat(http, n=129), 400, "n")["message"] == "n must be at most 128, got 129"
     error = error_of(completions(http, prompt=[[5, 6]] * 9, n=128), 400, "n")
     assert error["message"].startswith("n: 9 prompts × n=128 asks for 1152 completions")
+
+
+# -- structured outputs: a bad one is 400 naming the field where the client put it --------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def json_schema(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema must be set",
+        ),
+        (
+            {"response_format": json_schema("{}")},
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema must be a JSON object",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "response_format.type must be one of"),
+        ({"structured_outputs": {}}, "structured_outputs", "structured_outputs must set exactly one of"),
+        (
+            {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+            "structured_outputs.whitespace_pattern: not supported by this server",
+        ),
+        (
+            {"response_format": json_schema(SCHEMA), "guided_regex": "a"},
+            "guided_regex",
+            "guided_regex: a request may ask for one structured output only",
+        ),
+        ({"guided_choice": ["a", 2]}, "guided_choice[1]", "guided_choice[1] must be a string"),
+        ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ],
+)
+def test_bad_structured_outputs_are_400_naming_the_field(
+    http: Http, extra: dict[str, Any], param: str, message: str
+) -> None:
+    for reply in (chat(http, **extra), completions(http, **extra)):
+        assert error_of(reply, 400, param)["message"].startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": json_schema({"$ref": "#/$defs/missing"})}, "response_format.json_schema.schema"),
+        ({"structured_outputs": {"json": {"$ref": "#/$defs/missing"}}}, "structured_outputs.json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar"),
+    ],
+)
+def test_what_the_data_plane_cannot_compile_is_400_naming_the_clients_field(
+    http: Http, extra: dict[str, Any], param: str
+) -> None:
+    for stream in (False, True):  # refused before the stream starts: a status, not an event
+        error = error_of(chat(http, stream=stream, **extra), 400, param)
+        assert error["message"].startswith(f"{param} could not be compiled: "), error
+    assert chat(http).status == 200  # and the server serves on
+
+
+def test_structured_outputs_hold_even_on_random_weights(http: Http) -> None:
+    reply = completions(http, max_tokens=16, structured_outputs={"choice": ["yes", "no"]})
+    assert reply.status == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) in (("yes", "stop"), ("no", "stop"))
+    reply = chat(http, max_tokens=16, guided_regex="[0-9]{3}")
+    assert reply.status == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] in {f"{i:03d}" for i in range(1000)}
 
 
 # -- vLLM's extra routes --------------------------------------------------------------------------
@@ -314,3 +386,21 @@ def test_tokenize_detokenize_and_version(http: Http, server: ServerThread) -> No
     error_of(http.post("/tokenize", {"prompt": "a", "messages": []}), 400, "prompt")
     error_of(http.post("/detokenize", {"tokens": [10**6]}), 400, "tokens")
     error_of(raw(http, "/tokenize", '{"prompt": "Say \\ud800"}'), 400, "prompt")
+
+
+def test_logprobs_of_masked_tokens_are_minus_9999_not_an_invalid_json_infinity(http: Http) -> None:
+    """Found by the fuzzer: top logprobs under a grammar list masked tokens at -inf, which JSON
+    cannot carry (a 500; a stream sent `-Infinity`). They are floored at -9999.0, as vLLM does."""
+    constrained = {"guided_choice": ["0"], "max_tokens": 3}
+    for stream in (False, True):
+        reply = chat(http, logprobs=True, top_logprobs=3, stream=stream, **constrained)
+        assert reply.status == 200, reply.text
+        assert "Infinity" not in reply.text and "NaN" not in reply.text
+        reply = completions(http, logprobs=3, stream=stream, **constrained)
+        assert reply.status == 200, reply.text
+        assert "Infinity" not in reply.text and "NaN" not in reply.text
+    content = chat(http, logprobs=True, top_logprobs=3, **constrained).json()["choices"][0]["logprobs"][
+        "content"
+    ]
+    assert content[0]["token"] == "0"  # (then the end-of-sequence token the grammar leaves)
+    assert -9999.0 in [top["logprob"] for top in content[0]["top_logprobs"]]
