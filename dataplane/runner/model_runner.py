@@ -234,9 +234,9 @@ class ModelRunner:
         next (the others become -inf), in place, before penalties and sampling; a constrained
         row's logprobs are therefore those of the allowed tokens, renormalised. Unconstrained
         rows are not touched."""
-        from dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
-
         if self._token_masks is None:
+            from dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
+
             self._token_masks = TokenMasks(logits.shape[-1])
         started = time.perf_counter()
         self._token_masks.apply(logits, rows)

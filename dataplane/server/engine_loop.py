@@ -226,9 +226,7 @@ class EngineLoop:
         key = StreamRequestKey(stream_id, command.request_id)
 
         def reject(code: str, message: str) -> None:
-            self._streams.outbox(stream_id).rejected.append(
-                dataplane_pb2.SubmitRejected(request_id=key.request_id, code=code, message=message)
-            )
+            self._reject(key, code, message)
 
         if self._draining:
             return reject("UNAVAILABLE", "the data plane is draining")
@@ -256,6 +254,11 @@ class EngineLoop:
 
         grammars.submit(constraint, compiled)
 
+    def _reject(self, key: StreamRequestKey, code: str, message: str) -> None:
+        self._streams.outbox(key.stream_id).rejected.append(
+            dataplane_pb2.SubmitRejected(request_id=key.request_id, code=code, message=message)
+        )
+
     def _on_compiled(
         self,
         key: StreamRequestKey,
@@ -270,11 +273,7 @@ class EngineLoop:
         if key.stream_id not in self._streams:
             return
         if error is not None or grammar is None:
-            self._streams.outbox(key.stream_id).rejected.append(
-                dataplane_pb2.SubmitRejected(
-                    request_id=key.request_id, code="INVALID_ARGUMENT", message=str(error)
-                )
-            )
+            self._reject(key, "INVALID_ARGUMENT", str(error))
             self._stats_dirty = True
             return
         self._admit(key, command, params, grammar)
@@ -295,11 +294,7 @@ class EngineLoop:
                 grammar=grammar,
             )
         except ValueError as exc:  # a request the scheduler can never run
-            self._streams.outbox(key.stream_id).rejected.append(
-                dataplane_pb2.SubmitRejected(
-                    request_id=key.request_id, code="INVALID_ARGUMENT", message=str(exc)
-                )
-            )
+            self._reject(key, "INVALID_ARGUMENT", str(exc))
             return
         group = Group.open(
             key,

@@ -55,7 +55,6 @@ class CompileStats:
     cache_hits: int = 0
     failures: int = 0
     timeouts: int = 0
-    seconds: tuple[float, ...] = ()  # the last compiles' durations, newest last
 
 
 @dataclass
@@ -221,14 +220,8 @@ class CompileService:
 
     # -- the service thread ------------------------------------------------------------------------
     def _bump(self, **counts: int) -> None:
-        s = self._stats
-        self._stats = CompileStats(
-            compiles=s.compiles + counts.get("compiles", 0),
-            cache_hits=s.cache_hits + counts.get("cache_hits", 0),
-            failures=s.failures + counts.get("failures", 0),
-            timeouts=s.timeouts + counts.get("timeouts", 0),
-            seconds=s.seconds,
-        )
+        """Add to the named counters (call with the lock held)."""
+        self._stats = replace(self._stats, **{k: getattr(self._stats, k) + v for k, v in counts.items()})
 
     def _serve(self) -> None:
         while True:
@@ -293,7 +286,6 @@ class CompileService:
         seconds = time.perf_counter() - started
         with self._lock:
             self._bump(compiles=1, failures=int(status != "ok"))
-            self._stats = replace(self._stats, seconds=(*self._stats.seconds[-255:], seconds))
         if status != "ok":
             log.warning(
                 "grammar_compile_refused",

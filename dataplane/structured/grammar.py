@@ -139,10 +139,9 @@ class TokenMasks:
         for i, state in rows:
             state.fill_mask(self._bitmask, i)
         indices = [i for i, _ in rows]
-        if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(
-                logits, self._bitmask, vocab_size=self.vocab_size, indices=indices
-            )
-        else:
-            bitmask = self._bitmask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+        bitmask = (
+            self._bitmask
+            if logits.device.type == "cpu"
+            else self._bitmask.to(logits.device, non_blocking=True)
+        )
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
