@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controlplane.tools.prompt import PARSER_CHOICES
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import setting
@@ -80,6 +81,12 @@ class ControlPlaneConfig:
         "model names clients may use, repeatable; the first is reported (default: the --model name)",
         flag="--served-model-name",
     )
+    tool_call_parser: str = setting(
+        "auto",
+        "the format the model writes tool calls in (auto: read from its chat template; "
+        "hermes when the template names none)",
+        choices=PARSER_CHOICES,
+    )
     dataplane_token_file: str | None = setting(
         None,
         "send the data planes the shared token in this file (their --dataplane-token-file) "
@@ -111,6 +118,10 @@ class ControlPlaneConfig:
         for name in ("dataplane_drain_timeout_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}"
+            )
         unknown = sorted({key for key, _ in self.api_key_tenants} - set(self.api_keys))
         if unknown:
             raise ValueError(f"api_key_tenants: {len(unknown)} key(s) not in api_keys")

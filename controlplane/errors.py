@@ -45,3 +45,18 @@ def invalid_argument(message: str, param: str | None = None) -> ServiceError:
 def clip(text: str, limit: int = 64) -> str:
     """`text` shortened for an error message: a client's value is never echoed unbounded."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def json_type(value: object) -> str:
+    """A value's JSON type, as a client knows it ("a string", "an object", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

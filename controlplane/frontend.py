@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -25,6 +26,8 @@ from controlplane.metrics import ControlPlaneMetrics
 from controlplane.placement import NO_DATAPLANE
 from controlplane.request import GenerationRequest, new_request_id
 from controlplane.tokenizer import Tokenizer
+from controlplane.tools.definitions import NO_TOOLS, ToolUse
+from controlplane.tools.prompt import resolve_parser, template_inputs
 from pagedserve.common.admission_rules import beyond_context
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
@@ -112,14 +115,17 @@ class Frontend:
         model_name: str,
         metrics: ControlPlaneMetrics | None = None,
         served_model_names: tuple[str, ...] = (),
+        tool_call_parser: str = "auto",
     ) -> None:
         """`served_model_names` (vLLM's --served-model-name): the names clients may use; the
-        first is the one responses report. Default: the model's own name."""
+        first is the one responses report. Default: the model's own name. `tool_call_parser`:
+        the format the model writes tool calls in (`auto`: read from its chat template)."""
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names or (model_name,)
         self.model_name = self.served_model_names[0]
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
+        self.tool_call_format = resolve_parser(tool_call_parser, tokenizer.chat_template)
 
     # -- validation -----------------------------------------------------------------------------
     def check_model(self, model: str | None, field_name: str = "model") -> None:
@@ -199,11 +205,13 @@ class Frontend:
 
     def encode_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         field_name: str = "prompt.chat.messages",
         add_generation_prompt: bool = True,
+        tool_use: ToolUse = NO_TOOLS,
     ) -> list[int]:
-        return self._encode(self.render_chat(messages, field_name, add_generation_prompt), field_name)
+        text = self.render_chat(messages, field_name, add_generation_prompt, tool_use)
+        return self._encode(text, field_name)
 
     def _encode(self, text: str, field_name: str) -> list[int]:
         """Token ids of `text`; a tokenizer's complaint is the client's error, naming the field."""
@@ -214,11 +222,14 @@ class Frontend:
 
     def render_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         field_name: str = "prompt.chat.messages",
         add_generation_prompt: bool = True,
+        tool_use: ToolUse = NO_TOOLS,
     ) -> str:
-        """The chat rendered with the model's template (generation prompt appended)."""
+        """The chat rendered with the model's template (generation prompt appended), with the
+        request's tools (controlplane.tools.prompt says how). Earlier tool calls' arguments
+        count toward the conversation's size limit."""
         if not messages:
             raise invalid_argument(f"{field_name} must not be empty", field_name)
         total = 0
@@ -231,11 +242,12 @@ class Frontend:
                 name = f"{field_name}[{i}].content"
                 raise invalid_argument(f"{name} must be a string", name)
             check_text(content, f"{field_name}[{i}].content", MAX_PROMPT_CHARS)
-            total += len(content)
+            total += len(content) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
         if total > MAX_PROMPT_CHARS:
             raise invalid_argument(f"{field_name}: at most {MAX_PROMPT_CHARS} characters in all", field_name)
+        inputs, tools = template_inputs(messages, tool_use, self.tokenizer.chat_template)
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+            return self.tokenizer.apply_chat_template(inputs, add_generation_prompt, tools)
         except (ValueError, TypeError) as exc:
             raise invalid_argument(f"{field_name}: {exc}", field_name) from None
 

@@ -232,7 +232,13 @@ async def start_control_plane(
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     keys = ApiKeys(config.api_keys, config.api_key_tenants) if config.api_keys else None
     dispatcher = Dispatcher(config, resolver=resolver)
-    frontend = Frontend(dispatcher, tokenizer, config.model, served_model_names=config.served_model_names)
+    frontend = Frontend(
+        dispatcher,
+        tokenizer,
+        config.model,
+        served_model_names=config.served_model_names,
+        tool_call_parser=config.tool_call_parser,
+    )
     server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
     liveness = Liveness()
     http = None

@@ -7,6 +7,7 @@ call UNKNOWN, as if the server had failed).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +17,9 @@ from google.protobuf.message import DecodeError, Message
 
 from controlplane.errors import ServiceError, invalid_argument
 from controlplane.frontend import CompletionDone, Frontend
+from controlplane.tools.definitions import NO_TOOLS, ToolUse
+from controlplane.tools.from_proto import chat_messages, chat_tool_use, forced_tool_constraint
+from controlplane.tools.output import CompletionParsers, finish_reason
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
 from pagedserve.common.telemetry import extract
@@ -30,15 +34,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _prompt_ids(
         self, request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
-    ) -> list[int]:
+    ) -> tuple[list[int], ToolUse]:
+        """The prompt's token ids and, for a chat, the tools it lets the model call."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return self.frontend.encode_text(request.text)
+            return self.frontend.encode_text(request.text), NO_TOOLS
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return self.frontend.encode_chat(messages)
+            use = chat_tool_use(request.chat)
+            messages = chat_messages(request.chat)
+            return self.frontend.encode_chat(messages, tool_use=use), use
         if kind == "token_ids":
-            return self.frontend.check_token_ids(list(request.token_ids.ids))  # type: ignore[union-attr]
+            return self.frontend.check_token_ids(list(request.token_ids.ids)), NO_TOOLS  # type: ignore[union-attr]
         raise invalid_argument("prompt: set one of text, token_ids or chat")
 
     async def Generate(
@@ -50,23 +56,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         try:
             self.frontend.check_model(request.model or None)  # proto3: "" is unset
+            prompt, use = self._prompt_ids(request)
+            sampling = sampling_fields_from_proto(request.sampling_params)
+            forced = forced_tool_constraint(use, sampling)
+            if forced is not None:
+                sampling["constraint"] = forced[0]
             gen = self.frontend.validate(
-                self._prompt_ids(request),
-                sampling_fields_from_proto(request.sampling_params),
+                prompt,
+                sampling,
                 request.sampling_params.stop,
                 request_id=request.request_id or None,
                 cache_salt=request.cache_salt or None,
                 deadline=None if remaining is None else start + remaining,
             )
+            if forced is not None:  # a compile refusal names the tools, not sampling_params
+                gen = dataclasses.replace(gen, constraint_field=forced[1])
             rid = gen.label  # the client's id echoed (the server keys the request by its own)
             parent = extract(context.invocation_metadata() or ())
+            parsers = CompletionParsers(use, self.frontend.tool_call_format)
             async for event in self.frontend.stream(gen, start, parent):
                 if isinstance(event, CompletionDone):
+                    reason, calls, content = event.finish_reason, [], ""
+                    if use.choice.calls_tools:
+                        parser = parsers(event.index)
+                        parser.finish()
+                        calls, content = parser.tool_calls, parser.content
+                        reason = finish_reason(reason, bool(calls))
                     yield generation_pb2.GenerateResponse(
                         request_id=rid,
                         complete=generation_pb2.GenerateComplete(
                             index=event.index,
-                            finish_reason=FINISH_REASON_BY_NAME[event.finish_reason],
+                            finish_reason=FINISH_REASON_BY_NAME[reason],
+                            tool_calls=[
+                                generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                for c in calls
+                            ],
+                            content=content,
                             stop_string=event.stop_string or "",
                             usage=common_pb2.Usage(
                                 prompt_tokens=event.prompt_tokens,
@@ -81,6 +106,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         ),
                     )
                 else:
+                    if use.choice.calls_tools:
+                        parsers(event.index).feed(event.text)
                     yield generation_pb2.GenerateResponse(
                         request_id=rid,
                         chunk=generation_pb2.TokenChunk(
@@ -101,7 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> generation_pb2.TokenizeResponse:
         try:
             self.frontend.check_model(request.model or None)
-            return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request))
+            return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request)[0])
         except ServiceError as exc:
             await abort_with(context, exc)
             raise AssertionError("unreachable") from None

@@ -66,7 +66,14 @@ class Tokenizer:
             return ""
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation rendered; `tools` (OpenAI's JSON shape) are passed as transformers
+        passes them, as the template's `tools` variable (unset when None)."""
         if self.chat_template is None:
             raise ValueError("chat: this model has no chat template; send a text prompt instead")
         if self._template is None:
@@ -77,8 +84,10 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
+        extra: dict[str, Any] = {} if tools is None else {"tools": tools}
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            **extra,
             **{k: v for k, v in self.special_tokens.items() if v is not None},
         )

@@ -15,6 +15,17 @@ output to match it:
 
 A schema or grammar the server cannot compile fails the call with INVALID_ARGUMENT, whose
 details start with the field's name ("sampling_params.json_schema could not be compiled ...").
+
+Tools (chat prompts only): `tools=[...]` (OpenAI's `{"type": "function", "function": {...}}`
+dicts, or `{"name", "description", "parameters"}`), `tool_choice=` ("none", "auto",
+"required" or a function's name in `{"name": ...}` / OpenAI's shape) and
+`parallel_tool_calls=`. Each Completion then carries `tool_calls` (id, name, arguments as JSON
+text) and `content` (its text outside the calls); `finish_reason` is "tool_calls" when it made
+one:
+
+    out = client.generate([{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
+                          tool_choice="required", temperature=0.0)
+    json.loads(out[0].tool_calls[0].arguments)  # valid under the tool's parameters schema
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import grpc
 from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 T = TypeVar("T")
 
 
@@ -190,6 +201,15 @@ class StreamChunk:
     text: str
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a completion (OpenAI's `tool_calls[i]`): `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class Completion:
     """A finished completion (the last streamed item for its index)."""
@@ -206,6 +226,66 @@ class Completion:
     e2e_seconds: float
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str = ""  # with tools: the text outside the calls
+
+
+ToolSpec = Mapping[str, Any]
+"""A tool: OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`,
+or the function part alone; `parameters` a JSON Schema dict, its text or a pydantic model."""
+_TOOL_MODES = {
+    "none": generation_pb2.ToolChoice.MODE_NONE,
+    "auto": generation_pb2.ToolChoice.MODE_AUTO,
+    "required": generation_pb2.ToolChoice.MODE_REQUIRED,
+}
+
+
+def tool_message(tool: ToolSpec) -> generation_pb2.Tool:
+    function = tool.get("function", tool)
+    if not isinstance(function, Mapping) or "name" not in function:
+        raise ValueError("tools: each tool needs a name (OpenAI's {'type': 'function', 'function': {...}})")
+    parameters = function.get("parameters")
+    return generation_pb2.Tool(
+        name=function["name"],
+        description=function.get("description") or "",
+        parameters="" if parameters is None else json_schema_text(parameters),
+    )
+
+
+def tool_choice_message(choice: str | Mapping[str, Any]) -> generation_pb2.ToolChoice:
+    """ "none", "auto", "required", or a function: {"name": ...} or OpenAI's
+    {"type": "function", "function": {"name": ...}}."""
+    if isinstance(choice, str):
+        if choice not in _TOOL_MODES:
+            raise ValueError(f"tool_choice must be none, auto, required or {{'name': ...}}, got {choice!r}")
+        return generation_pb2.ToolChoice(mode=_TOOL_MODES[choice])
+    function = choice.get("function", choice)
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError("tool_choice: a function choice needs its name")
+    return generation_pb2.ToolChoice(mode=generation_pb2.ToolChoice.MODE_FUNCTION, function_name=name)
+
+
+def chat_message(message: Mapping[str, Any]) -> generation_pb2.ChatMessage:
+    """A chat message (OpenAI's shape: an assistant's `tool_calls`, a tool's `tool_call_id`;
+    a ToolCall of an earlier Completion is accepted as a call too)."""
+    out = generation_pb2.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_call_id=message.get("tool_call_id") or "",
+    )
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, ToolCall):
+            out.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+            continue
+        function = call.get("function", call)
+        arguments = function.get("arguments", "")
+        out.tool_calls.add(
+            id=call.get("id") or "",
+            name=function["name"],
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+        )
+    return out
 
 
 def build_request(
@@ -231,8 +311,12 @@ def build_request(
     regex: str | None = None,
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
+    tools: Sequence[ToolSpec] = (),
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
+    `tools`, `tool_choice` and `parallel_tool_calls` (chat prompts only) as the module says.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
 
     At most one constraint (structured outputs; two raise ValueError naming both):
@@ -263,10 +347,17 @@ def build_request(
     )
     if isinstance(prompt, str):
         request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        request.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in prompt)  # type: ignore[arg-type]
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.chat.messages.extend(chat_message(m) for m in prompt)  # type: ignore[arg-type]
+        request.chat.tools.extend(tool_message(t) for t in tools)
+        if tool_choice is not None:
+            request.chat.tool_choice.CopyFrom(tool_choice_message(tool_choice))
+        if parallel_tool_calls is not None:
+            request.chat.parallel_tool_calls = parallel_tool_calls
     else:
         request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    if not request.HasField("chat") and (tools or tool_choice is not None or parallel_tool_calls is not None):
+        raise ValueError("tools, tool_choice and parallel_tool_calls need a chat prompt (a list of messages)")
     return request
 
 
@@ -286,6 +377,8 @@ def _item(response: generation_pb2.GenerateResponse) -> StreamChunk | Completion
         queue_seconds=d.timings.queue_seconds,
         time_to_first_token_seconds=d.timings.time_to_first_token_seconds,
         e2e_seconds=d.timings.e2e_seconds,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in d.tool_calls],
+        content=d.content,
     )
 
 

@@ -4,18 +4,23 @@ The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `st
 `cache_salt`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
-`controlplane.openai.structured`. A parameter that would change the output but that we do not
-implement (tools, beam search, ...) is refused with 400 naming it (`unsupported()`), never
+`controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
+`controlplane.tools.definitions`. A parameter that would change the output but that we do not
+implement (the deprecated `functions`, beam search, ...) is refused with 400 naming it (`unsupported()`), never
 silently ignored; other unknown fields (`user`, `store`, `metadata`, ...) are ignored. Values
 are range-checked by `Frontend.validate`, not here.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.tools.definitions import MAX_CALL_ID_CHARS, history_tool_calls
+from pagedserve.common.invalid_field import InvalidField
 
 
 def _falsy(value: Any) -> bool:
@@ -33,8 +38,8 @@ def _true_or_unset(value: Any) -> bool:
 # Parameters of OpenAI's API (or vLLM's extras) that change the output and that we do not
 # implement: refused unless they carry their harmless value (the predicate says which).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _falsy,
-    "tool_choice": lambda v: v in (None, "none"),
+    # (tools, tool_choice and parallel_tool_calls are read by controlplane/tools/definitions.py;
+    # the deprecated functions API is not)
     "functions": _falsy,
     "function_call": lambda v: v in (None, "none"),
     "audio": _unset,
@@ -132,11 +137,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, Any] = ""  # OpenAI sends JSON text; an object is taken as it is
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (the conversation sends it back)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -151,11 +176,46 @@ class ChatMessage(BaseModel):
                 if part.type != "text":
                     name = f"{field}.content[{j}].type"
                     return name, f"{name}: only text content is supported, got {part.type[:32]!r}"
-        for key in ("tool_calls", "function_call"):
-            if (self.model_extra or {}).get(key):
-                name = f"{field}.{key}"
-                return name, f"{name}: not supported by this server"
+        if (self.model_extra or {}).get("function_call"):
+            name = f"{field}.function_call"
+            return name, f"{name}: not supported by this server (send tool_calls)"
+        if self.tool_calls:
+            for j, call in enumerate(self.tool_calls):
+                if call.type != "function":
+                    name = f"{field}.tool_calls[{j}].type"
+                    return name, f"{name}: must be 'function'"
+            try:
+                self._history_calls(field)
+            except InvalidField as exc:
+                return exc.field, f"{exc.field}: {exc.reason}"
+        if self.tool_call_id is not None and len(self.tool_call_id) > MAX_CALL_ID_CHARS:
+            name = f"{field}.tool_call_id"
+            return name, f"{name}: at most {MAX_CALL_ID_CHARS} characters"
+        if self.name is not None and len(self.name) > MAX_CALL_ID_CHARS:
+            return f"{field}.name", f"{field}.name: at most {MAX_CALL_ID_CHARS} characters"
         return None
+
+    def _history_calls(self, field: str) -> list[dict[str, Any]]:
+        calls = [
+            (c.id or "", c.function.name, _arguments_text(c.function.arguments))
+            for c in self.tool_calls or ()
+        ]
+        return history_tool_calls(self.role, calls, f"{field}.tool_calls")
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template reads it (OpenAI's shape, arguments as JSON text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self._history_calls("messages")
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments_text(arguments: str | dict[str, Any]) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -39,8 +39,13 @@ from controlplane.openai.protocol import (
     TokenizeRequest,
 )
 from controlplane.openai.structured import Structured, structured_output
+from controlplane.openai.tool_calls import ChoiceToolCalls
 from controlplane.request import GenerationRequest
+from controlplane.tools.definitions import ToolUse, parse_openai_tools
+from controlplane.tools.forced import forced_constraint
+from controlplane.tools.output import finish_reason
 from pagedserve import __version__
+from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
@@ -243,7 +248,7 @@ class OpenAIRoutes:
                 raise invalid_argument(
                     "add_special_tokens: not supported with messages", "add_special_tokens"
                 )
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.template_message() for m in body.messages]
             tokens = self.frontend.encode_chat(messages, "messages", bool(body.add_generation_prompt))
         else:
             if body.add_special_tokens:
@@ -520,8 +525,13 @@ class OpenAIRoutes:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         structured = self._check(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = self.frontend.encode_chat(messages, "messages")
+        tool_use = _tool_use(body, structured)
+        forced = forced_constraint(tool_use)
+        if forced is not None:
+            constraint, where = forced
+            structured = Structured(constraint, {"json_schema": where})
+        messages = [m.template_message() for m in body.messages]
+        prompt = self.frontend.encode_chat(messages, "messages", tool_use=tool_use)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         names = {"logprobs": "top_logprobs"}
         max_tokens = body.max_tokens
@@ -531,6 +541,9 @@ class OpenAIRoutes:
         sampling = self._sampling(body, max_tokens, logprobs)
         gens = self._requests([prompt], body, sampling, http, structured, names)
         rid, created = f"chatcmpl-{_response_id(http)}", int(time.time())
+        calls = (
+            ChoiceToolCalls(tool_use, self.frontend.tool_call_format) if tool_use.choice.calls_tools else None
+        )
         decode = self._token_text
 
         def chat_logprobs(
@@ -575,12 +588,16 @@ class OpenAIRoutes:
 
         started: set[int] = set()
 
-        def chunk(event: StreamEvent) -> dict[str, Any]:
+        def chunk(event: StreamEvent) -> dict[str, Any] | None:
             if isinstance(event, TextDelta):
-                delta: dict[str, Any] = {"content": event.text}
+                delta: dict[str, Any] = (
+                    {"content": event.text} if calls is None else calls.feed(event.index, event.text)
+                )
                 if event.index not in started:  # the first chunk of each choice names the role
                     started.add(event.index)
                     delta = {"role": "assistant", **delta}
+                elif not delta and not body.logprobs:
+                    return None  # a tool-call parser held this text back: nothing to send yet
                 choice = {
                     "index": event.index,
                     "delta": delta,
@@ -588,21 +605,35 @@ class OpenAIRoutes:
                     "finish_reason": None,
                 }
                 return base([choice], "chat.completion.chunk")
+            last: dict[str, Any] = {} if calls is None else calls.finish(event.index)
+            reason = (
+                _finish(event)
+                if calls is None
+                else finish_reason(_finish(event), calls.has_calls(event.index))
+            )
             return base(
-                [{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": _finish(event)}],
+                [{"index": event.index, "delta": last, "logprobs": None, "finish_reason": reason}],
                 "chat.completion.chunk",
             )
 
         def final(choices: dict[int, _Choice]) -> dict[str, Any]:
-            out = [
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": chat_logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": _finish(c.done) if c.done else None,
-                }
-                for index, c in choices.items()
-            ]
+            out = []
+            for index, c in choices.items():
+                text = "".join(c.text)
+                if calls is None:
+                    message: dict[str, Any] = {"role": "assistant", "content": text}
+                    reason = _finish(c.done) if c.done else None
+                else:
+                    message = calls.message(index, text)
+                    reason = finish_reason(_finish(c.done), calls.has_calls(index)) if c.done else None
+                out.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": chat_logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": reason,
+                    }
+                )
             return base(
                 out, "chat.completion", _usage([c.done for c in choices.values() if c.done], body.num_choices)
             )
@@ -623,6 +654,22 @@ masks has probability 0, and JSON has no infinity."""
 
 def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def _tool_use(body: ChatCompletionRequest, structured: Structured) -> ToolUse:
+    """The request's tools and tool_choice; a forced call with a structured output is refused
+    (both would constrain the same text)."""
+    try:
+        use = parse_openai_tools(body.model_extra or {})
+    except InvalidField as exc:
+        raise invalid_argument(f"{exc.field} {clip(exc.reason, 200)}", exc.field) from None
+    if use.choice.forced and structured.constraint is not None:
+        source = next(iter(structured.field_names.values()), "response_format")
+        raise invalid_argument(
+            f"tool_choice: a forced tool call ({use.choice.mode}) cannot be combined with {source}",
+            "tool_choice",
+        )
+    return use
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -703,6 +750,8 @@ async def _sse(
                 else:
                     completion_tokens += len(event.token_ids)
                 rendered = render(event)
+                if rendered is None:  # nothing to send for this event (held back)
+                    continue
                 if running_prompt_tokens is not None:
                     rendered["usage"] = {
                         "prompt_tokens": running_prompt_tokens,

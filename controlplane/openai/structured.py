@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.errors import ServiceError, clip, invalid_argument
+from controlplane.errors import ServiceError, clip, invalid_argument, json_type
 from pagedserve.common.constraints import Constraint, normalize_json_schema
 from pagedserve.common.invalid_field import InvalidField
 
@@ -89,12 +89,12 @@ def _sets_constraint(name: str, value: Any) -> bool:
 
 def _response_format(value: Any) -> Structured:
     if not isinstance(value, dict):
-        raise _must("response_format", f"be a JSON object, got {_json_type(value)}")
+        raise _must("response_format", f"be a JSON object, got {json_type(value)}")
     kind = value.get("type")
     if kind is None:
         raise _must("response_format.type", f"be set: one of {', '.join(RESPONSE_FORMAT_TYPES)}")
     if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_TYPES:
-        got = repr(clip(kind, 32)) if isinstance(kind, str) else _json_type(kind)
+        got = repr(clip(kind, 32)) if isinstance(kind, str) else json_type(kind)
         raise _must("response_format.type", f"be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {got}")
     if kind == "json_object":
         return _built("response_format", "json_object")
@@ -102,39 +102,39 @@ def _response_format(value: Any) -> Structured:
     if spec is None:
         raise _must("response_format.json_schema", "be set when response_format.type is json_schema")
     if not isinstance(spec, dict):
-        raise _must("response_format.json_schema", f"be a JSON object, got {_json_type(spec)}")
+        raise _must("response_format.json_schema", f"be a JSON object, got {json_type(spec)}")
     name = spec.get("name")
     if name is None:
         raise _must("response_format.json_schema.name", "be set")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        got = repr(clip(name, 32)) if isinstance(name, str) else _json_type(name)
+        got = repr(clip(name, 32)) if isinstance(name, str) else json_type(name)
         raise _must(
             "response_format.json_schema.name",
             f"be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got {got}",
         )
     for key, kinds, label in (("strict", bool, "a boolean"), ("description", str, "a string")):
         if spec.get(key) is not None and not isinstance(spec[key], kinds):
-            raise _must(f"response_format.json_schema.{key}", f"be {label}, got {_json_type(spec[key])}")
+            raise _must(f"response_format.json_schema.{key}", f"be {label}, got {json_type(spec[key])}")
     schema = spec.get("schema")
     where = "response_format.json_schema.schema"
     if schema is None:
         raise _must(where, "be set: the JSON Schema the output must match")
     if not isinstance(schema, dict):
-        raise _must(where, f"be a JSON object (a JSON Schema), got {_json_type(schema)}")
+        raise _must(where, f"be a JSON object (a JSON Schema), got {json_type(schema)}")
     return _built(where, "json_schema", _schema(schema, where))
 
 
 def _structured_outputs(value: Any) -> Structured:
     where = "structured_outputs"
     if not isinstance(value, dict):
-        raise _must(where, f"be a JSON object, got {_json_type(value)}")
+        raise _must(where, f"be a JSON object, got {json_type(value)}")
     for key, member in value.items():
         name = f"{where}.{clip(key, 64)}"
         if key in STRUCTURED_KINDS:
             continue
         if key in STRUCTURED_FLAGS:
             if member is not None and not isinstance(member, bool):
-                raise _must(name, f"be a boolean, got {_json_type(member)}")
+                raise _must(name, f"be a boolean, got {json_type(member)}")
         elif key in STRUCTURED_REFUSED:
             if member is not None:
                 raise invalid_argument(f"{name}: not supported by this server", name)
@@ -146,7 +146,7 @@ def _structured_outputs(value: Any) -> Structured:
             )
     flag = value.get("json_object")
     if flag is not None and not isinstance(flag, bool):
-        raise _must(f"{where}.json_object", f"be true, got {_json_type(flag)}")
+        raise _must(f"{where}.json_object", f"be true, got {json_type(flag)}")
     kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
     if len(kinds) != 1:
         got = " and ".join(kinds) if kinds else "none"
@@ -167,28 +167,28 @@ def _structured_outputs(value: Any) -> Structured:
 
 def _json(value: Any, where: str) -> Structured:
     if not isinstance(value, dict | str):
-        raise _must(where, f"be a JSON Schema (an object, or its JSON text), got {_json_type(value)}")
+        raise _must(where, f"be a JSON Schema (an object, or its JSON text), got {json_type(value)}")
     return _built(where, "json_schema", _schema(value, where))
 
 
 def _regex(value: Any, where: str) -> Structured:
     if not isinstance(value, str):
-        raise _must(where, f"be a string (a regular expression), got {_json_type(value)}")
+        raise _must(where, f"be a string (a regular expression), got {json_type(value)}")
     return _built(where, "regex", value)
 
 
 def _grammar(value: Any, where: str) -> Structured:
     if not isinstance(value, str):
-        raise _must(where, f"be a string (an EBNF grammar with a root rule), got {_json_type(value)}")
+        raise _must(where, f"be a string (an EBNF grammar with a root rule), got {json_type(value)}")
     return _built(where, "grammar", value)
 
 
 def _choice(value: Any, where: str) -> Structured:
     if not isinstance(value, list):
-        raise _must(where, f"be a list of strings, got {_json_type(value)}")
+        raise _must(where, f"be a list of strings, got {json_type(value)}")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise _must(f"{where}[{i}]", f"be a string, got {_json_type(item)}")
+            raise _must(f"{where}[{i}]", f"be a string, got {json_type(item)}")
     return _built(where, "choice", choices=tuple(value))
 
 
@@ -236,18 +236,3 @@ def _must(where: str, what: str) -> ServiceError:
 
 def _must_reason(where: str, reason: str) -> ServiceError:
     return invalid_argument(f"{where} {clip(reason, 200)}", where)
-
-
-def _json_type(value: Any) -> str:
-    """A value's JSON type, as a client knows it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"

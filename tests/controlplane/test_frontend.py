@@ -29,6 +29,7 @@ class WordTokenizer:
     """One token per word of WORDS; decoding concatenates them."""
 
     vocab_size = len(WORDS)
+    chat_template = None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(WORDS[t] for t in token_ids)

@@ -18,15 +18,23 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"min_tokens": 3}, "min_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        # (tools are read by controlplane/tools/definitions.py; an earlier call on a user message
+        # or with a bad name is refused here)
+        (
+            {"messages": [{"role": "user", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "a b"}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
+        ({"messages": [{"role": "assistant", "function_call": {"name": "f"}}]}, "messages[0].function_call"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0].type",
@@ -46,6 +54,7 @@ def test_unsupported_chat_parameters_are_refused_naming_them(extra: dict[str, An
         {},
         {"tools": []},
         {"tool_choice": "none"},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
         {"response_format": {"type": "text"}},
         # structured outputs are read (and checked) by controlplane/openai/structured.py
         {"response_format": {"type": "json_object"}},

@@ -155,4 +155,8 @@
 - {{ toString . | toJson }}
 {{- end }}
 {{- end }}
+{{- $v = index $s "toolCallParser" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--tool-call-parser=%v" $v | toJson }}
+{{- end }}
 {{- end }}

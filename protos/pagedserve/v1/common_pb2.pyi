@@ -33,6 +33,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens or max_model_len reached."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """Cancelled by the client, a deadline or a shutdown."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 4
+    """The completion ended with tool calls (the control plane's chat responses only)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a completion ended."""
@@ -45,6 +47,8 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or max_model_len reached."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """Cancelled by the client, a deadline or a shutdown."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 4
+"""The completion ended with tool calls (the control plane's chat responses only)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from protos.pagedserve.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -51,45 +52,192 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user", "assistant", "developer" or "tool"."""
     content: _builtins.str
     """The message text."""
+    tool_call_id: _builtins.str
+    """A "tool" message: the id of the call whose result `content` is. At most 256 characters."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+        them). At most 128.
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
+class Tool(_message.Message):
+    """A function the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1 to 64 characters of a-z, A-Z, 0-9, _ and -; unique within the request."""
+    description: _builtins.str
+    """What the function does (the model reads it). At most 8192 characters."""
+    parameters: _builtins.str
+    """The arguments' JSON Schema, as JSON text; empty: any JSON object."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """Whether and how the model may call the request's tools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Mode:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ToolChoice._Mode.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        MODE_UNSPECIFIED: ToolChoice._Mode.ValueType  # 0
+        """Unset: auto when the request declares tools, none otherwise."""
+        MODE_NONE: ToolChoice._Mode.ValueType  # 1
+        """No calls; the tools are not shown to the model."""
+        MODE_AUTO: ToolChoice._Mode.ValueType  # 2
+        """The model decides; its calls are parsed from its output in its own format."""
+        MODE_REQUIRED: ToolChoice._Mode.ValueType  # 3
+        """At least one call (exactly one when parallel_tool_calls is false), forced by a grammar."""
+        MODE_FUNCTION: ToolChoice._Mode.ValueType  # 4
+        """One call of the function named `function_name`, forced by a grammar."""
+
+    class Mode(_Mode, metaclass=_ModeEnumTypeWrapper):
+        """The choice's kind."""
+
+    MODE_UNSPECIFIED: ToolChoice.Mode.ValueType  # 0
+    """Unset: auto when the request declares tools, none otherwise."""
+    MODE_NONE: ToolChoice.Mode.ValueType  # 1
+    """No calls; the tools are not shown to the model."""
+    MODE_AUTO: ToolChoice.Mode.ValueType  # 2
+    """The model decides; its calls are parsed from its output in its own format."""
+    MODE_REQUIRED: ToolChoice.Mode.ValueType  # 3
+    """At least one call (exactly one when parallel_tool_calls is false), forced by a grammar."""
+    MODE_FUNCTION: ToolChoice.Mode.ValueType  # 4
+    """One call of the function named `function_name`, forced by a grammar."""
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoice.Mode.ValueType
+    """The choice's kind."""
+    function_name: _builtins.str
+    """MODE_FUNCTION: the name of one of the request's tools."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoice.Mode.ValueType = ...,
+        function_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One tool call of a completion: OpenAI's `tool_calls[i]`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id ("call_" and 24 hex digits), for the tool message that answers it."""
+    name: _builtins.str
+    """The function called."""
+    arguments: _builtins.str
+    """The arguments, as JSON text (valid under the tool's schema when the call was forced)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
 class ChatMessages(_message.Message):
-    """A chat conversation, oldest message first."""
+    """A chat conversation, oldest message first, and the tools the model may call."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    parallel_tool_calls: _builtins.bool
+    """Whether one completion may make several calls (default true)."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Must not be empty."""
+
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """At most 128 functions; rendered into the prompt by the model's chat template."""
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Unset: auto with tools, none without."""
 
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
 
@@ -262,12 +410,16 @@ class GenerateComplete(_message.Message):
     STOP_STRING_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """The completion that ended, in [0, n)."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Why it ended."""
     stop_string: _builtins.str
     """The stop string that ended the completion, when one did."""
+    content: _builtins.str
+    """With tools: the completion's text outside its tool calls."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts of this completion."""
@@ -275,6 +427,13 @@ class GenerateComplete(_message.Message):
     @_builtins.property
     def timings(self) -> Global___Timings:
         """Latencies of this completion."""
+
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """A chat request that declared tools (tool choice other than none): the calls the
+        completion made, parsed from its text (the chunks carry the text as generated). With
+        calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+        """
 
     def __init__(
         self,
@@ -284,10 +443,12 @@ class GenerateComplete(_message.Message):
         stop_string: _builtins.str = ...,
         usage: _common_pb2.Usage | None = ...,
         timings: Global___Timings | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "stop_string", b"stop_string", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "finish_reason", b"finish_reason", "index", b"index", "stop_string", b"stop_string", "timings", b"timings", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,8 @@ private static final long serialVersionUID = 0L;
   private ChatMessage() {
     role_ = "";
     content_ = "";
+    toolCalls_ = java.util.Collections.emptyList();
+    toolCallId_ = "";
   }
 
   @java.lang.Override
@@ -143,6 +145,119 @@ private static final long serialVersionUID = 0L;
     }
   }
 
+  public static final int TOOL_CALLS_FIELD_NUMBER = 3;
+  @SuppressWarnings("serial")
+  private java.util.List<io.pagedserve.v1.ToolCall> toolCalls_;
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  @java.lang.Override
+  public java.util.List<io.pagedserve.v1.ToolCall> getToolCallsList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  @java.lang.Override
+  public int getToolCallsCount() {
+    return toolCalls_.size();
+  }
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolCall getToolCalls(int index) {
+    return toolCalls_.get(index);
+  }
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index) {
+    return toolCalls_.get(index);
+  }
+
+  public static final int TOOL_CALL_ID_FIELD_NUMBER = 4;
+  @SuppressWarnings("serial")
+  private volatile java.lang.Object toolCallId_ = "";
+  /**
+   * <pre>
+   * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+   * </pre>
+   *
+   * <code>string tool_call_id = 4;</code>
+   * @return The toolCallId.
+   */
+  @java.lang.Override
+  public java.lang.String getToolCallId() {
+    java.lang.Object ref = toolCallId_;
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      toolCallId_ = s;
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+   * </pre>
+   *
+   * <code>string tool_call_id = 4;</code>
+   * @return The bytes for toolCallId.
+   */
+  @java.lang.Override
+  public com.google.protobuf.ByteString
+      getToolCallIdBytes() {
+    java.lang.Object ref = toolCallId_;
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      toolCallId_ = b;
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -163,6 +278,12 @@ private static final long serialVersionUID = 0L;
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(content_)) {
       com.google.protobuf.GeneratedMessageV3.writeString(output, 2, content_);
     }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      output.writeMessage(3, toolCalls_.get(i));
+    }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(toolCallId_)) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 4, toolCallId_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -177,6 +298,13 @@ private static final long serialVersionUID = 0L;
     }
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(content_)) {
       size += com.google.protobuf.GeneratedMessageV3.computeStringSize(2, content_);
+    }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(3, toolCalls_.get(i));
+    }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(toolCallId_)) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(4, toolCallId_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -197,6 +325,10 @@ private static final long serialVersionUID = 0L;
         .equals(other.getRole())) return false;
     if (!getContent()
         .equals(other.getContent())) return false;
+    if (!getToolCallsList()
+        .equals(other.getToolCallsList())) return false;
+    if (!getToolCallId()
+        .equals(other.getToolCallId())) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -212,6 +344,12 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getRole().hashCode();
     hash = (37 * hash) + CONTENT_FIELD_NUMBER;
     hash = (53 * hash) + getContent().hashCode();
+    if (getToolCallsCount() > 0) {
+      hash = (37 * hash) + TOOL_CALLS_FIELD_NUMBER;
+      hash = (53 * hash) + getToolCallsList().hashCode();
+    }
+    hash = (37 * hash) + TOOL_CALL_ID_FIELD_NUMBER;
+    hash = (53 * hash) + getToolCallId().hashCode();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -347,6 +485,14 @@ private static final long serialVersionUID = 0L;
       bitField0_ = 0;
       role_ = "";
       content_ = "";
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+      } else {
+        toolCalls_ = null;
+        toolCallsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000004);
+      toolCallId_ = "";
       return this;
     }
 
@@ -373,9 +519,22 @@ private static final long serialVersionUID = 0L;
     @java.lang.Override
     public io.pagedserve.v1.ChatMessage buildPartial() {
       io.pagedserve.v1.ChatMessage result = new io.pagedserve.v1.ChatMessage(this);
+      buildPartialRepeatedFields(result);
       if (bitField0_ != 0) { buildPartial0(result); }
       onBuilt();
       return result;
+    }
+
+    private void buildPartialRepeatedFields(io.pagedserve.v1.ChatMessage result) {
+      if (toolCallsBuilder_ == null) {
+        if (((bitField0_ & 0x00000004) != 0)) {
+          toolCalls_ = java.util.Collections.unmodifiableList(toolCalls_);
+          bitField0_ = (bitField0_ & ~0x00000004);
+        }
+        result.toolCalls_ = toolCalls_;
+      } else {
+        result.toolCalls_ = toolCallsBuilder_.build();
+      }
     }
 
     private void buildPartial0(io.pagedserve.v1.ChatMessage result) {
@@ -385,6 +544,9 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000002) != 0)) {
         result.content_ = content_;
+      }
+      if (((from_bitField0_ & 0x00000008) != 0)) {
+        result.toolCallId_ = toolCallId_;
       }
     }
 
@@ -442,6 +604,37 @@ private static final long serialVersionUID = 0L;
         bitField0_ |= 0x00000002;
         onChanged();
       }
+      if (toolCallsBuilder_ == null) {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCalls_.isEmpty()) {
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000004);
+          } else {
+            ensureToolCallsIsMutable();
+            toolCalls_.addAll(other.toolCalls_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCallsBuilder_.isEmpty()) {
+            toolCallsBuilder_.dispose();
+            toolCallsBuilder_ = null;
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000004);
+            toolCallsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getToolCallsFieldBuilder() : null;
+          } else {
+            toolCallsBuilder_.addAllMessages(other.toolCalls_);
+          }
+        }
+      }
+      if (!other.getToolCallId().isEmpty()) {
+        toolCallId_ = other.toolCallId_;
+        bitField0_ |= 0x00000008;
+        onChanged();
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -478,6 +671,24 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000002;
               break;
             } // case 18
+            case 26: {
+              io.pagedserve.v1.ToolCall m =
+                  input.readMessage(
+                      io.pagedserve.v1.ToolCall.parser(),
+                      extensionRegistry);
+              if (toolCallsBuilder_ == null) {
+                ensureToolCallsIsMutable();
+                toolCalls_.add(m);
+              } else {
+                toolCallsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 26
+            case 34: {
+              toolCallId_ = input.readStringRequireUtf8();
+              bitField0_ |= 0x00000008;
+              break;
+            } // case 34
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -675,6 +886,428 @@ private static final long serialVersionUID = 0L;
       checkByteStringIsUtf8(value);
       content_ = value;
       bitField0_ |= 0x00000002;
+      onChanged();
+      return this;
+    }
+
+    private java.util.List<io.pagedserve.v1.ToolCall> toolCalls_ =
+      java.util.Collections.emptyList();
+    private void ensureToolCallsIsMutable() {
+      if (!((bitField0_ & 0x00000004) != 0)) {
+        toolCalls_ = new java.util.ArrayList<io.pagedserve.v1.ToolCall>(toolCalls_);
+        bitField0_ |= 0x00000004;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder> toolCallsBuilder_;
+
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public java.util.List<io.pagedserve.v1.ToolCall> getToolCallsList() {
+      if (toolCallsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      } else {
+        return toolCallsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public int getToolCallsCount() {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.size();
+      } else {
+        return toolCallsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public io.pagedserve.v1.ToolCall getToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);
+      } else {
+        return toolCallsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder setToolCalls(
+        int index, io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder setToolCalls(
+        int index, io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder addToolCalls(io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder addToolCalls(
+        int index, io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder addToolCalls(
+        io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder addToolCalls(
+        int index, io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder addAllToolCalls(
+        java.lang.Iterable<? extends io.pagedserve.v1.ToolCall> values) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, toolCalls_);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder clearToolCalls() {
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000004);
+        onChanged();
+      } else {
+        toolCallsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public Builder removeToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.remove(index);
+        onChanged();
+      } else {
+        toolCallsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder getToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+        int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);  } else {
+        return toolCallsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+         getToolCallsOrBuilderList() {
+      if (toolCallsBuilder_ != null) {
+        return toolCallsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      }
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder addToolCallsBuilder() {
+      return getToolCallsFieldBuilder().addBuilder(
+          io.pagedserve.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder addToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().addBuilder(
+          index, io.pagedserve.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+     * them). At most 128.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+     */
+    public java.util.List<io.pagedserve.v1.ToolCall.Builder> 
+         getToolCallsBuilderList() {
+      return getToolCallsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder> 
+        getToolCallsFieldBuilder() {
+      if (toolCallsBuilder_ == null) {
+        toolCallsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder>(
+                toolCalls_,
+                ((bitField0_ & 0x00000004) != 0),
+                getParentForChildren(),
+                isClean());
+        toolCalls_ = null;
+      }
+      return toolCallsBuilder_;
+    }
+
+    private java.lang.Object toolCallId_ = "";
+    /**
+     * <pre>
+     * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+     * </pre>
+     *
+     * <code>string tool_call_id = 4;</code>
+     * @return The toolCallId.
+     */
+    public java.lang.String getToolCallId() {
+      java.lang.Object ref = toolCallId_;
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        toolCallId_ = s;
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+     * </pre>
+     *
+     * <code>string tool_call_id = 4;</code>
+     * @return The bytes for toolCallId.
+     */
+    public com.google.protobuf.ByteString
+        getToolCallIdBytes() {
+      java.lang.Object ref = toolCallId_;
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        toolCallId_ = b;
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+     * </pre>
+     *
+     * <code>string tool_call_id = 4;</code>
+     * @param value The toolCallId to set.
+     * @return This builder for chaining.
+     */
+    public Builder setToolCallId(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      toolCallId_ = value;
+      bitField0_ |= 0x00000008;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+     * </pre>
+     *
+     * <code>string tool_call_id = 4;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearToolCallId() {
+      toolCallId_ = getDefaultInstance().getToolCallId();
+      bitField0_ = (bitField0_ & ~0x00000008);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+     * </pre>
+     *
+     * <code>string tool_call_id = 4;</code>
+     * @param value The bytes for toolCallId to set.
+     * @return This builder for chaining.
+     */
+    public Builder setToolCallIdBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      toolCallId_ = value;
+      bitField0_ |= 0x00000008;
       onChanged();
       return this;
     }

@@ -46,4 +46,73 @@ public interface ChatMessageOrBuilder extends
    */
   com.google.protobuf.ByteString
       getContentBytes();
+
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  java.util.List<io.pagedserve.v1.ToolCall> 
+      getToolCallsList();
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  io.pagedserve.v1.ToolCall getToolCalls(int index);
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  int getToolCallsCount();
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList();
+  /**
+   * <pre>
+   * An assistant message: the tool calls it made (as an earlier GenerateComplete returned
+   * them). At most 128.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 3;</code>
+   */
+  io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index);
+
+  /**
+   * <pre>
+   * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+   * </pre>
+   *
+   * <code>string tool_call_id = 4;</code>
+   * @return The toolCallId.
+   */
+  java.lang.String getToolCallId();
+  /**
+   * <pre>
+   * A "tool" message: the id of the call whose result `content` is. At most 256 characters.
+   * </pre>
+   *
+   * <code>string tool_call_id = 4;</code>
+   * @return The bytes for toolCallId.
+   */
+  com.google.protobuf.ByteString
+      getToolCallIdBytes();
 }

@@ -5,7 +5,7 @@ package io.pagedserve.v1;
 
 /**
  * <pre>
- * A chat conversation, oldest message first.
+ * A chat conversation, oldest message first, and the tools the model may call.
  * </pre>
  *
  * Protobuf type {@code pagedserve.v1.ChatMessages}
@@ -21,6 +21,7 @@ private static final long serialVersionUID = 0L;
   }
   private ChatMessages() {
     messages_ = java.util.Collections.emptyList();
+    tools_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -48,6 +49,7 @@ private static final long serialVersionUID = 0L;
             io.pagedserve.v1.ChatMessages.class, io.pagedserve.v1.ChatMessages.Builder.class);
   }
 
+  private int bitField0_;
   public static final int MESSAGES_FIELD_NUMBER = 1;
   @SuppressWarnings("serial")
   private java.util.List<io.pagedserve.v1.ChatMessage> messages_;
@@ -109,6 +111,132 @@ private static final long serialVersionUID = 0L;
     return messages_.get(index);
   }
 
+  public static final int TOOLS_FIELD_NUMBER = 2;
+  @SuppressWarnings("serial")
+  private java.util.List<io.pagedserve.v1.Tool> tools_;
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public java.util.List<io.pagedserve.v1.Tool> getToolsList() {
+    return tools_;
+  }
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends io.pagedserve.v1.ToolOrBuilder> 
+      getToolsOrBuilderList() {
+    return tools_;
+  }
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public int getToolsCount() {
+    return tools_.size();
+  }
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.Tool getTools(int index) {
+    return tools_.get(index);
+  }
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolOrBuilder getToolsOrBuilder(
+      int index) {
+    return tools_.get(index);
+  }
+
+  public static final int TOOL_CHOICE_FIELD_NUMBER = 3;
+  private io.pagedserve.v1.ToolChoice toolChoice_;
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   * @return Whether the toolChoice field is set.
+   */
+  @java.lang.Override
+  public boolean hasToolChoice() {
+    return toolChoice_ != null;
+  }
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   * @return The toolChoice.
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolChoice getToolChoice() {
+    return toolChoice_ == null ? io.pagedserve.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+  }
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder() {
+    return toolChoice_ == null ? io.pagedserve.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+  }
+
+  public static final int PARALLEL_TOOL_CALLS_FIELD_NUMBER = 4;
+  private boolean parallelToolCalls_ = false;
+  /**
+   * <pre>
+   * Whether one completion may make several calls (default true).
+   * </pre>
+   *
+   * <code>optional bool parallel_tool_calls = 4;</code>
+   * @return Whether the parallelToolCalls field is set.
+   */
+  @java.lang.Override
+  public boolean hasParallelToolCalls() {
+    return ((bitField0_ & 0x00000001) != 0);
+  }
+  /**
+   * <pre>
+   * Whether one completion may make several calls (default true).
+   * </pre>
+   *
+   * <code>optional bool parallel_tool_calls = 4;</code>
+   * @return The parallelToolCalls.
+   */
+  @java.lang.Override
+  public boolean getParallelToolCalls() {
+    return parallelToolCalls_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -126,6 +254,15 @@ private static final long serialVersionUID = 0L;
     for (int i = 0; i < messages_.size(); i++) {
       output.writeMessage(1, messages_.get(i));
     }
+    for (int i = 0; i < tools_.size(); i++) {
+      output.writeMessage(2, tools_.get(i));
+    }
+    if (toolChoice_ != null) {
+      output.writeMessage(3, getToolChoice());
+    }
+    if (((bitField0_ & 0x00000001) != 0)) {
+      output.writeBool(4, parallelToolCalls_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -138,6 +275,18 @@ private static final long serialVersionUID = 0L;
     for (int i = 0; i < messages_.size(); i++) {
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(1, messages_.get(i));
+    }
+    for (int i = 0; i < tools_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(2, tools_.get(i));
+    }
+    if (toolChoice_ != null) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(3, getToolChoice());
+    }
+    if (((bitField0_ & 0x00000001) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(4, parallelToolCalls_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -156,6 +305,18 @@ private static final long serialVersionUID = 0L;
 
     if (!getMessagesList()
         .equals(other.getMessagesList())) return false;
+    if (!getToolsList()
+        .equals(other.getToolsList())) return false;
+    if (hasToolChoice() != other.hasToolChoice()) return false;
+    if (hasToolChoice()) {
+      if (!getToolChoice()
+          .equals(other.getToolChoice())) return false;
+    }
+    if (hasParallelToolCalls() != other.hasParallelToolCalls()) return false;
+    if (hasParallelToolCalls()) {
+      if (getParallelToolCalls()
+          != other.getParallelToolCalls()) return false;
+    }
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -170,6 +331,19 @@ private static final long serialVersionUID = 0L;
     if (getMessagesCount() > 0) {
       hash = (37 * hash) + MESSAGES_FIELD_NUMBER;
       hash = (53 * hash) + getMessagesList().hashCode();
+    }
+    if (getToolsCount() > 0) {
+      hash = (37 * hash) + TOOLS_FIELD_NUMBER;
+      hash = (53 * hash) + getToolsList().hashCode();
+    }
+    if (hasToolChoice()) {
+      hash = (37 * hash) + TOOL_CHOICE_FIELD_NUMBER;
+      hash = (53 * hash) + getToolChoice().hashCode();
+    }
+    if (hasParallelToolCalls()) {
+      hash = (37 * hash) + PARALLEL_TOOL_CALLS_FIELD_NUMBER;
+      hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+          getParallelToolCalls());
     }
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
@@ -268,7 +442,7 @@ private static final long serialVersionUID = 0L;
   }
   /**
    * <pre>
-   * A chat conversation, oldest message first.
+   * A chat conversation, oldest message first, and the tools the model may call.
    * </pre>
    *
    * Protobuf type {@code pagedserve.v1.ChatMessages}
@@ -311,6 +485,19 @@ private static final long serialVersionUID = 0L;
         messagesBuilder_.clear();
       }
       bitField0_ = (bitField0_ & ~0x00000001);
+      if (toolsBuilder_ == null) {
+        tools_ = java.util.Collections.emptyList();
+      } else {
+        tools_ = null;
+        toolsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000002);
+      toolChoice_ = null;
+      if (toolChoiceBuilder_ != null) {
+        toolChoiceBuilder_.dispose();
+        toolChoiceBuilder_ = null;
+      }
+      parallelToolCalls_ = false;
       return this;
     }
 
@@ -353,10 +540,30 @@ private static final long serialVersionUID = 0L;
       } else {
         result.messages_ = messagesBuilder_.build();
       }
+      if (toolsBuilder_ == null) {
+        if (((bitField0_ & 0x00000002) != 0)) {
+          tools_ = java.util.Collections.unmodifiableList(tools_);
+          bitField0_ = (bitField0_ & ~0x00000002);
+        }
+        result.tools_ = tools_;
+      } else {
+        result.tools_ = toolsBuilder_.build();
+      }
     }
 
     private void buildPartial0(io.pagedserve.v1.ChatMessages result) {
       int from_bitField0_ = bitField0_;
+      if (((from_bitField0_ & 0x00000004) != 0)) {
+        result.toolChoice_ = toolChoiceBuilder_ == null
+            ? toolChoice_
+            : toolChoiceBuilder_.build();
+      }
+      int to_bitField0_ = 0;
+      if (((from_bitField0_ & 0x00000008) != 0)) {
+        result.parallelToolCalls_ = parallelToolCalls_;
+        to_bitField0_ |= 0x00000001;
+      }
+      result.bitField0_ |= to_bitField0_;
     }
 
     @java.lang.Override
@@ -429,6 +636,38 @@ private static final long serialVersionUID = 0L;
           }
         }
       }
+      if (toolsBuilder_ == null) {
+        if (!other.tools_.isEmpty()) {
+          if (tools_.isEmpty()) {
+            tools_ = other.tools_;
+            bitField0_ = (bitField0_ & ~0x00000002);
+          } else {
+            ensureToolsIsMutable();
+            tools_.addAll(other.tools_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.tools_.isEmpty()) {
+          if (toolsBuilder_.isEmpty()) {
+            toolsBuilder_.dispose();
+            toolsBuilder_ = null;
+            tools_ = other.tools_;
+            bitField0_ = (bitField0_ & ~0x00000002);
+            toolsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getToolsFieldBuilder() : null;
+          } else {
+            toolsBuilder_.addAllMessages(other.tools_);
+          }
+        }
+      }
+      if (other.hasToolChoice()) {
+        mergeToolChoice(other.getToolChoice());
+      }
+      if (other.hasParallelToolCalls()) {
+        setParallelToolCalls(other.getParallelToolCalls());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -468,6 +707,31 @@ private static final long serialVersionUID = 0L;
               }
               break;
             } // case 10
+            case 18: {
+              io.pagedserve.v1.Tool m =
+                  input.readMessage(
+                      io.pagedserve.v1.Tool.parser(),
+                      extensionRegistry);
+              if (toolsBuilder_ == null) {
+                ensureToolsIsMutable();
+                tools_.add(m);
+              } else {
+                toolsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 18
+            case 26: {
+              input.readMessage(
+                  getToolChoiceFieldBuilder().getBuilder(),
+                  extensionRegistry);
+              bitField0_ |= 0x00000004;
+              break;
+            } // case 26
+            case 32: {
+              parallelToolCalls_ = input.readBool();
+              bitField0_ |= 0x00000008;
+              break;
+            } // case 32
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -795,6 +1059,529 @@ private static final long serialVersionUID = 0L;
         messages_ = null;
       }
       return messagesBuilder_;
+    }
+
+    private java.util.List<io.pagedserve.v1.Tool> tools_ =
+      java.util.Collections.emptyList();
+    private void ensureToolsIsMutable() {
+      if (!((bitField0_ & 0x00000002) != 0)) {
+        tools_ = new java.util.ArrayList<io.pagedserve.v1.Tool>(tools_);
+        bitField0_ |= 0x00000002;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.Tool, io.pagedserve.v1.Tool.Builder, io.pagedserve.v1.ToolOrBuilder> toolsBuilder_;
+
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<io.pagedserve.v1.Tool> getToolsList() {
+      if (toolsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(tools_);
+      } else {
+        return toolsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public int getToolsCount() {
+      if (toolsBuilder_ == null) {
+        return tools_.size();
+      } else {
+        return toolsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public io.pagedserve.v1.Tool getTools(int index) {
+      if (toolsBuilder_ == null) {
+        return tools_.get(index);
+      } else {
+        return toolsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder setTools(
+        int index, io.pagedserve.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.set(index, value);
+        onChanged();
+      } else {
+        toolsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder setTools(
+        int index, io.pagedserve.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(io.pagedserve.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.add(value);
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        int index, io.pagedserve.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.add(index, value);
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        io.pagedserve.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.add(builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        int index, io.pagedserve.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder addAllTools(
+        java.lang.Iterable<? extends io.pagedserve.v1.Tool> values) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, tools_);
+        onChanged();
+      } else {
+        toolsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder clearTools() {
+      if (toolsBuilder_ == null) {
+        tools_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000002);
+        onChanged();
+      } else {
+        toolsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public Builder removeTools(int index) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.remove(index);
+        onChanged();
+      } else {
+        toolsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public io.pagedserve.v1.Tool.Builder getToolsBuilder(
+        int index) {
+      return getToolsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public io.pagedserve.v1.ToolOrBuilder getToolsOrBuilder(
+        int index) {
+      if (toolsBuilder_ == null) {
+        return tools_.get(index);  } else {
+        return toolsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<? extends io.pagedserve.v1.ToolOrBuilder> 
+         getToolsOrBuilderList() {
+      if (toolsBuilder_ != null) {
+        return toolsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(tools_);
+      }
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public io.pagedserve.v1.Tool.Builder addToolsBuilder() {
+      return getToolsFieldBuilder().addBuilder(
+          io.pagedserve.v1.Tool.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public io.pagedserve.v1.Tool.Builder addToolsBuilder(
+        int index) {
+      return getToolsFieldBuilder().addBuilder(
+          index, io.pagedserve.v1.Tool.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * At most 128 functions; rendered into the prompt by the model's chat template.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<io.pagedserve.v1.Tool.Builder> 
+         getToolsBuilderList() {
+      return getToolsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.Tool, io.pagedserve.v1.Tool.Builder, io.pagedserve.v1.ToolOrBuilder> 
+        getToolsFieldBuilder() {
+      if (toolsBuilder_ == null) {
+        toolsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            io.pagedserve.v1.Tool, io.pagedserve.v1.Tool.Builder, io.pagedserve.v1.ToolOrBuilder>(
+                tools_,
+                ((bitField0_ & 0x00000002) != 0),
+                getParentForChildren(),
+                isClean());
+        tools_ = null;
+      }
+      return toolsBuilder_;
+    }
+
+    private io.pagedserve.v1.ToolChoice toolChoice_;
+    private com.google.protobuf.SingleFieldBuilderV3<
+        io.pagedserve.v1.ToolChoice, io.pagedserve.v1.ToolChoice.Builder, io.pagedserve.v1.ToolChoiceOrBuilder> toolChoiceBuilder_;
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     * @return Whether the toolChoice field is set.
+     */
+    public boolean hasToolChoice() {
+      return ((bitField0_ & 0x00000004) != 0);
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     * @return The toolChoice.
+     */
+    public io.pagedserve.v1.ToolChoice getToolChoice() {
+      if (toolChoiceBuilder_ == null) {
+        return toolChoice_ == null ? io.pagedserve.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+      } else {
+        return toolChoiceBuilder_.getMessage();
+      }
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder setToolChoice(io.pagedserve.v1.ToolChoice value) {
+      if (toolChoiceBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        toolChoice_ = value;
+      } else {
+        toolChoiceBuilder_.setMessage(value);
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder setToolChoice(
+        io.pagedserve.v1.ToolChoice.Builder builderForValue) {
+      if (toolChoiceBuilder_ == null) {
+        toolChoice_ = builderForValue.build();
+      } else {
+        toolChoiceBuilder_.setMessage(builderForValue.build());
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder mergeToolChoice(io.pagedserve.v1.ToolChoice value) {
+      if (toolChoiceBuilder_ == null) {
+        if (((bitField0_ & 0x00000004) != 0) &&
+          toolChoice_ != null &&
+          toolChoice_ != io.pagedserve.v1.ToolChoice.getDefaultInstance()) {
+          getToolChoiceBuilder().mergeFrom(value);
+        } else {
+          toolChoice_ = value;
+        }
+      } else {
+        toolChoiceBuilder_.mergeFrom(value);
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder clearToolChoice() {
+      bitField0_ = (bitField0_ & ~0x00000004);
+      toolChoice_ = null;
+      if (toolChoiceBuilder_ != null) {
+        toolChoiceBuilder_.dispose();
+        toolChoiceBuilder_ = null;
+      }
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public io.pagedserve.v1.ToolChoice.Builder getToolChoiceBuilder() {
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return getToolChoiceFieldBuilder().getBuilder();
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public io.pagedserve.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder() {
+      if (toolChoiceBuilder_ != null) {
+        return toolChoiceBuilder_.getMessageOrBuilder();
+      } else {
+        return toolChoice_ == null ?
+            io.pagedserve.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+      }
+    }
+    /**
+     * <pre>
+     * Unset: auto with tools, none without.
+     * </pre>
+     *
+     * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+     */
+    private com.google.protobuf.SingleFieldBuilderV3<
+        io.pagedserve.v1.ToolChoice, io.pagedserve.v1.ToolChoice.Builder, io.pagedserve.v1.ToolChoiceOrBuilder> 
+        getToolChoiceFieldBuilder() {
+      if (toolChoiceBuilder_ == null) {
+        toolChoiceBuilder_ = new com.google.protobuf.SingleFieldBuilderV3<
+            io.pagedserve.v1.ToolChoice, io.pagedserve.v1.ToolChoice.Builder, io.pagedserve.v1.ToolChoiceOrBuilder>(
+                getToolChoice(),
+                getParentForChildren(),
+                isClean());
+        toolChoice_ = null;
+      }
+      return toolChoiceBuilder_;
+    }
+
+    private boolean parallelToolCalls_ ;
+    /**
+     * <pre>
+     * Whether one completion may make several calls (default true).
+     * </pre>
+     *
+     * <code>optional bool parallel_tool_calls = 4;</code>
+     * @return Whether the parallelToolCalls field is set.
+     */
+    @java.lang.Override
+    public boolean hasParallelToolCalls() {
+      return ((bitField0_ & 0x00000008) != 0);
+    }
+    /**
+     * <pre>
+     * Whether one completion may make several calls (default true).
+     * </pre>
+     *
+     * <code>optional bool parallel_tool_calls = 4;</code>
+     * @return The parallelToolCalls.
+     */
+    @java.lang.Override
+    public boolean getParallelToolCalls() {
+      return parallelToolCalls_;
+    }
+    /**
+     * <pre>
+     * Whether one completion may make several calls (default true).
+     * </pre>
+     *
+     * <code>optional bool parallel_tool_calls = 4;</code>
+     * @param value The parallelToolCalls to set.
+     * @return This builder for chaining.
+     */
+    public Builder setParallelToolCalls(boolean value) {
+      
+      parallelToolCalls_ = value;
+      bitField0_ |= 0x00000008;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Whether one completion may make several calls (default true).
+     * </pre>
+     *
+     * <code>optional bool parallel_tool_calls = 4;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearParallelToolCalls() {
+      bitField0_ = (bitField0_ & ~0x00000008);
+      parallelToolCalls_ = false;
+      onChanged();
+      return this;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

@@ -50,4 +50,94 @@ public interface ChatMessagesOrBuilder extends
    */
   io.pagedserve.v1.ChatMessageOrBuilder getMessagesOrBuilder(
       int index);
+
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  java.util.List<io.pagedserve.v1.Tool> 
+      getToolsList();
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  io.pagedserve.v1.Tool getTools(int index);
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  int getToolsCount();
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.ToolOrBuilder> 
+      getToolsOrBuilderList();
+  /**
+   * <pre>
+   * At most 128 functions; rendered into the prompt by the model's chat template.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.Tool tools = 2;</code>
+   */
+  io.pagedserve.v1.ToolOrBuilder getToolsOrBuilder(
+      int index);
+
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   * @return Whether the toolChoice field is set.
+   */
+  boolean hasToolChoice();
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   * @return The toolChoice.
+   */
+  io.pagedserve.v1.ToolChoice getToolChoice();
+  /**
+   * <pre>
+   * Unset: auto with tools, none without.
+   * </pre>
+   *
+   * <code>.pagedserve.v1.ToolChoice tool_choice = 3;</code>
+   */
+  io.pagedserve.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder();
+
+  /**
+   * <pre>
+   * Whether one completion may make several calls (default true).
+   * </pre>
+   *
+   * <code>optional bool parallel_tool_calls = 4;</code>
+   * @return Whether the parallelToolCalls field is set.
+   */
+  boolean hasParallelToolCalls();
+  /**
+   * <pre>
+   * Whether one completion may make several calls (default true).
+   * </pre>
+   *
+   * <code>optional bool parallel_tool_calls = 4;</code>
+   * @return The parallelToolCalls.
+   */
+  boolean getParallelToolCalls();
 }

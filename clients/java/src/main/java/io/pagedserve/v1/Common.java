@@ -78,12 +78,13 @@ public final class Common {
       "\r\022\025\n\rcached_tokens\030\003 \001(\r\"/\n\nTopLogprob\022\020" +
       "\n\010token_id\030\001 \001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014Tok" +
       "enLogprob\022\017\n\007logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132" +
-      "\031.pagedserve.v1.TopLogprob*x\n\014FinishReas" +
-      "on\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FIN" +
-      "ISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGT" +
-      "H\020\002\022\027\n\023FINISH_REASON_ABORT\020\003BN\n\020io.paged" +
-      "serve.v1P\001Z8github.com/pagedserve/pageds" +
-      "erve/clients/go/pagedservev1b\006proto3"
+      "\031.pagedserve.v1.TopLogprob*\226\001\n\014FinishRea" +
+      "son\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FI" +
+      "NISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENG" +
+      "TH\020\002\022\027\n\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_" +
+      "REASON_TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P" +
+      "\001Z8github.com/pagedserve/pagedserve/clie" +
+      "nts/go/pagedservev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,

@@ -44,6 +44,14 @@ public enum FinishReason
    * <code>FINISH_REASON_ABORT = 3;</code>
    */
   FINISH_REASON_ABORT(3),
+  /**
+   * <pre>
+   * The completion ended with tool calls (the control plane's chat responses only).
+   * </pre>
+   *
+   * <code>FINISH_REASON_TOOL_CALLS = 4;</code>
+   */
+  FINISH_REASON_TOOL_CALLS(4),
   UNRECOGNIZED(-1),
   ;
 
@@ -79,6 +87,14 @@ public enum FinishReason
    * <code>FINISH_REASON_ABORT = 3;</code>
    */
   public static final int FINISH_REASON_ABORT_VALUE = 3;
+  /**
+   * <pre>
+   * The completion ended with tool calls (the control plane's chat responses only).
+   * </pre>
+   *
+   * <code>FINISH_REASON_TOOL_CALLS = 4;</code>
+   */
+  public static final int FINISH_REASON_TOOL_CALLS_VALUE = 4;
 
 
   public final int getNumber() {
@@ -109,6 +125,7 @@ public enum FinishReason
       case 1: return FINISH_REASON_STOP;
       case 2: return FINISH_REASON_LENGTH;
       case 3: return FINISH_REASON_ABORT;
+      case 4: return FINISH_REASON_TOOL_CALLS;
       default: return null;
     }
   }

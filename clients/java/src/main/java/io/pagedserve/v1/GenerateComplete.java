@@ -22,6 +22,8 @@ private static final long serialVersionUID = 0L;
   private GenerateComplete() {
     finishReason_ = 0;
     stopString_ = "";
+    toolCalls_ = java.util.Collections.emptyList();
+    content_ = "";
   }
 
   @java.lang.Override
@@ -213,6 +215,124 @@ private static final long serialVersionUID = 0L;
     return timings_ == null ? io.pagedserve.v1.Timings.getDefaultInstance() : timings_;
   }
 
+  public static final int TOOL_CALLS_FIELD_NUMBER = 6;
+  @SuppressWarnings("serial")
+  private java.util.List<io.pagedserve.v1.ToolCall> toolCalls_;
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  @java.lang.Override
+  public java.util.List<io.pagedserve.v1.ToolCall> getToolCallsList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  @java.lang.Override
+  public int getToolCallsCount() {
+    return toolCalls_.size();
+  }
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolCall getToolCalls(int index) {
+    return toolCalls_.get(index);
+  }
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index) {
+    return toolCalls_.get(index);
+  }
+
+  public static final int CONTENT_FIELD_NUMBER = 7;
+  @SuppressWarnings("serial")
+  private volatile java.lang.Object content_ = "";
+  /**
+   * <pre>
+   * With tools: the completion's text outside its tool calls.
+   * </pre>
+   *
+   * <code>string content = 7;</code>
+   * @return The content.
+   */
+  @java.lang.Override
+  public java.lang.String getContent() {
+    java.lang.Object ref = content_;
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      content_ = s;
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * With tools: the completion's text outside its tool calls.
+   * </pre>
+   *
+   * <code>string content = 7;</code>
+   * @return The bytes for content.
+   */
+  @java.lang.Override
+  public com.google.protobuf.ByteString
+      getContentBytes() {
+    java.lang.Object ref = content_;
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      content_ = b;
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -242,6 +362,12 @@ private static final long serialVersionUID = 0L;
     if (timings_ != null) {
       output.writeMessage(5, getTimings());
     }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      output.writeMessage(6, toolCalls_.get(i));
+    }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(content_)) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 7, content_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -269,6 +395,13 @@ private static final long serialVersionUID = 0L;
     if (timings_ != null) {
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(5, getTimings());
+    }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(6, toolCalls_.get(i));
+    }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(content_)) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(7, content_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -300,6 +433,10 @@ private static final long serialVersionUID = 0L;
       if (!getTimings()
           .equals(other.getTimings())) return false;
     }
+    if (!getToolCallsList()
+        .equals(other.getToolCallsList())) return false;
+    if (!getContent()
+        .equals(other.getContent())) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -325,6 +462,12 @@ private static final long serialVersionUID = 0L;
       hash = (37 * hash) + TIMINGS_FIELD_NUMBER;
       hash = (53 * hash) + getTimings().hashCode();
     }
+    if (getToolCallsCount() > 0) {
+      hash = (37 * hash) + TOOL_CALLS_FIELD_NUMBER;
+      hash = (53 * hash) + getToolCallsList().hashCode();
+    }
+    hash = (37 * hash) + CONTENT_FIELD_NUMBER;
+    hash = (53 * hash) + getContent().hashCode();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -471,6 +614,14 @@ private static final long serialVersionUID = 0L;
         timingsBuilder_.dispose();
         timingsBuilder_ = null;
       }
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+      } else {
+        toolCalls_ = null;
+        toolCallsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000020);
+      content_ = "";
       return this;
     }
 
@@ -497,9 +648,22 @@ private static final long serialVersionUID = 0L;
     @java.lang.Override
     public io.pagedserve.v1.GenerateComplete buildPartial() {
       io.pagedserve.v1.GenerateComplete result = new io.pagedserve.v1.GenerateComplete(this);
+      buildPartialRepeatedFields(result);
       if (bitField0_ != 0) { buildPartial0(result); }
       onBuilt();
       return result;
+    }
+
+    private void buildPartialRepeatedFields(io.pagedserve.v1.GenerateComplete result) {
+      if (toolCallsBuilder_ == null) {
+        if (((bitField0_ & 0x00000020) != 0)) {
+          toolCalls_ = java.util.Collections.unmodifiableList(toolCalls_);
+          bitField0_ = (bitField0_ & ~0x00000020);
+        }
+        result.toolCalls_ = toolCalls_;
+      } else {
+        result.toolCalls_ = toolCallsBuilder_.build();
+      }
     }
 
     private void buildPartial0(io.pagedserve.v1.GenerateComplete result) {
@@ -522,6 +686,9 @@ private static final long serialVersionUID = 0L;
         result.timings_ = timingsBuilder_ == null
             ? timings_
             : timingsBuilder_.build();
+      }
+      if (((from_bitField0_ & 0x00000040) != 0)) {
+        result.content_ = content_;
       }
     }
 
@@ -586,6 +753,37 @@ private static final long serialVersionUID = 0L;
       if (other.hasTimings()) {
         mergeTimings(other.getTimings());
       }
+      if (toolCallsBuilder_ == null) {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCalls_.isEmpty()) {
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000020);
+          } else {
+            ensureToolCallsIsMutable();
+            toolCalls_.addAll(other.toolCalls_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCallsBuilder_.isEmpty()) {
+            toolCallsBuilder_.dispose();
+            toolCallsBuilder_ = null;
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000020);
+            toolCallsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getToolCallsFieldBuilder() : null;
+          } else {
+            toolCallsBuilder_.addAllMessages(other.toolCalls_);
+          }
+        }
+      }
+      if (!other.getContent().isEmpty()) {
+        content_ = other.content_;
+        bitField0_ |= 0x00000040;
+        onChanged();
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -641,6 +839,24 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000010;
               break;
             } // case 42
+            case 50: {
+              io.pagedserve.v1.ToolCall m =
+                  input.readMessage(
+                      io.pagedserve.v1.ToolCall.parser(),
+                      extensionRegistry);
+              if (toolCallsBuilder_ == null) {
+                ensureToolCallsIsMutable();
+                toolCalls_.add(m);
+              } else {
+                toolCallsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 50
+            case 58: {
+              content_ = input.readStringRequireUtf8();
+              bitField0_ |= 0x00000040;
+              break;
+            } // case 58
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1175,6 +1391,446 @@ private static final long serialVersionUID = 0L;
         timings_ = null;
       }
       return timingsBuilder_;
+    }
+
+    private java.util.List<io.pagedserve.v1.ToolCall> toolCalls_ =
+      java.util.Collections.emptyList();
+    private void ensureToolCallsIsMutable() {
+      if (!((bitField0_ & 0x00000020) != 0)) {
+        toolCalls_ = new java.util.ArrayList<io.pagedserve.v1.ToolCall>(toolCalls_);
+        bitField0_ |= 0x00000020;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder> toolCallsBuilder_;
+
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public java.util.List<io.pagedserve.v1.ToolCall> getToolCallsList() {
+      if (toolCallsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      } else {
+        return toolCallsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public int getToolCallsCount() {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.size();
+      } else {
+        return toolCallsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public io.pagedserve.v1.ToolCall getToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);
+      } else {
+        return toolCallsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder setToolCalls(
+        int index, io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder setToolCalls(
+        int index, io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder addToolCalls(io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder addToolCalls(
+        int index, io.pagedserve.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder addToolCalls(
+        io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder addToolCalls(
+        int index, io.pagedserve.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder addAllToolCalls(
+        java.lang.Iterable<? extends io.pagedserve.v1.ToolCall> values) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, toolCalls_);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder clearToolCalls() {
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000020);
+        onChanged();
+      } else {
+        toolCallsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public Builder removeToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.remove(index);
+        onChanged();
+      } else {
+        toolCallsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder getToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+        int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);  } else {
+        return toolCallsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+         getToolCallsOrBuilderList() {
+      if (toolCallsBuilder_ != null) {
+        return toolCallsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      }
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder addToolCallsBuilder() {
+      return getToolCallsFieldBuilder().addBuilder(
+          io.pagedserve.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public io.pagedserve.v1.ToolCall.Builder addToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().addBuilder(
+          index, io.pagedserve.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * A chat request that declared tools (tool choice other than none): the calls the
+     * completion made, parsed from its text (the chunks carry the text as generated). With
+     * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+     */
+    public java.util.List<io.pagedserve.v1.ToolCall.Builder> 
+         getToolCallsBuilderList() {
+      return getToolCallsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder> 
+        getToolCallsFieldBuilder() {
+      if (toolCallsBuilder_ == null) {
+        toolCallsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            io.pagedserve.v1.ToolCall, io.pagedserve.v1.ToolCall.Builder, io.pagedserve.v1.ToolCallOrBuilder>(
+                toolCalls_,
+                ((bitField0_ & 0x00000020) != 0),
+                getParentForChildren(),
+                isClean());
+        toolCalls_ = null;
+      }
+      return toolCallsBuilder_;
+    }
+
+    private java.lang.Object content_ = "";
+    /**
+     * <pre>
+     * With tools: the completion's text outside its tool calls.
+     * </pre>
+     *
+     * <code>string content = 7;</code>
+     * @return The content.
+     */
+    public java.lang.String getContent() {
+      java.lang.Object ref = content_;
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        content_ = s;
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * With tools: the completion's text outside its tool calls.
+     * </pre>
+     *
+     * <code>string content = 7;</code>
+     * @return The bytes for content.
+     */
+    public com.google.protobuf.ByteString
+        getContentBytes() {
+      java.lang.Object ref = content_;
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        content_ = b;
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * With tools: the completion's text outside its tool calls.
+     * </pre>
+     *
+     * <code>string content = 7;</code>
+     * @param value The content to set.
+     * @return This builder for chaining.
+     */
+    public Builder setContent(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      content_ = value;
+      bitField0_ |= 0x00000040;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * With tools: the completion's text outside its tool calls.
+     * </pre>
+     *
+     * <code>string content = 7;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearContent() {
+      content_ = getDefaultInstance().getContent();
+      bitField0_ = (bitField0_ & ~0x00000040);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * With tools: the completion's text outside its tool calls.
+     * </pre>
+     *
+     * <code>string content = 7;</code>
+     * @param value The bytes for content to set.
+     * @return This builder for chaining.
+     */
+    public Builder setContentBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      content_ = value;
+      bitField0_ |= 0x00000040;
+      onChanged();
+      return this;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

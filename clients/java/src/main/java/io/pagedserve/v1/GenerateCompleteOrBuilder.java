@@ -109,4 +109,78 @@ public interface GenerateCompleteOrBuilder extends
    * <code>.pagedserve.v1.Timings timings = 5;</code>
    */
   io.pagedserve.v1.TimingsOrBuilder getTimingsOrBuilder();
+
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  java.util.List<io.pagedserve.v1.ToolCall> 
+      getToolCallsList();
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  io.pagedserve.v1.ToolCall getToolCalls(int index);
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  int getToolCallsCount();
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList();
+  /**
+   * <pre>
+   * A chat request that declared tools (tool choice other than none): the calls the
+   * completion made, parsed from its text (the chunks carry the text as generated). With
+   * calls and no max_tokens cut, finish_reason is FINISH_REASON_TOOL_CALLS.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.ToolCall tool_calls = 6;</code>
+   */
+  io.pagedserve.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index);
+
+  /**
+   * <pre>
+   * With tools: the completion's text outside its tool calls.
+   * </pre>
+   *
+   * <code>string content = 7;</code>
+   * @return The content.
+   */
+  java.lang.String getContent();
+  /**
+   * <pre>
+   * With tools: the completion's text outside its tool calls.
+   * </pre>
+   *
+   * <code>string content = 7;</code>
+   * @return The bytes for content.
+   */
+  com.google.protobuf.ByteString
+      getContentBytes();
 }

@@ -25,6 +25,21 @@ public final class Generation {
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_pagedserve_v1_ChatMessage_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_Tool_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_Tool_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_ToolChoice_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_ToolChoice_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_ToolCall_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_ToolCall_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
     internal_static_pagedserve_v1_ChatMessages_descriptor;
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
@@ -100,50 +115,65 @@ public final class Generation {
     java.lang.String[] descriptorData = {
       "\n\036pagedserve/v1/generation.proto\022\rpageds" +
       "erve.v1\032\032pagedserve/v1/common.proto\"\027\n\010T" +
-      "okenIds\022\013\n\003ids\030\001 \003(\r\",\n\013ChatMessage\022\014\n\004r" +
-      "ole\030\001 \001(\t\022\017\n\007content\030\002 \001(\t\"<\n\014ChatMessag" +
-      "es\022,\n\010messages\030\001 \003(\0132\032.pagedserve.v1.Cha" +
-      "tMessage\"\365\001\n\017GenerateRequest\022\022\n\nrequest_" +
-      "id\030\001 \001(\t\022\r\n\005model\030\002 \001(\t\022\016\n\004text\030\003 \001(\tH\000\022" +
-      ",\n\ttoken_ids\030\004 \001(\0132\027.pagedserve.v1.Token" +
-      "IdsH\000\022+\n\004chat\030\005 \001(\0132\033.pagedserve.v1.Chat" +
-      "MessagesH\000\0226\n\017sampling_params\030\006 \001(\0132\035.pa" +
-      "gedserve.v1.SamplingParams\022\022\n\ncache_salt" +
-      "\030\007 \001(\tB\010\n\006prompt\"\223\001\n\020GenerateResponse\022\022\n" +
-      "\nrequest_id\030\001 \001(\t\022*\n\005chunk\030\002 \001(\0132\031.paged" +
-      "serve.v1.TokenChunkH\000\0223\n\010complete\030\003 \001(\0132" +
-      "\037.pagedserve.v1.GenerateCompleteH\000B\n\n\010re" +
-      "sponse\"k\n\nTokenChunk\022\r\n\005index\030\001 \001(\r\022\021\n\tt" +
-      "oken_ids\030\002 \003(\r\022\014\n\004text\030\003 \001(\t\022-\n\010logprobs" +
-      "\030\004 \003(\0132\033.pagedserve.v1.TokenLogprob\"Z\n\007T" +
-      "imings\022\025\n\rqueue_seconds\030\001 \001(\001\022#\n\033time_to" +
-      "_first_token_seconds\030\002 \001(\001\022\023\n\013e2e_second" +
-      "s\030\003 \001(\001\"\270\001\n\020GenerateComplete\022\r\n\005index\030\001 " +
-      "\001(\r\0222\n\rfinish_reason\030\002 \001(\0162\033.pagedserve." +
-      "v1.FinishReason\022\023\n\013stop_string\030\003 \001(\t\022#\n\005" +
-      "usage\030\004 \001(\0132\024.pagedserve.v1.Usage\022\'\n\007tim" +
-      "ings\030\005 \001(\0132\026.pagedserve.v1.Timings\"g\n\017To" +
-      "kenizeRequest\022\r\n\005model\030\001 \001(\t\022\016\n\004text\030\002 \001" +
-      "(\tH\000\022+\n\004chat\030\003 \001(\0132\033.pagedserve.v1.ChatM" +
-      "essagesH\000B\010\n\006prompt\"%\n\020TokenizeResponse\022" +
-      "\021\n\ttoken_ids\030\001 \003(\r\"5\n\021DetokenizeRequest\022" +
-      "\r\n\005model\030\001 \001(\t\022\021\n\ttoken_ids\030\002 \003(\r\"\"\n\022Det" +
-      "okenizeResponse\022\014\n\004text\030\001 \001(\t\"\023\n\021ListMod" +
-      "elsRequest\"Z\n\tModelCard\022\n\n\002id\030\001 \001(\t\022\025\n\rm" +
-      "ax_model_len\030\002 \001(\r\022\022\n\nblock_size\030\003 \001(\r\022\026" +
-      "\n\016kv_cache_dtype\030\004 \001(\t\">\n\022ListModelsResp" +
-      "onse\022(\n\006models\030\001 \003(\0132\030.pagedserve.v1.Mod" +
-      "elCard2\325\002\n\021GenerationService\022M\n\010Generate" +
-      "\022\036.pagedserve.v1.GenerateRequest\032\037.paged" +
-      "serve.v1.GenerateResponse0\001\022K\n\010Tokenize\022" +
-      "\036.pagedserve.v1.TokenizeRequest\032\037.pageds" +
-      "erve.v1.TokenizeResponse\022Q\n\nDetokenize\022 " +
-      ".pagedserve.v1.DetokenizeRequest\032!.paged" +
-      "serve.v1.DetokenizeResponse\022Q\n\nListModel" +
-      "s\022 .pagedserve.v1.ListModelsRequest\032!.pa" +
-      "gedserve.v1.ListModelsResponseBN\n\020io.pag" +
-      "edserve.v1P\001Z8github.com/pagedserve/page" +
-      "dserve/clients/go/pagedservev1b\006proto3"
+      "okenIds\022\013\n\003ids\030\001 \003(\r\"o\n\013ChatMessage\022\014\n\004r" +
+      "ole\030\001 \001(\t\022\017\n\007content\030\002 \001(\t\022+\n\ntool_calls" +
+      "\030\003 \003(\0132\027.pagedserve.v1.ToolCall\022\024\n\014tool_" +
+      "call_id\030\004 \001(\t\"=\n\004Tool\022\014\n\004name\030\001 \001(\t\022\023\n\013d" +
+      "escription\030\002 \001(\t\022\022\n\nparameters\030\003 \001(\t\"\263\001\n" +
+      "\nToolChoice\022,\n\004mode\030\001 \001(\0162\036.pagedserve.v" +
+      "1.ToolChoice.Mode\022\025\n\rfunction_name\030\002 \001(\t" +
+      "\"`\n\004Mode\022\024\n\020MODE_UNSPECIFIED\020\000\022\r\n\tMODE_N" +
+      "ONE\020\001\022\r\n\tMODE_AUTO\020\002\022\021\n\rMODE_REQUIRED\020\003\022" +
+      "\021\n\rMODE_FUNCTION\020\004\"7\n\010ToolCall\022\n\n\002id\030\001 \001" +
+      "(\t\022\014\n\004name\030\002 \001(\t\022\021\n\targuments\030\003 \001(\t\"\312\001\n\014" +
+      "ChatMessages\022,\n\010messages\030\001 \003(\0132\032.pagedse" +
+      "rve.v1.ChatMessage\022\"\n\005tools\030\002 \003(\0132\023.page" +
+      "dserve.v1.Tool\022.\n\013tool_choice\030\003 \001(\0132\031.pa" +
+      "gedserve.v1.ToolChoice\022 \n\023parallel_tool_" +
+      "calls\030\004 \001(\010H\000\210\001\001B\026\n\024_parallel_tool_calls" +
+      "\"\365\001\n\017GenerateRequest\022\022\n\nrequest_id\030\001 \001(\t" +
+      "\022\r\n\005model\030\002 \001(\t\022\016\n\004text\030\003 \001(\tH\000\022,\n\ttoken" +
+      "_ids\030\004 \001(\0132\027.pagedserve.v1.TokenIdsH\000\022+\n" +
+      "\004chat\030\005 \001(\0132\033.pagedserve.v1.ChatMessages" +
+      "H\000\0226\n\017sampling_params\030\006 \001(\0132\035.pagedserve" +
+      ".v1.SamplingParams\022\022\n\ncache_salt\030\007 \001(\tB\010" +
+      "\n\006prompt\"\223\001\n\020GenerateResponse\022\022\n\nrequest" +
+      "_id\030\001 \001(\t\022*\n\005chunk\030\002 \001(\0132\031.pagedserve.v1" +
+      ".TokenChunkH\000\0223\n\010complete\030\003 \001(\0132\037.pageds" +
+      "erve.v1.GenerateCompleteH\000B\n\n\010response\"k" +
+      "\n\nTokenChunk\022\r\n\005index\030\001 \001(\r\022\021\n\ttoken_ids" +
+      "\030\002 \003(\r\022\014\n\004text\030\003 \001(\t\022-\n\010logprobs\030\004 \003(\0132\033" +
+      ".pagedserve.v1.TokenLogprob\"Z\n\007Timings\022\025" +
+      "\n\rqueue_seconds\030\001 \001(\001\022#\n\033time_to_first_t" +
+      "oken_seconds\030\002 \001(\001\022\023\n\013e2e_seconds\030\003 \001(\001\"" +
+      "\366\001\n\020GenerateComplete\022\r\n\005index\030\001 \001(\r\0222\n\rf" +
+      "inish_reason\030\002 \001(\0162\033.pagedserve.v1.Finis" +
+      "hReason\022\023\n\013stop_string\030\003 \001(\t\022#\n\005usage\030\004 " +
+      "\001(\0132\024.pagedserve.v1.Usage\022\'\n\007timings\030\005 \001" +
+      "(\0132\026.pagedserve.v1.Timings\022+\n\ntool_calls" +
+      "\030\006 \003(\0132\027.pagedserve.v1.ToolCall\022\017\n\007conte" +
+      "nt\030\007 \001(\t\"g\n\017TokenizeRequest\022\r\n\005model\030\001 \001" +
+      "(\t\022\016\n\004text\030\002 \001(\tH\000\022+\n\004chat\030\003 \001(\0132\033.paged" +
+      "serve.v1.ChatMessagesH\000B\010\n\006prompt\"%\n\020Tok" +
+      "enizeResponse\022\021\n\ttoken_ids\030\001 \003(\r\"5\n\021Deto" +
+      "kenizeRequest\022\r\n\005model\030\001 \001(\t\022\021\n\ttoken_id" +
+      "s\030\002 \003(\r\"\"\n\022DetokenizeResponse\022\014\n\004text\030\001 " +
+      "\001(\t\"\023\n\021ListModelsRequest\"Z\n\tModelCard\022\n\n" +
+      "\002id\030\001 \001(\t\022\025\n\rmax_model_len\030\002 \001(\r\022\022\n\nbloc" +
+      "k_size\030\003 \001(\r\022\026\n\016kv_cache_dtype\030\004 \001(\t\">\n\022" +
+      "ListModelsResponse\022(\n\006models\030\001 \003(\0132\030.pag" +
+      "edserve.v1.ModelCard2\325\002\n\021GenerationServi" +
+      "ce\022M\n\010Generate\022\036.pagedserve.v1.GenerateR" +
+      "equest\032\037.pagedserve.v1.GenerateResponse0" +
+      "\001\022K\n\010Tokenize\022\036.pagedserve.v1.TokenizeRe" +
+      "quest\032\037.pagedserve.v1.TokenizeResponse\022Q" +
+      "\n\nDetokenize\022 .pagedserve.v1.DetokenizeR" +
+      "equest\032!.pagedserve.v1.DetokenizeRespons" +
+      "e\022Q\n\nListModels\022 .pagedserve.v1.ListMode" +
+      "lsRequest\032!.pagedserve.v1.ListModelsResp" +
+      "onseBN\n\020io.pagedserve.v1P\001Z8github.com/p" +
+      "agedserve/pagedserve/clients/go/pagedser" +
+      "vev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -161,81 +191,99 @@ public final class Generation {
     internal_static_pagedserve_v1_ChatMessage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ChatMessage_descriptor,
-        new java.lang.String[] { "Role", "Content", });
-    internal_static_pagedserve_v1_ChatMessages_descriptor =
+        new java.lang.String[] { "Role", "Content", "ToolCalls", "ToolCallId", });
+    internal_static_pagedserve_v1_Tool_descriptor =
       getDescriptor().getMessageTypes().get(2);
+    internal_static_pagedserve_v1_Tool_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_Tool_descriptor,
+        new java.lang.String[] { "Name", "Description", "Parameters", });
+    internal_static_pagedserve_v1_ToolChoice_descriptor =
+      getDescriptor().getMessageTypes().get(3);
+    internal_static_pagedserve_v1_ToolChoice_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_ToolChoice_descriptor,
+        new java.lang.String[] { "Mode", "FunctionName", });
+    internal_static_pagedserve_v1_ToolCall_descriptor =
+      getDescriptor().getMessageTypes().get(4);
+    internal_static_pagedserve_v1_ToolCall_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_ToolCall_descriptor,
+        new java.lang.String[] { "Id", "Name", "Arguments", });
+    internal_static_pagedserve_v1_ChatMessages_descriptor =
+      getDescriptor().getMessageTypes().get(5);
     internal_static_pagedserve_v1_ChatMessages_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ChatMessages_descriptor,
-        new java.lang.String[] { "Messages", });
+        new java.lang.String[] { "Messages", "Tools", "ToolChoice", "ParallelToolCalls", "ParallelToolCalls", });
     internal_static_pagedserve_v1_GenerateRequest_descriptor =
-      getDescriptor().getMessageTypes().get(3);
+      getDescriptor().getMessageTypes().get(6);
     internal_static_pagedserve_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_GenerateRequest_descriptor,
         new java.lang.String[] { "RequestId", "Model", "Text", "TokenIds", "Chat", "SamplingParams", "CacheSalt", "Prompt", });
     internal_static_pagedserve_v1_GenerateResponse_descriptor =
-      getDescriptor().getMessageTypes().get(4);
+      getDescriptor().getMessageTypes().get(7);
     internal_static_pagedserve_v1_GenerateResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_GenerateResponse_descriptor,
         new java.lang.String[] { "RequestId", "Chunk", "Complete", "Response", });
     internal_static_pagedserve_v1_TokenChunk_descriptor =
-      getDescriptor().getMessageTypes().get(5);
+      getDescriptor().getMessageTypes().get(8);
     internal_static_pagedserve_v1_TokenChunk_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenChunk_descriptor,
         new java.lang.String[] { "Index", "TokenIds", "Text", "Logprobs", });
     internal_static_pagedserve_v1_Timings_descriptor =
-      getDescriptor().getMessageTypes().get(6);
+      getDescriptor().getMessageTypes().get(9);
     internal_static_pagedserve_v1_Timings_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_Timings_descriptor,
         new java.lang.String[] { "QueueSeconds", "TimeToFirstTokenSeconds", "E2ESeconds", });
     internal_static_pagedserve_v1_GenerateComplete_descriptor =
-      getDescriptor().getMessageTypes().get(7);
+      getDescriptor().getMessageTypes().get(10);
     internal_static_pagedserve_v1_GenerateComplete_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_GenerateComplete_descriptor,
-        new java.lang.String[] { "Index", "FinishReason", "StopString", "Usage", "Timings", });
+        new java.lang.String[] { "Index", "FinishReason", "StopString", "Usage", "Timings", "ToolCalls", "Content", });
     internal_static_pagedserve_v1_TokenizeRequest_descriptor =
-      getDescriptor().getMessageTypes().get(8);
+      getDescriptor().getMessageTypes().get(11);
     internal_static_pagedserve_v1_TokenizeRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenizeRequest_descriptor,
         new java.lang.String[] { "Model", "Text", "Chat", "Prompt", });
     internal_static_pagedserve_v1_TokenizeResponse_descriptor =
-      getDescriptor().getMessageTypes().get(9);
+      getDescriptor().getMessageTypes().get(12);
     internal_static_pagedserve_v1_TokenizeResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenizeResponse_descriptor,
         new java.lang.String[] { "TokenIds", });
     internal_static_pagedserve_v1_DetokenizeRequest_descriptor =
-      getDescriptor().getMessageTypes().get(10);
+      getDescriptor().getMessageTypes().get(13);
     internal_static_pagedserve_v1_DetokenizeRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_DetokenizeRequest_descriptor,
         new java.lang.String[] { "Model", "TokenIds", });
     internal_static_pagedserve_v1_DetokenizeResponse_descriptor =
-      getDescriptor().getMessageTypes().get(11);
+      getDescriptor().getMessageTypes().get(14);
     internal_static_pagedserve_v1_DetokenizeResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_DetokenizeResponse_descriptor,
         new java.lang.String[] { "Text", });
     internal_static_pagedserve_v1_ListModelsRequest_descriptor =
-      getDescriptor().getMessageTypes().get(12);
+      getDescriptor().getMessageTypes().get(15);
     internal_static_pagedserve_v1_ListModelsRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ListModelsRequest_descriptor,
         new java.lang.String[] { });
     internal_static_pagedserve_v1_ModelCard_descriptor =
-      getDescriptor().getMessageTypes().get(13);
+      getDescriptor().getMessageTypes().get(16);
     internal_static_pagedserve_v1_ModelCard_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ModelCard_descriptor,
         new java.lang.String[] { "Id", "MaxModelLen", "BlockSize", "KvCacheDtype", });
     internal_static_pagedserve_v1_ListModelsResponse_descriptor =
-      getDescriptor().getMessageTypes().get(14);
+      getDescriptor().getMessageTypes().get(17);
     internal_static_pagedserve_v1_ListModelsResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ListModelsResponse_descriptor,

@@ -1,0 +1,77 @@
+"""Tool calls in OpenAI's chat shapes: one output parser per choice, read as the text streams.
+
+A response's tool calls come out of `controlplane.tools.parsers`: the model family's format
+for `tool_choice: "auto"`, the forced JSON for "required" and a named function. The same parser
+runs whether the client streams or not, so a streamed answer's `delta.tool_calls` (the call's
+index, id and name once, then its arguments in pieces) always assemble to the message's
+`tool_calls` of the same answer unstreamed. `finish_reason` is "tool_calls" when an answer that
+was not cut short by `max_tokens` holds a call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from controlplane.tools.definitions import ToolUse
+from controlplane.tools.output import CompletionParsers
+from controlplane.tools.parsers import ParserOutput, ToolCallDelta
+
+
+class ChoiceToolCalls:
+    """The parsers of one response's choices (created on a choice's first text)."""
+
+    def __init__(self, use: ToolUse, model_format: str) -> None:
+        self._parser = CompletionParsers(use, model_format)
+
+    def feed(self, index: int, text: str) -> dict[str, Any]:
+        """The delta of a streamed chunk with `text` newly generated (content and/or calls)."""
+        return _delta(self._parser(index).feed(text))
+
+    def finish(self, index: int) -> dict[str, Any]:
+        """What the parser held back, as the delta of the choice's last chunk."""
+        return _delta(self._parser(index).finish())
+
+    def has_calls(self, index: int) -> bool:
+        return bool(self._parser(index).tool_calls)
+
+    def message(self, index: int, text: str) -> dict[str, Any]:
+        """The unstreamed answer's message: the text parsed whole."""
+        parser = self._parser(index)
+        parser.feed(text)
+        parser.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": parser.content or None}
+        if parser.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parser.tool_calls
+            ]
+        else:
+            message["content"] = parser.content
+        return message
+
+
+def _delta(out: ParserOutput) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if out.content:
+        delta["content"] = out.content
+    if out.calls:
+        delta["tool_calls"] = _merged(out.calls)
+    return delta
+
+
+def _merged(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's `delta.tool_calls`: one entry per call, its pieces of this chunk joined."""
+    entries: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        entry = entries.get(d.index)
+        if entry is None:
+            entry = {"index": d.index, "function": {"arguments": ""}}
+            if d.id is not None:
+                entry["id"] = d.id
+                entry["type"] = "function"
+            if d.name is not None:
+                entry["function"] = {"name": d.name, "arguments": ""}
+            entries[d.index] = entry
+        entry["function"]["arguments"] += d.arguments
+    return list(entries.values())

@@ -1,0 +1,1 @@
+"""Tool calling: definitions, forced-call grammars, chat-template rendering, output parsers."""
