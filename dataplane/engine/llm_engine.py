@@ -406,10 +406,11 @@ class LLMEngine:
         return self._grammars
 
     def close(self) -> None:
-        """Stop the engine's helper processes (the grammar compiler); idempotent."""
+        """Stop the engine's helpers (the grammar compiler process, the mask thread); idempotent."""
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
+        self.runner.close()
 
     def samples_of(self, request_id: str) -> list[Request]:
         """Every sample of a request added with `add_request` (one unless n/best_of > 1)."""

@@ -131,7 +131,7 @@ class ModelRunner:
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._token_masks: Any = None  # structured outputs' bitmask, allocated on first use
-        self.mask_seconds = 0.0  # time spent filling and applying grammar masks
+        self.mask_seconds = 0.0  # time steps waited for grammar masks (fill rest + masking)
 
     def _layer_kernels(self, model: Any) -> CpuKernels | None:
         """The C++ kernels for the fused layers' elementwise work and the panel-packed
@@ -205,12 +205,16 @@ class ModelRunner:
             inputs.swap_in.extend(self._pending_swap_in)
             self._pending_swap_out, self._pending_swap_in = [], []
             self.step_listener(inputs)
+        sampling = [s for s in out.scheduled if s.samples]
+        constrained = [
+            (i, s.request.grammar) for i, s in enumerate(sampling) if s.request.grammar is not None
+        ]
+        filled = self._start_mask_fill(constrained) if constrained else None  # overlaps the forward
         hidden = self._forward(inputs)
         if not sample_rows:
             return {}
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.lm_head(hidden.index_select(0, rows)).float()  # [N, vocab]
-        sampling = [s for s in out.scheduled if s.samples]
         params = [s.request.sampling_params for s in sampling]
         generators: list[torch.Generator | None] = [
             None if p.greedy else self._generator_for(s.request.request_id, p.seed)
@@ -221,26 +225,39 @@ class ModelRunner:
             (s.request.prompt_token_ids, s.request.output_token_ids) if p.has_penalties else no_history
             for s, p in zip(sampling, params, strict=True)
         ]
-        constrained = [
-            (i, s.request.grammar) for i, s in enumerate(sampling) if s.request.grammar is not None
-        ]
         if constrained:
-            self._mask_logits(logits, constrained)
+            self._mask_logits(logits, constrained, filled)
         tokens = sample(logits, params, generators, histories)
         return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}
 
-    def _mask_logits(self, logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
-        """Structured outputs: each constrained row keeps only the tokens its grammar allows
-        next (the others become -inf), in place, before penalties and sampling; a constrained
-        row's logprobs are therefore those of the allowed tokens, renormalised. Unconstrained
-        rows are not touched."""
+    def _start_mask_fill(self, rows: list[tuple[int, Any]]) -> Any:
+        """Structured outputs: start filling the constrained rows' token bitmask, on a worker
+        thread while the forward runs (dataplane.structured.grammar.TokenMasks)."""
         if self._token_masks is None:
             from dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
 
-            self._token_masks = TokenMasks(logits.shape[-1])
+            self._token_masks = TokenMasks(self.model.config.vocab_size)
+        return self._token_masks.start_fill(rows)
+
+    def _mask_logits(self, logits: torch.Tensor, rows: list[tuple[int, Any]], filled: Any) -> None:
+        """Each constrained row keeps only the tokens its grammar allows next (the others
+        become -inf), in place, before penalties and sampling; a constrained row's logprobs are
+        therefore those of the allowed tokens, renormalised. Unconstrained rows are not
+        touched. `mask_seconds` counts what the step waits for: the rest of the fill after
+        the forward, and the masking."""
         started = time.perf_counter()
-        self._token_masks.apply(logits, rows)
+        self._token_masks.apply(logits, rows, filled)
         self.mask_seconds += time.perf_counter() - started
+
+    @property
+    def mask_fill_seconds(self) -> float:
+        """The bitmask fills' own time (on the worker thread, overlapping the forwards)."""
+        return 0.0 if self._token_masks is None else float(self._token_masks.fill_seconds)
+
+    def close(self) -> None:
+        """Stop the mask worker thread, if one started."""
+        if self._token_masks is not None:
+            self._token_masks.close()
 
     @torch.inference_mode()
     def execute_inputs(self, inputs: StepInputs) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -121,23 +123,51 @@ class GrammarState:
 class TokenMasks:
     """The step's token bitmask, allocated once for the rows it has seen and reused: only the
     constrained rows are filled and applied, so unconstrained rows in the same batch are never
-    touched."""
+    touched.
+
+    Filling is most of the mask work (a matcher inside a long string walks many tokens) and
+    needs only the matchers, which are final once the previous step's tokens were accepted.
+    So `start_fill` fills the rows on a worker thread while the step's forward runs (the
+    backend releases the GIL while it fills), and `apply` waits for it, then masks the logits.
+    Nothing touches the matchers between the two: the engine accepts tokens after sampling.
+    """
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._filler: ThreadPoolExecutor | None = None
+        self.fill_seconds = 0.0  # time the fills took (on the worker thread, mostly overlapped)
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState]]) -> None:
-        """Mask `logits` [N, vocab] in place: row i keeps only what its state allows."""
-        if not rows:
-            return
+    def start_fill(self, rows: Sequence[tuple[int, GrammarState]]) -> Future[None]:
+        """Fill `rows` (bitmask row i from its state) on the worker thread; `apply` waits."""
         needed = max(i for i, _ in rows) + 1
         if self._bitmask.shape[0] < needed:
             self._bitmask = xgr.allocate_token_bitmask(
                 max(needed, 2 * self._bitmask.shape[0]), self.vocab_size
             )
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._filler.submit(self._fill, list(rows))
+
+    def _fill(self, rows: list[tuple[int, GrammarState]]) -> None:
+        started = time.perf_counter()
         for i, state in rows:
             state.fill_mask(self._bitmask, i)
+        self.fill_seconds += time.perf_counter() - started
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[tuple[int, GrammarState]],
+        filled: Future[None] | None = None,
+    ) -> None:
+        """Mask `logits` [N, vocab] in place: row i keeps only what its state allows. `filled`:
+        the `start_fill` of these rows (without it they are filled here)."""
+        if not rows:
+            return
+        if filled is None:
+            filled = self.start_fill(rows)
+        filled.result()  # re-raises the fill's error
         indices = [i for i, _ in rows]
         bitmask = (
             self._bitmask
@@ -145,3 +175,8 @@ class TokenMasks:
             else self._bitmask.to(logits.device, non_blocking=True)
         )
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+
+    def close(self) -> None:
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None

@@ -232,3 +232,40 @@ def test_a_refusal_carries_the_backends_message_without_its_log_prefix(llm: Any)
         llm.generate(["x"], params, use_tqdm=False)
     assert not re.search(r"\.cc:[0-9]+", str(err.value)), str(err.value)
     assert "$defs" in str(err.value)
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_place(llm: Any) -> None:
+    """The bitmask rows a worker thread fills while the forward runs are the matcher's own:
+    applying them gives the same logits as xgrammar filling and applying row by row, and
+    rows without a grammar are untouched (also when the bitmask grows for a later row)."""
+    import torch
+    import xgrammar as xgr
+
+    from dataplane.structured.grammar import GrammarState, TokenMasks
+
+    compiled = llm.engine.grammars().compile(Constraint("json_schema", json.dumps(PERSON)))
+    vocab = llm.engine.runner.model.config.vocab_size
+    states = [GrammarState(compiled) for _ in range(3)]
+    prefix = llm.tokenizer.encode('{"name": "Al', add_special_tokens=False)
+    for token in prefix:
+        assert states[1].accept(token)
+    masks = TokenMasks(vocab)
+    logits = torch.randn(6, vocab)
+    expected = logits.clone()
+    rows = [(0, states[0]), (2, states[1]), (5, states[2])]
+    masks.apply(logits, rows, masks.start_fill(rows))
+    for i, state in rows:
+        own = xgr.allocate_token_bitmask(1, vocab)
+        state.fill_mask(own, 0)
+        xgr.apply_token_bitmask_inplace(expected[i : i + 1], own, vocab_size=vocab)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[2]).sum() < torch.isinf(logits[0]).sum()  # inside a string: more allowed
+    masks.close()
+
+
+def test_the_engine_fills_masks_off_the_step_path(llm: Any) -> None:
+    runner = llm.engine.runner
+    waited, filled = runner.mask_seconds, runner.mask_fill_seconds
+    (out,) = llm.generate([chat(llm, PROMPTS[0])], schema_params(), use_tqdm=False)
+    jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert runner.mask_fill_seconds > filled and runner.mask_seconds > waited
