@@ -195,6 +195,17 @@ class ControlPlaneMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.tool_requests = Counter(
+            PREFIX + "tool_requests",
+            "Chat requests that declared tools, by tool_choice (none, auto, required, function).",
+            ["tool_choice"],
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            PREFIX + "tool_calls",
+            "Tool calls parsed from completions (forced and auto).",
+            registry=r,
+        )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Gap between consecutive token deltas.",

@@ -74,6 +74,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             rid = gen.label  # the client's id echoed (the server keys the request by its own)
             parent = extract(context.invocation_metadata() or ())
             parsers = CompletionParsers(use, self.frontend.tool_call_format)
+            if use.tools:
+                self.frontend.metrics.tool_requests.labels(tool_choice=use.choice.mode).inc()
             async for event in self.frontend.stream(gen, start, parent):
                 if isinstance(event, CompletionDone):
                     reason, calls, content = event.finish_reason, [], ""
@@ -81,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         parser = parsers(event.index)
                         parser.finish()
                         calls, content = parser.tool_calls, parser.content
+                        self.frontend.metrics.tool_calls.inc(len(calls))
                         reason = finish_reason(reason, bool(calls))
                     yield generation_pb2.GenerateResponse(
                         request_id=rid,

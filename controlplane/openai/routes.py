@@ -544,6 +544,9 @@ class OpenAIRoutes:
         calls = (
             ChoiceToolCalls(tool_use, self.frontend.tool_call_format) if tool_use.choice.calls_tools else None
         )
+        metrics = self.frontend.metrics
+        if tool_use.tools:
+            metrics.tool_requests.labels(tool_choice=tool_use.choice.mode).inc()
         decode = self._token_text
 
         def chat_logprobs(
@@ -606,6 +609,8 @@ class OpenAIRoutes:
                 }
                 return base([choice], "chat.completion.chunk")
             last: dict[str, Any] = {} if calls is None else calls.finish(event.index)
+            if calls is not None:
+                metrics.tool_calls.inc(calls.num_calls(event.index))
             reason = (
                 _finish(event)
                 if calls is None
@@ -625,6 +630,7 @@ class OpenAIRoutes:
                     reason = _finish(c.done) if c.done else None
                 else:
                     message = calls.message(index, text)
+                    metrics.tool_calls.inc(calls.num_calls(index))
                     reason = finish_reason(_finish(c.done), calls.has_calls(index)) if c.done else None
                 out.append(
                     {

@@ -35,6 +35,9 @@ class ChoiceToolCalls:
     def has_calls(self, index: int) -> bool:
         return bool(self._parser(index).tool_calls)
 
+    def num_calls(self, index: int) -> int:
+        return len(self._parser(index).tool_calls)
+
     def message(self, index: int, text: str) -> dict[str, Any]:
         """The unstreamed answer's message: the text parsed whole."""
         parser = self._parser(index)

@@ -390,15 +390,18 @@ class HermesParser(_MarkerParser):
         if verdict is not _Verdict.CALL:
             return _REJECTED if verdict is _Verdict.REJECTED else _UNDECIDED
         assert call.name is not None
-        return _Region(False, (_Call(call.name, call.arguments),), _hermes_resume(text, obj))
+        return _Region(False, (_Call(call.name, call.arguments),), _hermes_resume(text, obj, final))
 
 
-def _hermes_resume(text: str, obj: ObjectScan) -> int | None:
-    """Where content resumes after a hermes call's object."""
+def _hermes_resume(text: str, obj: ObjectScan, final: bool) -> int | None:
+    """Where content resumes after a hermes call's object. Whitespace after a call's close
+    tag belongs to the call (models put a newline between calls): content resumes at the
+    next other character, so it is held back until one comes (or the output ends)."""
     if obj.end is not None:
         after = skip_whitespace(text, obj.end)
         if text.startswith(HERMES_CLOSE, after):
-            return after + len(HERMES_CLOSE)
+            resume = skip_whitespace(text, after + len(HERMES_CLOSE))
+            return None if resume == len(text) and not final else resume
         if _is_partial(text, after, HERMES_CLOSE):
             return None  # the close tag may be coming (or the output ended in it)
         return obj.end

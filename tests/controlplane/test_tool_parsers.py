@@ -239,9 +239,15 @@ def test_hermes_content_then_call() -> None:
 
 
 def test_hermes_two_calls_and_the_text_between_them() -> None:
-    text = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{SEARCH}\n</tool_call>"
+    # whitespace after a close tag belongs to the call; other text after it is content
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{SEARCH}\n</tool_call>\n"
     assert chars("hermes", text, tool_names=TOOLS) == (
-        "\n",
+        "",
+        [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "cats"}')],
+    )
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>\n\nDone. <tool_call>\n{SEARCH}\n</tool_call>"
+    assert chars("hermes", text, tool_names=TOOLS) == (
+        "Done. ",
         [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "cats"}')],
     )
 

@@ -378,3 +378,59 @@ def test_bad_tool_requests_are_400_naming_the_field(
     assert error["message"].startswith(param), error
     # the server goes on serving
     assert client.chat.completions.create(model=DEFAULT_MODEL, messages=ask("hi"), max_tokens=2).choices
+
+
+HERMES_ANSWER = (
+    'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "search_web", "arguments": {"query": "Paris events", "limit": 3}}\n'
+    "</tool_call>"
+)
+
+
+def _tool_counters(server: ServerThread) -> dict[str, float]:
+    """The control plane's tool metrics: auto requests and parsed calls."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {"requests": 0.0, "calls": 0.0}
+    for line in text.splitlines():
+        if line.startswith('pagedserve_tool_requests_total{tool_choice="auto"}'):
+            values["requests"] = float(line.split()[-1])
+        elif line.startswith("pagedserve_tool_calls_total "):
+            values["calls"] = float(line.split()[-1])
+    return values
+
+
+def test_auto_parses_the_models_own_format_streamed_and_not(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    """`auto` reads the Hermes format (the default model's template has no tools, so the
+    fallback prompt teaches it). The answer is pinned with a `choice` constraint, so the
+    parse is exact: content before the calls, two calls, deltas assembling to the same."""
+    kwargs: Any = dict(
+        model=DEFAULT_MODEL,
+        messages=ask("What is the weather in Paris, and what is on there?"),
+        tools=TOOLS,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"structured_outputs": {"choice": [HERMES_ANSWER]}},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert whole.message.content == "Let me check."
+    calls = whole.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("search_web", {"query": "Paris events", "limit": 3}),
+    ]
+    for call in calls:
+        check_call(call)
+    before = _tool_counters(server)
+    streamed, finish, content = _assembled(client.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" and content == "Let me check."
+    after = _tool_counters(server)
+    assert after["requests"] == before["requests"] + 1 and after["calls"] == before["calls"] + 2
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
