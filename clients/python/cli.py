@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -59,6 +60,25 @@ def add_client_parser(sub: Any) -> None:
         help="constrain the output to this EBNF grammar (GBNF dialect, a `root` rule; its text, or @FILE) "
         "(default: unconstrained)",
     )
+    gen.add_argument(
+        "--tool",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a function the model may call (needs --chat), repeatable: OpenAI\'s JSON {"name", '
+        '"description", "parameters"} or @FILE; after the text, one JSON line per completion '
+        "with its finish_reason, content and tool_calls (default: none)",
+    )
+    gen.add_argument(
+        "--tool-choice",
+        default=None,
+        help="none, auto, required or function:NAME (needs --chat) (default: auto with tools, none without)",
+    )
+    gen.add_argument(
+        "--no-parallel-tool-calls",
+        action="store_true",
+        help="at most one tool call per completion (needs --chat)",
+    )
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     # Read when the command runs, so --help never prints the key itself.
@@ -82,9 +102,25 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     from clients.python.client import Completion, GenerationClient
 
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    tool_flags = [
+        flag
+        for flag, given in (
+            ("--tool", args.tool),
+            ("--tool-choice", args.tool_choice is not None),
+            ("--no-parallel-tool-calls", args.no_parallel_tool_calls),
+        )
+        if given
+    ]
+    if tool_flags and not args.chat:
+        verb = "needs" if len(tool_flags) == 1 else "need"
+        message = f"{' and '.join(tool_flags)} {verb} --chat (tools go with a chat prompt)"
+        print(f"pagedserve: error: {message}", file=sys.stderr)
+        return 2
     try:
         json_schema, grammar = _text_or_file(args.json_schema), _text_or_file(args.grammar)
-    except OSError as exc:
+        tools = [json.loads(_text_or_file(t) or "") for t in args.tool]
+        tool_choice = _tool_choice(args.tool_choice)
+    except (OSError, ValueError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     kwargs = dict(
@@ -99,6 +135,9 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         regex=args.regex,
         choice=args.choice,
         grammar=grammar,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False if args.no_parallel_tool_calls else None,
     )
     try:
         with GenerationClient(
@@ -113,16 +152,35 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
                     if isinstance(item, Completion):
                         print(flush=True)
                         _report(item)
+                        _tool_line(item, tool_flags)
                     else:
                         print(item.text, end="", flush=True)
             else:
                 for completion in client.generate(prompt, **kwargs):
                     print(completion.text)
                     _report(completion)
+                    _tool_line(completion, tool_flags)
     except grpc.RpcError as exc:
         print(f"pagedserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tool_choice(value: str | None) -> Any:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if value.startswith("function:") and value != "function:":
+        return {"name": value.removeprefix("function:")}
+    raise ValueError(f"--tool-choice must be none, auto, required or function:NAME, got {value!r}")
+
+
+def _tool_line(c: Any, tool_flags: list[str]) -> None:
+    """With tool flags: the completion's calls as one JSON line (as the Go and Java examples)."""
+    if not tool_flags:
+        return
+    calls = [{"id": t.id, "name": t.name, "arguments": t.arguments} for t in c.tool_calls]
+    line = {"index": c.index, "finish_reason": c.finish_reason, "content": c.content, "tool_calls": calls}
+    print(json.dumps(line), flush=True)
 
 
 def _text_or_file(value: str | None) -> str | None:

@@ -33,13 +33,14 @@ def python_blocks() -> list[str]:
 
 def test_the_readme_has_its_python_snippets() -> None:
     blocks = python_blocks()
-    # Quickstart (OpenAI), offline API, gRPC client, structured outputs (OpenAI parse): a
-    # missing block would pass silently below.
-    assert len(blocks) == 4
+    # Quickstart (OpenAI), offline API, gRPC client, structured outputs (OpenAI parse), tool
+    # calling: a missing block would pass silently below.
+    assert len(blocks) == 5
     assert "from openai import OpenAI" in blocks[0]
     assert "from dataplane import LLM, SamplingParams" in blocks[1]
     assert "GenerationClient" in blocks[2]
     assert "response_format=City" in blocks[3]
+    assert 'tool_choice="required"' in blocks[4]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def _run(code: str, tmp_path: Path) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_readme_python_snippet_runs(index: int, server: tuple[str, str], tmp_path: Path) -> None:
     grpc_address, http_address = server
     code = python_blocks()[index]
@@ -83,8 +84,10 @@ def test_readme_python_snippet_runs(index: int, server: tuple[str, str], tmp_pat
     elif index == 2:  # gRPC: the greedy completion, then the async n=2 sampled list
         assert "Paris" in out.splitlines()[0]
         assert out.rstrip().splitlines()[-1].startswith("[")
-    else:  # structured outputs: the parsed object the README shows in its comment
+    elif index == 3:  # structured outputs: the parsed object the README shows in its comment
         assert out.strip() == "name='Paris' country='France'"
+    else:  # tool calling: the forced call the README shows in its comment
+        assert out.strip() == "get_weather {'city': 'Paris', 'unit': 'celsius'} tool_calls"
 
 
 def _options_of(parser: argparse.ArgumentParser) -> set[str]:

@@ -7,6 +7,10 @@
 //	req := pagedserve.TextRequest("The capital of France is", pagedserve.Greedy(32))
 //	out, err := client.Stream(ctx, req, func(c *pb.TokenChunk) { fmt.Print(c.Text) })
 //
+// Structured outputs (WithJSONSchema, WithChoice, ...) constrain a request's sampling parameters;
+// tool calling (WithTools, WithToolChoice, ...) declares functions on a chat request, and each
+// Completion then has ToolCalls and Content.
+//
 // Errors are gRPC status errors: status.Code(err) is the server's code, status.Convert(err).Message()
 // its message (naming the offending field for INVALID_ARGUMENT). Calls retry as docs/api.md says:
 // UNAVAILABLE only before the first response, RESOURCE_EXHAUSTED after the server's retry-after.
@@ -92,7 +96,16 @@ type Completion struct {
 	TokenIDs     []uint32
 	Usage        *pb.Usage
 	Timings      *pb.Timings
+	// ToolCalls are the calls the completion made (a request with tools and a tool choice
+	// other than none), parsed from Text: Id, Name and Arguments (JSON text). Send them back
+	// in Assistant(Content, ToolCalls...) and each result in ToolResult(call.Id, ...).
+	ToolCalls []*pb.ToolCall
+	// Content is, with tools, the completion's text outside its tool calls.
+	Content string
 }
+
+// FinishReasonName is "stop", "length", "abort", "tool_calls" or "unknown".
+func (c Completion) FinishReasonName() string { return FinishReasonName(c.FinishReason) }
 
 // call returns the context of one logical call: the default deadline when ctx has none, and
 // the API key as metadata.
@@ -156,6 +169,8 @@ func (c *Client) Stream(ctx context.Context, req *pb.GenerateRequest, onChunk fu
 					TokenIDs:     tokens[end.Index],
 					Usage:        end.Usage,
 					Timings:      end.Timings,
+					ToolCalls:    end.ToolCalls,
+					Content:      end.Content,
 				}
 			}
 		}

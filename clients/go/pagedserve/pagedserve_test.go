@@ -56,6 +56,71 @@ func TestConstraintHelpersSetTheOneof(t *testing.T) {
 	}
 }
 
+func TestToolHelpersFillTheChatMessages(t *testing.T) {
+	params := `{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}`
+	weather := Tool("get_weather", "The weather of a city.", params)
+	req := ChatRequest([]*pb.ChatMessage{User("Weather in Paris?")}, Greedy(64))
+	WithParallelToolCalls(WithToolChoice(WithTools(req, weather), ToolChoiceFunction("get_weather")), false)
+	c := req.GetChat()
+	if len(c.Tools) != 1 || c.Tools[0].Name != "get_weather" || c.Tools[0].Parameters != params {
+		t.Errorf("WithTools: %v", c.Tools)
+	}
+	if c.ToolChoice.GetMode() != pb.ToolChoice_MODE_FUNCTION || c.ToolChoice.GetFunctionName() != "get_weather" {
+		t.Errorf("WithToolChoice: %v", c.ToolChoice)
+	}
+	if c.ParallelToolCalls == nil || *c.ParallelToolCalls {
+		t.Errorf("WithParallelToolCalls: %v", c.ParallelToolCalls)
+	}
+	if ChatRequest([]*pb.ChatMessage{User("x")}, nil).GetChat().ParallelToolCalls != nil {
+		t.Error("parallel_tool_calls set by default")
+	}
+	for choice, mode := range map[*pb.ToolChoice]pb.ToolChoice_Mode{
+		ToolChoiceNone(): pb.ToolChoice_MODE_NONE, ToolChoiceAuto(): pb.ToolChoice_MODE_AUTO,
+		ToolChoiceRequired(): pb.ToolChoice_MODE_REQUIRED,
+	} {
+		if choice.Mode != mode {
+			t.Errorf("tool choice %v, want %v", choice.Mode, mode)
+		}
+	}
+	of, err := ToolOf("f", "", map[string]any{"type": "object"})
+	if err != nil || of.Parameters != `{"type":"object"}` {
+		t.Errorf("ToolOf: %v %v", of, err)
+	}
+	// OpenAI's JSON, whole or the function part; the schema is kept as written (its order).
+	for _, text := range []string{
+		`{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {"z": 1, "a": 2}}}`,
+		`{"name": "get_weather", "description": "d", "parameters": {"z": 1, "a": 2}}`,
+	} {
+		tool, err := ToolFromJSON(text)
+		if err != nil || tool.Name != "get_weather" || tool.Description != "d" || tool.Parameters != `{"z": 1, "a": 2}` {
+			t.Errorf("ToolFromJSON(%s): %v %v", text, tool, err)
+		}
+	}
+	if tool, err := ToolFromJSON(`{"name": "f", "parameters": null}`); err != nil || tool.Parameters != "" {
+		t.Errorf("ToolFromJSON without parameters: %v %v", tool, err)
+	}
+	for _, bad := range []string{`{"description": "no name"}`, `[1]`, `{"name": 3}`, `{`} {
+		if _, err := ToolFromJSON(bad); err == nil {
+			t.Errorf("ToolFromJSON(%s) accepted", bad)
+		}
+	}
+	// A conversation sending back a call and its result.
+	call := &pb.ToolCall{Id: "call_1", Name: "get_weather", Arguments: `{"city":"Paris"}`}
+	history := []*pb.ChatMessage{User("Weather in Paris?"), Assistant("", call), ToolResult("call_1", "sunny")}
+	if history[1].Role != "assistant" || history[1].ToolCalls[0] != call || history[2].Role != "tool" || history[2].ToolCallId != "call_1" {
+		t.Errorf("history: %v", history)
+	}
+	if got := (Completion{FinishReason: pb.FinishReason_FINISH_REASON_TOOL_CALLS}).FinishReasonName(); got != "tool_calls" {
+		t.Errorf("FinishReasonName: %q", got)
+	}
+	defer func() {
+		if r := recover(); r == nil {
+			t.Error("WithTools on a text request did not panic")
+		}
+	}()
+	WithTools(TextRequest("x", nil), weather)
+}
+
 func TestCodeNamesAreTheCanonicalOnes(t *testing.T) {
 	want := map[codes.Code]string{
 		codes.OK: "OK", codes.Canceled: "CANCELLED", codes.Unknown: "UNKNOWN",

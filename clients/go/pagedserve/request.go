@@ -2,6 +2,7 @@ package pagedserve
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -88,6 +89,141 @@ func ChatRequest(messages []*pb.ChatMessage, params *pb.SamplingParams) *pb.Gene
 
 // User is a chat message with role "user".
 func User(content string) *pb.ChatMessage { return &pb.ChatMessage{Role: "user", Content: content} }
+
+// Assistant is a chat message with role "assistant": an earlier answer, its text and the tool
+// calls it made (a Completion's ToolCalls, sent back as they came).
+func Assistant(content string, calls ...*pb.ToolCall) *pb.ChatMessage {
+	return &pb.ChatMessage{Role: "assistant", Content: content, ToolCalls: calls}
+}
+
+// ToolResult is a chat message with role "tool": the result of the call whose id is callID.
+func ToolResult(callID, content string) *pb.ChatMessage {
+	return &pb.ChatMessage{Role: "tool", Content: content, ToolCallId: callID}
+}
+
+// Tool calling (chat requests only; docs/tool_calling.md): a request declares the functions the
+// model may call with WithTools and says how it may call them with WithToolChoice; each
+// Completion then carries the calls the model made (ToolCalls) and the text outside them
+// (Content), and finishes with FINISH_REASON_TOOL_CALLS ("tool_calls") when it made one:
+//
+//	weather := pagedserve.Tool("get_weather", "The weather of a city.",
+//		`{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}`)
+//	req := pagedserve.ChatRequest([]*pb.ChatMessage{pagedserve.User("Weather in Paris?")}, pagedserve.Greedy(64))
+//	pagedserve.WithToolChoice(pagedserve.WithTools(req, weather), pagedserve.ToolChoiceRequired())
+//
+// The helpers set fields of the request's ChatMessages and return req, so that they chain; they
+// panic when req has no chat prompt (TextRequest), a programming error. The server checks the
+// tools (names, sizes, compilable schemas) and refuses bad ones with INVALID_ARGUMENT naming
+// the field ("prompt.chat.tools[0].name ...").
+
+// Tool is a function the model may call: name (1 to 64 of a-z A-Z 0-9 _ -), what it does, and
+// its arguments' JSON Schema as JSON text ("": any JSON object).
+func Tool(name, description, parameters string) *pb.Tool {
+	return &pb.Tool{Name: name, Description: description, Parameters: parameters}
+}
+
+// ToolOf is Tool for a parameters schema given as a Go value (a struct or a map), marshalled
+// with encoding/json (which sorts a map's keys; see WithJSONSchemaOf).
+func ToolOf(name, description string, parameters any) (*pb.Tool, error) {
+	text, err := json.Marshal(parameters)
+	if err != nil {
+		return nil, fmt.Errorf("pagedserve: tool %s parameters: %w", name, err)
+	}
+	return Tool(name, description, string(text)), nil
+}
+
+// ToolFromJSON is a tool given as OpenAI's JSON: a function object {"name", "description",
+// "parameters"} or the whole tool {"type": "function", "function": {...}}. The parameters schema
+// is kept as written (its properties' order is the order they are generated in).
+func ToolFromJSON(text string) (*pb.Tool, error) {
+	var tool struct {
+		Function *json.RawMessage `json:"function"`
+	}
+	if err := json.Unmarshal([]byte(text), &tool); err != nil {
+		return nil, fmt.Errorf("pagedserve: tool: %w", err)
+	}
+	function := []byte(text)
+	if tool.Function != nil {
+		function = *tool.Function
+	}
+	var f struct {
+		Name        *string         `json:"name"`
+		Description string          `json:"description"`
+		Parameters  json.RawMessage `json:"parameters"`
+	}
+	if err := json.Unmarshal(function, &f); err != nil {
+		return nil, fmt.Errorf("pagedserve: tool: %w", err)
+	}
+	if f.Name == nil {
+		return nil, errors.New(`pagedserve: tool: needs a "name" (OpenAI's {"type": "function", "function": {...}})`)
+	}
+	parameters := strings.TrimSpace(string(f.Parameters))
+	if parameters == "null" {
+		parameters = ""
+	}
+	return Tool(*f.Name, f.Description, parameters), nil
+}
+
+// ToolChoiceNone lets the model make no calls (the tools are not shown to it).
+func ToolChoiceNone() *pb.ToolChoice { return &pb.ToolChoice{Mode: pb.ToolChoice_MODE_NONE} }
+
+// ToolChoiceAuto lets the model decide (the default with tools); its calls are parsed from its
+// output in its own format.
+func ToolChoiceAuto() *pb.ToolChoice { return &pb.ToolChoice{Mode: pb.ToolChoice_MODE_AUTO} }
+
+// ToolChoiceRequired forces at least one call (exactly one without parallel tool calls).
+func ToolChoiceRequired() *pb.ToolChoice { return &pb.ToolChoice{Mode: pb.ToolChoice_MODE_REQUIRED} }
+
+// ToolChoiceFunction forces one call of the function named name (one of the request's tools).
+func ToolChoiceFunction(name string) *pb.ToolChoice {
+	return &pb.ToolChoice{Mode: pb.ToolChoice_MODE_FUNCTION, FunctionName: name}
+}
+
+// chat is req's chat prompt; helper names the caller in the panic of a request without one.
+func chat(req *pb.GenerateRequest, helper string) *pb.ChatMessages {
+	c := req.GetChat()
+	if c == nil {
+		panic("pagedserve: " + helper + " needs a chat request (ChatRequest)")
+	}
+	return c
+}
+
+// WithTools adds tools to the functions a chat request's model may call (at most 128 in all).
+func WithTools(req *pb.GenerateRequest, tools ...*pb.Tool) *pb.GenerateRequest {
+	c := chat(req, "WithTools")
+	c.Tools = append(c.Tools, tools...)
+	return req
+}
+
+// WithToolChoice says whether and how the model may call the tools (nil: the server's default,
+// auto with tools).
+func WithToolChoice(req *pb.GenerateRequest, choice *pb.ToolChoice) *pb.GenerateRequest {
+	chat(req, "WithToolChoice").ToolChoice = choice
+	return req
+}
+
+// WithParallelToolCalls says whether one completion may make several calls (the server's
+// default: true).
+func WithParallelToolCalls(req *pb.GenerateRequest, parallel bool) *pb.GenerateRequest {
+	chat(req, "WithParallelToolCalls").ParallelToolCalls = proto.Bool(parallel)
+	return req
+}
+
+// FinishReasonName is the name the other clients give a finish reason: "stop", "length",
+// "abort", "tool_calls", or "unknown".
+func FinishReasonName(r pb.FinishReason) string {
+	switch r {
+	case pb.FinishReason_FINISH_REASON_STOP:
+		return "stop"
+	case pb.FinishReason_FINISH_REASON_LENGTH:
+		return "length"
+	case pb.FinishReason_FINISH_REASON_ABORT:
+		return "abort"
+	case pb.FinishReason_FINISH_REASON_TOOL_CALLS:
+		return "tool_calls"
+	}
+	return "unknown"
+}
 
 // CodeName is a status code's canonical name as the other clients print it ("INVALID_ARGUMENT").
 func CodeName(code codes.Code) string {

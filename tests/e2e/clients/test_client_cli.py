@@ -119,3 +119,40 @@ def test_constraint_flags_reach_the_sampling_params(
     assert "not allowed with argument" in capsys.readouterr().err
     assert main(["client", "generate", "--address", address, "--json-schema", "@/nonexistent", "hi"]) == 2
     assert len(servicer.requests) == 3
+
+
+def test_tool_flags_reach_the_chat_request(
+    server: tuple[str, RecordingGeneration], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    address, servicer = server
+    tool = tmp_path / "weather.json"
+    tool.write_text('{"name": "get_weather", "parameters": {"type": "object"}}')
+    search = '{"type": "function", "function": {"name": "search", "description": "Search."}}'
+    argv = ["client", "generate", "--address", address, "--chat", "--tool", f"@{tool}", "--tool", search]
+    assert main([*argv, "--tool-choice", "function:search", "--no-parallel-tool-calls", "hi"]) == 0
+    assert main([*argv, "--tool-choice", "required", "hi"]) == 0
+    first, second = (r.chat for r in servicer.requests)
+    assert [t.name for t in first.tools] == ["get_weather", "search"]
+    assert (
+        json.loads(first.tools[0].parameters) == {"type": "object"}
+        and first.tools[1].description == "Search."
+    )
+    assert (
+        first.tool_choice.mode == generation_pb2.ToolChoice.MODE_FUNCTION
+        and first.tool_choice.function_name == "search"
+    )
+    assert first.HasField("parallel_tool_calls") and not first.parallel_tool_calls
+    assert second.tool_choice.mode == generation_pb2.ToolChoice.MODE_REQUIRED and not second.HasField(
+        "parallel_tool_calls"
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [json.loads(line) for line in lines] == [
+        {"index": 0, "finish_reason": "stop", "content": "", "tool_calls": []}
+    ] * 2
+    assert main(["client", "generate", "--address", address, "--tool", search, "hi"]) == 2
+    assert "--tool needs --chat" in capsys.readouterr().err
+    assert main([*argv, "--tool-choice", "sometimes", "hi"]) == 2
+    assert main(["client", "generate", "--address", address, "--chat", "--tool", "{not json", "hi"]) == 2
+    assert len(servicer.requests) == 2

@@ -13,6 +13,9 @@ command streams from a real server on the default model.
 - structured outputs: `--json-schema` gives greedy JSON valid under the schema, ending with STOP
   and equal to the Python client's; `--choice` answers one of the choices; a schema the server
   cannot compile prints its INVALID_ARGUMENT naming `sampling_params.json_schema`.
+- tool calling: `--tool` with `--tool-choice required` or `function:NAME` prints calls whose
+  arguments validate under the tool's schema, finishing with "tool_calls";
+  `--no-parallel-tool-calls` makes one call; the tool flags without `--chat` exit 2.
 
 The Java example runs twice: iterating the blocking stub, and with `--async` (a StreamObserver).
 Without go/javac/mvn the tests skip, saying what to install; PAGEDSERVE_REQUIRE_CLIENTS=1 (CI)
@@ -33,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -349,6 +353,64 @@ def test_structured_outputs_json_schema_and_choice(example: Example, server: Ser
     assert "error: INVALID_ARGUMENT: sampling_params.json_schema could not be compiled" in uncompilable.stderr
     both = example.run(*address, "--regex", "a", "--choice", "a", "x")
     assert both.returncode == 2 and "at most one constraint flag, got --regex and --choice" in both.stderr
+    server.wait_idle()
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather of a city.",
+    "parameters": WEATHER_PARAMETERS,
+}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("language", ["go", "java"])
+def test_tool_calls_required_and_named(
+    language: str, request: pytest.FixtureRequest, server: ServerThread
+) -> None:
+    """--tool, --tool-choice and --no-parallel-tool-calls: after the text, one JSON line per
+    completion with its finish reason, content and tool calls."""
+    prompt = "Get the weather of Paris in celsius."  # (the default model ends its calls greedily)
+    with GenerationClient(server.grpc_address, timeout=120) as client:
+        chat = [{"role": "user", "content": prompt}]
+        (expected,) = client.generate(
+            chat, max_tokens=96, temperature=0.0, tools=[WEATHER_TOOL], tool_choice="required"
+        )
+    assert expected.finish_reason == "tool_calls", expected
+    generate = request.getfixturevalue(f"{language}_bin") / "pagedserve-generate"
+    example = Example(language, [str(generate)], JAVA_ENV)
+    address = ["--address", server.grpc_address]
+    tool = [*address, "--max-tokens", "96", "--chat", "--tool", json.dumps(WEATHER_TOOL)]
+    required, single, named = example.run_all(
+        [
+            [*tool, "--tool-choice", "required", prompt],
+            [*tool, "--tool-choice", "required", "--no-parallel-tool-calls", prompt],
+            [*tool, "--tool-choice", "function:get_weather", prompt],
+        ]
+    )
+    lines: dict[str, Any] = {}
+    for choice, done in {"required": required, "single": single, "named": named}.items():
+        assert done.returncode == 0, (choice, done.stderr)
+        assert "[tool_calls;" in done.stderr, (choice, done.stderr)
+        lines[choice] = line = json.loads(done.stdout.splitlines()[-1])
+        assert line["index"] == 0 and line["finish_reason"] == "tool_calls", (choice, line)
+        for call in line["tool_calls"]:
+            assert call["id"].startswith("call_") and call["name"] == "get_weather", (choice, call)
+            jsonschema.validate(json.loads(call["arguments"]), WEATHER_PARAMETERS)
+    assert lines["required"]["content"] == expected.content
+    assert [(c["name"], c["arguments"]) for c in lines["required"]["tool_calls"]] == [
+        (c.name, c.arguments) for c in expected.tool_calls
+    ]
+    assert required.stdout == expected.text + "\n" + required.stdout.splitlines()[-1] + "\n"
+    assert len(lines["single"]["tool_calls"]) == 1
+    assert len(lines["named"]["tool_calls"]) == 1
+    no_chat = example.run(*address, "--tool", json.dumps(WEATHER_TOOL), prompt)
+    assert no_chat.returncode == 2 and "--tool needs --chat" in no_chat.stderr, no_chat.stderr
     server.wait_idle()
 
 

@@ -13,12 +13,23 @@
 //	pagedserve-generate --choice yes --choice no "Is the sky blue? Answer:"
 //	pagedserve-generate --json-object / --regex '[0-9]{3}' / --grammar @arith.gbnf ...
 //
+// Tool calling (with --chat): --tool is OpenAI's function object (or {"type": "function",
+// "function": {...}}), its JSON text or @FILE, repeatable; --tool-choice none, auto, required or
+// function:NAME; --no-parallel-tool-calls allows one call per completion. After the text, one
+// JSON line per completion: {"index", "finish_reason", "content", "tool_calls": [{"id", "name",
+// "arguments"}]} (arguments as JSON text).
+//
+//	pagedserve-generate --chat --tool-choice required \
+//	  --tool '{"name":"get_weather","description":"The weather of a city.","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}' \
+//	  "What is the weather in Paris?"
+//
 // Exit status: 0 done, 1 the server (or the deadline) ended the call ("error: CODE: message"
 // on stderr), 2 bad flags, 130 cancelled by Ctrl-C.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -90,6 +101,52 @@ func constrain(params *pb.SamplingParams, set map[string]bool, jsonSchema, regex
 	return nil
 }
 
+// toolsFor sets the tools, tool choice and parallel flag of a chat request from the tool flags.
+func toolsFor(req *pb.GenerateRequest, tools []string, choice string, noParallel bool) error {
+	for _, value := range tools {
+		text, err := textOrFile(value)
+		if err != nil {
+			return fmt.Errorf("--tool: %w", err)
+		}
+		tool, err := pagedserve.ToolFromJSON(text)
+		if err != nil {
+			return fmt.Errorf("--tool %s: %w", value, err)
+		}
+		pagedserve.WithTools(req, tool)
+	}
+	switch {
+	case choice == "":
+	case choice == "none":
+		pagedserve.WithToolChoice(req, pagedserve.ToolChoiceNone())
+	case choice == "auto":
+		pagedserve.WithToolChoice(req, pagedserve.ToolChoiceAuto())
+	case choice == "required":
+		pagedserve.WithToolChoice(req, pagedserve.ToolChoiceRequired())
+	case strings.HasPrefix(choice, "function:"):
+		pagedserve.WithToolChoice(req, pagedserve.ToolChoiceFunction(strings.TrimPrefix(choice, "function:")))
+	default:
+		return fmt.Errorf("--tool-choice must be none, auto, required or function:NAME, got %q", choice)
+	}
+	if noParallel {
+		pagedserve.WithParallelToolCalls(req, false)
+	}
+	return nil
+}
+
+// toolLine is the JSON line printed for each completion of a request with tool flags.
+type toolLine struct {
+	Index        uint32     `json:"index"`
+	FinishReason string     `json:"finish_reason"`
+	Content      string     `json:"content"`
+	ToolCalls    []toolCall `json:"tool_calls"`
+}
+
+type toolCall struct {
+	ID        string `json:"id"`
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
+}
+
 func run() int {
 	address := flag.String("address", "127.0.0.1:50051", "the control plane's gRPC address")
 	model := flag.String("model", "", "model name to ask for: one of the server's --served-model-name names; "+
@@ -107,6 +164,11 @@ func run() int {
 	var choices repeated
 	flag.Var(&choices, "choice", "constrain the output to exactly one of the --choice values (repeatable)")
 	grammar := flag.String("grammar", "", "constrain the output to this EBNF grammar (GBNF dialect, a root rule; its text, or @FILE)")
+	var tools repeated
+	flag.Var(&tools, "tool", `a function the model may call (needs --chat; repeatable): OpenAI's JSON `+
+		`{"name", "description", "parameters"}, or @FILE`)
+	toolChoice := flag.String("tool-choice", "", "none, auto, required or function:NAME (needs --chat; default: auto with tools)")
+	noParallel := flag.Bool("no-parallel-tool-calls", false, "at most one tool call per completion (needs --chat)")
 	flag.Usage = func() {
 		fmt.Fprintf(flag.CommandLine.Output(), "usage: %s [flags] PROMPT (- reads it from stdin)\n", os.Args[0])
 		flag.PrintDefaults()
@@ -119,6 +181,21 @@ func run() int {
 	set := map[string]bool{}
 	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	set["json-object"] = *jsonObject // --json-object=false: not given
+	set["no-parallel-tool-calls"] = *noParallel
+	var toolFlags []string
+	for _, name := range []string{"tool", "tool-choice", "no-parallel-tool-calls"} {
+		if set[name] {
+			toolFlags = append(toolFlags, "--"+name)
+		}
+	}
+	if len(toolFlags) > 0 && !*chat {
+		verb := "needs"
+		if len(toolFlags) > 1 {
+			verb = "need"
+		}
+		fmt.Fprintf(os.Stderr, "error: %s %s --chat (tools go with a chat prompt)\n", strings.Join(toolFlags, " and "), verb)
+		return 2
+	}
 	prompt := flag.Arg(0)
 	if prompt == "-" {
 		data, err := io.ReadAll(os.Stdin)
@@ -154,6 +231,10 @@ func run() int {
 	req := pagedserve.TextRequest(prompt, params)
 	if *chat {
 		req = pagedserve.ChatRequest([]*pb.ChatMessage{pagedserve.User(prompt)}, params)
+		if err := toolsFor(req, tools, *toolChoice, *noParallel); err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			return 2
+		}
 	}
 	req.Model = *model // "": unset, the server's served model
 	completions, err := client.Stream(ctx, req, func(chunk *pb.TokenChunk) {
@@ -168,22 +249,24 @@ func run() int {
 		return 1
 	}
 	fmt.Println()
+	if len(toolFlags) > 0 {
+		out := json.NewEncoder(os.Stdout)
+		out.SetEscapeHTML(false)
+		for _, c := range completions {
+			line := toolLine{Index: c.Index, FinishReason: c.FinishReasonName(), Content: c.Content, ToolCalls: []toolCall{}}
+			for _, call := range c.ToolCalls {
+				line.ToolCalls = append(line.ToolCalls, toolCall{ID: call.Id, Name: call.Name, Arguments: call.Arguments})
+			}
+			if err := out.Encode(line); err != nil {
+				fmt.Fprintln(os.Stderr, "error:", err)
+				return 1
+			}
+		}
+	}
 	for _, c := range completions {
 		fmt.Fprintf(os.Stderr, "[%s; %d prompt (%d cached) + %d generated tokens; ttft %.0f ms, total %.2f s]\n",
-			finishName(c.FinishReason), c.Usage.GetPromptTokens(), c.Usage.GetCachedTokens(),
+			c.FinishReasonName(), c.Usage.GetPromptTokens(), c.Usage.GetCachedTokens(),
 			c.Usage.GetCompletionTokens(), c.Timings.GetTimeToFirstTokenSeconds()*1000, c.Timings.GetE2ESeconds())
 	}
 	return 0
-}
-
-func finishName(r pb.FinishReason) string {
-	switch r {
-	case pb.FinishReason_FINISH_REASON_STOP:
-		return "stop"
-	case pb.FinishReason_FINISH_REASON_LENGTH:
-		return "length"
-	case pb.FinishReason_FINISH_REASON_ABORT:
-		return "abort"
-	}
-	return "unknown"
 }

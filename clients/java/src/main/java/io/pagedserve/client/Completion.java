@@ -2,6 +2,7 @@ package io.pagedserve.client;
 
 import io.pagedserve.v1.FinishReason;
 import io.pagedserve.v1.Timings;
+import io.pagedserve.v1.ToolCall;
 import io.pagedserve.v1.Usage;
 import java.util.List;
 
@@ -16,6 +17,15 @@ public final class Completion {
   public final List<Integer> tokenIds;
   public final Usage usage;
   public final Timings timings;
+  /**
+   * The calls the completion made (a request with tools and a tool choice other than none),
+   * parsed from {@link #text}: {@code getId()}, {@code getName()}, {@code getArguments()} (JSON
+   * text). Send them back in {@link PagedServeClient#assistant} and each result in
+   * {@link PagedServeClient#toolResult}.
+   */
+  public final List<ToolCall> toolCalls;
+  /** With tools: the completion's text outside its tool calls. */
+  public final String content;
 
   Completion(
       String requestId,
@@ -25,7 +35,9 @@ public final class Completion {
       String text,
       List<Integer> tokenIds,
       Usage usage,
-      Timings timings) {
+      Timings timings,
+      List<ToolCall> toolCalls,
+      String content) {
     this.requestId = requestId;
     this.index = index;
     this.finishReason = finishReason;
@@ -34,9 +46,11 @@ public final class Completion {
     this.tokenIds = tokenIds;
     this.usage = usage;
     this.timings = timings;
+    this.toolCalls = toolCalls;
+    this.content = content;
   }
 
-  /** "stop", "length", "abort" or "unknown". */
+  /** "stop", "length", "abort", "tool_calls" or "unknown". */
   public String finishReasonName() {
     switch (finishReason) {
       case FINISH_REASON_STOP:
@@ -45,6 +59,8 @@ public final class Completion {
         return "length";
       case FINISH_REASON_ABORT:
         return "abort";
+      case FINISH_REASON_TOOL_CALLS:
+        return "tool_calls";
       default:
         return "unknown";
     }
@@ -52,6 +68,6 @@ public final class Completion {
 
   @Override
   public String toString() {
-    return "Completion{index=" + index + ", finish=" + finishReasonName() + ", text=" + text + "}";
+    return "Completion{index=" + index + ", finish=" + finishReasonName() + ", text=" + text + (toolCalls.isEmpty() ? "" : ", toolCalls=" + toolCalls.size()) + "}";
   }
 }

@@ -25,6 +25,9 @@ import io.pagedserve.v1.ModelCard;
 import io.pagedserve.v1.SamplingParams;
 import io.pagedserve.v1.TokenChunk;
 import io.pagedserve.v1.TokenizeRequest;
+import io.pagedserve.v1.Tool;
+import io.pagedserve.v1.ToolCall;
+import io.pagedserve.v1.ToolChoice;
 import java.io.File;
 import java.time.Duration;
 import java.util.ArrayList;
@@ -60,6 +63,12 @@ import javax.net.ssl.SSLException;
  * <p>Structured outputs: {@link #withJsonSchema}, {@link #withJsonObject}, {@link #withRegex},
  * {@link #withChoice} and {@link #withGrammar} constrain the output of a request's sampling
  * parameters, e.g. {@code withChoice(greedy(4), "yes", "no")}.
+ *
+ * <p>Tool calling (chat requests): {@link #withTools}, {@link #withToolChoice} and
+ * {@link #withParallelToolCalls} set a chat request's tools ({@link #tool},
+ * {@link #toolFromJson}) and how the model may call them ({@link #toolChoiceRequired}, ...); each
+ * Completion then has {@code toolCalls} and {@code content}, and finishes with "tool_calls" when
+ * it made a call.
  *
  * <p>Errors are {@link StatusRuntimeException}s carrying the server's status code and message
  * (which names the offending field for INVALID_ARGUMENT). Calls retry as {@link RetryPolicy}
@@ -230,6 +239,128 @@ public final class PagedServeClient implements AutoCloseable {
     return ChatMessage.newBuilder().setRole("user").setContent(content).build();
   }
 
+  /**
+   * A chat message with role "assistant": an earlier answer, its text and the tool calls it made
+   * (a Completion's {@code toolCalls}, sent back as they came).
+   */
+  public static ChatMessage assistant(String content, List<ToolCall> toolCalls) {
+    return ChatMessage.newBuilder().setRole("assistant").setContent(content).addAllToolCalls(toolCalls).build();
+  }
+
+  /** A chat message with role "assistant" and its tool calls. */
+  public static ChatMessage assistant(String content, ToolCall... toolCalls) {
+    return assistant(content, Arrays.asList(toolCalls));
+  }
+
+  /** A chat message with role "tool": the result of the call whose id is {@code callId}. */
+  public static ChatMessage toolResult(String callId, String content) {
+    return ChatMessage.newBuilder().setRole("tool").setToolCallId(callId).setContent(content).build();
+  }
+
+  // -- tool calling (chat requests only; docs/tool_calling.md): withTools, withToolChoice and
+  // withParallelToolCalls return a copy of a chat request with ChatMessages' fields set (an
+  // IllegalArgumentException for a request without a chat prompt). The server checks the tools
+  // (names, sizes, compilable schemas) and refuses bad ones with INVALID_ARGUMENT naming the
+  // field ("prompt.chat.tools[0].name ...").
+  //
+  //   Tool weather = PagedServeClient.tool("get_weather", "The weather of a city.",
+  //       "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}");
+  //   GenerateRequest request = PagedServeClient.withToolChoice(
+  //       PagedServeClient.withTools(PagedServeClient.chatRequest(messages, greedy(64)), weather),
+  //       PagedServeClient.toolChoiceRequired());
+
+  /**
+   * A function the model may call: {@code name} (1 to 64 of a-z A-Z 0-9 _ -), what it does, and
+   * its arguments' JSON Schema as JSON text ("" or null: any JSON object).
+   */
+  public static Tool tool(String name, String description, String parametersJson) {
+    return Tool.newBuilder()
+        .setName(name)
+        .setDescription(description == null ? "" : description)
+        .setParameters(parametersJson == null ? "" : parametersJson)
+        .build();
+  }
+
+  /**
+   * A tool given as OpenAI's JSON: a function object {@code {"name", "description", "parameters"}}
+   * or the whole tool {@code {"type": "function", "function": {...}}}. The parameters schema is
+   * kept as written (its properties' order is the order they are generated in).
+   *
+   * @throws IllegalArgumentException when it is not JSON or has no name
+   */
+  public static Tool toolFromJson(String json) {
+    Map<String, String> members = Json.members(json);
+    Map<String, String> function = members.containsKey("function") ? Json.members(members.get("function")) : members;
+    if (!function.containsKey("name")) {
+      throw new IllegalArgumentException(
+          "tool: needs a \"name\" (OpenAI's {\"type\": \"function\", \"function\": {...}})");
+    }
+    String description = function.getOrDefault("description", "null");
+    String parameters = function.getOrDefault("parameters", "null");
+    return tool(
+        member(function, "name"),
+        description.equals("null") ? "" : member(function, "description"),
+        parameters.equals("null") ? "" : parameters);
+  }
+
+  private static String member(Map<String, String> object, String name) {
+    try {
+      return Json.string(object.get(name));
+    } catch (IllegalArgumentException e) {
+      throw new IllegalArgumentException("tool: \"" + name + "\" must be a string, got " + object.get(name), e);
+    }
+  }
+
+  /** No calls: the tools are not shown to the model. */
+  public static ToolChoice toolChoiceNone() {
+    return ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_NONE).build();
+  }
+
+  /** The model decides (the default with tools); its calls are parsed from its own format. */
+  public static ToolChoice toolChoiceAuto() {
+    return ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_AUTO).build();
+  }
+
+  /** At least one call (exactly one without parallel tool calls), forced by a grammar. */
+  public static ToolChoice toolChoiceRequired() {
+    return ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_REQUIRED).build();
+  }
+
+  /** One call of the function {@code name} (one of the request's tools), forced by a grammar. */
+  public static ToolChoice toolChoiceFunction(String name) {
+    return ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_FUNCTION).setFunctionName(name).build();
+  }
+
+  private static GenerateRequest withChat(
+      GenerateRequest request, String helper, Consumer<ChatMessages.Builder> change) {
+    if (!request.hasChat()) {
+      throw new IllegalArgumentException(helper + " needs a chat request (chatRequest)");
+    }
+    ChatMessages.Builder chat = request.getChat().toBuilder();
+    change.accept(chat);
+    return request.toBuilder().setChat(chat).build();
+  }
+
+  /** The chat request with {@code tools} added to the functions the model may call (at most 128 in all). */
+  public static GenerateRequest withTools(GenerateRequest request, List<Tool> tools) {
+    return withChat(request, "withTools", chat -> chat.addAllTools(tools));
+  }
+
+  /** The chat request with {@code tools} added to the functions the model may call (at most 128 in all). */
+  public static GenerateRequest withTools(GenerateRequest request, Tool... tools) {
+    return withTools(request, Arrays.asList(tools));
+  }
+
+  /** The chat request with its tool choice set (whether and how the model may call the tools). */
+  public static GenerateRequest withToolChoice(GenerateRequest request, ToolChoice choice) {
+    return withChat(request, "withToolChoice", chat -> chat.setToolChoice(choice));
+  }
+
+  /** The chat request saying whether one completion may make several calls (the server's default: true). */
+  public static GenerateRequest withParallelToolCalls(GenerateRequest request, boolean parallel) {
+    return withChat(request, "withParallelToolCalls", chat -> chat.setParallelToolCalls(parallel));
+  }
+
   /** "CODE: message", the form the Go and Python clients print. */
   public static String describe(StatusRuntimeException e) {
     Status s = e.getStatus();
@@ -306,7 +437,9 @@ public final class PagedServeClient implements AutoCloseable {
                 text.containsKey(i) ? text.get(i).toString() : "",
                 tokens.containsKey(i) ? tokens.get(i) : new ArrayList<>(),
                 end.getUsage(),
-                end.getTimings()));
+                end.getTimings(),
+                end.getToolCallsList(),
+                end.getContent()));
       }
     }
 

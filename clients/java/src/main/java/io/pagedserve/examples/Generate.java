@@ -6,6 +6,7 @@ import io.pagedserve.client.Completion;
 import io.pagedserve.client.PagedServeClient;
 import io.pagedserve.v1.GenerateRequest;
 import io.pagedserve.v1.SamplingParams;
+import io.pagedserve.v1.ToolCall;
 import java.io.File;
 import java.io.FileDescriptor;
 import java.io.FileOutputStream;
@@ -36,11 +37,19 @@ import java.util.concurrent.atomic.AtomicBoolean;
  * java -cp ... io.pagedserve.examples.Generate --chat --async "What is the capital of France?"
  * java -cp ... io.pagedserve.examples.Generate --chat --json-schema @person.schema.json "A person as JSON"
  * java -cp ... io.pagedserve.examples.Generate --choice yes --choice no "Is the sky blue? Answer:"
+ * java -cp ... io.pagedserve.examples.Generate --chat --tool @get_weather.json --tool-choice required "Weather in Paris?"
  * </pre>
  *
  * <p>Structured outputs: at most one of {@code --json-schema SCHEMA}, {@code --json-object},
  * {@code --regex RE}, {@code --choice C} (repeatable) and {@code --grammar GBNF}; {@code @FILE}
  * reads a schema or grammar from a file.
+ *
+ * <p>Tool calling (with {@code --chat}): {@code --tool FUNCTION} is OpenAI's function object
+ * {@code {"name", "description", "parameters"}} (or {@code {"type": "function", "function":
+ * {...}}}), its JSON text or {@code @FILE}, repeatable; {@code --tool-choice} none, auto, required
+ * or function:NAME; {@code --no-parallel-tool-calls} allows one call per completion. After the
+ * text, one JSON line per completion: {@code {"index", "finish_reason", "content", "tool_calls":
+ * [{"id", "name", "arguments"}]}} (arguments as JSON text), as the Go example prints it.
  *
  * <p>{@code --async} streams through the async stub (a StreamObserver) instead of iterating the
  * blocking stub. Exit status: 0 done, 1 the server (or the deadline) ended the call ("error:
@@ -50,10 +59,13 @@ public final class Generate {
   private static final String USAGE =
       "usage: Generate [--address HOST:PORT] [--model NAME] [--max-tokens N] [--temperature T] [--chat]\n"
           + "                [--async] [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM]\n"
-          + "                [--json-schema SCHEMA | --json-object | --regex RE | --choice C... | --grammar GBNF] PROMPT\n"
+          + "                [--json-schema SCHEMA | --json-object | --regex RE | --choice C... | --grammar GBNF]\n"
+          + "                [--tool FUNCTION... [--tool-choice none|auto|required|function:NAME]\n"
+          + "                 [--no-parallel-tool-calls]] PROMPT\n"
           + "  (PROMPT - reads it from stdin; --model: one of the server's --served-model-name names,\n"
           + "   default the served model; --api-key defaults to $PAGEDSERVE_API_KEY; at most one\n"
-          + "   constraint, --choice repeatable, @FILE reads a schema or grammar from FILE)";
+          + "   constraint, --choice repeatable, @FILE reads a schema or grammar from FILE; --tool:\n"
+          + "   OpenAI's function JSON or @FILE, repeatable; the tool flags need --chat)";
 
   public static void main(String[] args) throws Exception {
     // UTF-8 whatever the locale, and unbuffered so that each chunk shows as it arrives.
@@ -73,6 +85,10 @@ public final class Generate {
     String regex = null;
     String grammar = null;
     List<String> choices = new ArrayList<>();
+    Set<String> toolFlags = new LinkedHashSet<>(); // the tool flags given
+    List<String> tools = new ArrayList<>();
+    String toolChoice = null;
+    boolean noParallelToolCalls = false;
     List<String> positional = new ArrayList<>();
     try {
       for (int i = 0; i < args.length; i++) {
@@ -94,6 +110,9 @@ public final class Generate {
             continue;
           case "--json-object":
             constraints.add(arg);
+            continue;
+          case "--no-parallel-tool-calls":
+            noParallelToolCalls = true;
             continue;
           case "-h":
           case "--help":
@@ -148,6 +167,12 @@ public final class Generate {
               grammar = value;
               constraints.add(arg);
               break;
+            case "--tool":
+              tools.add(value);
+              break;
+            case "--tool-choice":
+              toolChoice = value;
+              break;
             default:
               throw new IllegalArgumentException("unknown flag " + arg);
           }
@@ -160,6 +185,22 @@ public final class Generate {
       }
       if (constraints.size() > 1) {
         throw new IllegalArgumentException("at most one constraint flag, got " + String.join(" and ", constraints));
+      }
+      // named in the Go example's order, whatever the order given
+      if (!tools.isEmpty()) {
+        toolFlags.add("--tool");
+      }
+      if (toolChoice != null) {
+        toolFlags.add("--tool-choice");
+      }
+      if (noParallelToolCalls) {
+        toolFlags.add("--no-parallel-tool-calls");
+      }
+      if (!toolFlags.isEmpty() && !chat) {
+        throw new IllegalArgumentException(
+            String.join(" and ", toolFlags)
+                + (toolFlags.size() > 1 ? " need" : " needs")
+                + " --chat (tools go with a chat prompt)");
       }
     } catch (IllegalArgumentException e) {
       System.err.println("error: " + e.getMessage() + "\n" + USAGE);
@@ -203,10 +244,19 @@ public final class Generate {
         chat
             ? PagedServeClient.chatRequest(Collections.singletonList(PagedServeClient.user(prompt)), params)
             : PagedServeClient.textRequest(prompt, params);
+    if (chat) {
+      try {
+        request = withToolFlags(request, tools, toolChoice, noParallelToolCalls);
+      } catch (IllegalArgumentException | IOException e) {
+        System.err.println("error: " + e.getMessage());
+        System.exit(2);
+      }
+    }
     request = request.toBuilder().setModel(model).build(); // "": unset, the server's served model
+    boolean printTools = !toolFlags.isEmpty();
     int status;
     try (PagedServeClient client = builder.build()) {
-      status = async ? runAsync(client, request, out) : runBlocking(client, request, out);
+      status = async ? runAsync(client, request, out, printTools) : runBlocking(client, request, out, printTools);
     } catch (IOException | RuntimeException e) { // e.g. an unreadable CA file, no TLS provider
       System.err.println("error: " + e);
       status = 1;
@@ -219,8 +269,45 @@ public final class Generate {
     return value.startsWith("@") ? Files.readString(Path.of(value.substring(1)), StandardCharsets.UTF_8) : value;
   }
 
+  /** The chat request with the tools, tool choice and parallel flag of the tool flags. */
+  private static GenerateRequest withToolFlags(
+      GenerateRequest request, List<String> tools, String toolChoice, boolean noParallel) throws IOException {
+    for (String value : tools) {
+      String text;
+      try {
+        text = textOrFile(value);
+      } catch (IOException e) {
+        throw new IOException("--tool: " + e, e);
+      }
+      try {
+        request = PagedServeClient.withTools(request, PagedServeClient.toolFromJson(text));
+      } catch (IllegalArgumentException e) {
+        throw new IllegalArgumentException("--tool " + value + ": " + e.getMessage(), e);
+      }
+    }
+    if (toolChoice != null) {
+      if (toolChoice.equals("none")) {
+        request = PagedServeClient.withToolChoice(request, PagedServeClient.toolChoiceNone());
+      } else if (toolChoice.equals("auto")) {
+        request = PagedServeClient.withToolChoice(request, PagedServeClient.toolChoiceAuto());
+      } else if (toolChoice.equals("required")) {
+        request = PagedServeClient.withToolChoice(request, PagedServeClient.toolChoiceRequired());
+      } else if (toolChoice.startsWith("function:")) {
+        String name = toolChoice.substring("function:".length());
+        request = PagedServeClient.withToolChoice(request, PagedServeClient.toolChoiceFunction(name));
+      } else {
+        throw new IllegalArgumentException(
+            "--tool-choice must be none, auto, required or function:NAME, got \"" + toolChoice + "\"");
+      }
+    }
+    if (noParallel) {
+      request = PagedServeClient.withParallelToolCalls(request, false);
+    }
+    return request;
+  }
+
   /** Iterates the blocking stub inside a cancellable context that Ctrl-C cancels. */
-  static int runBlocking(PagedServeClient client, GenerateRequest request, PrintStream out) {
+  static int runBlocking(PagedServeClient client, GenerateRequest request, PrintStream out, boolean printTools) {
     Context.CancellableContext context = Context.current().withCancellation();
     AtomicBoolean interrupted = new AtomicBoolean();
     CountDownLatch finished = new CountDownLatch(1);
@@ -234,7 +321,7 @@ public final class Generate {
     Runtime.getRuntime().addShutdownHook(hook);
     try {
       List<Completion> completions = context.call(() -> client.stream(request, chunk -> out.print(chunk.getText())));
-      return finish(completions, out);
+      return finish(completions, out, printTools);
     } catch (StatusRuntimeException e) {
       return failed(e, interrupted.get(), finished);
     } catch (Exception e) {
@@ -248,7 +335,8 @@ public final class Generate {
   }
 
   /** Streams through the async stub (a StreamObserver); Ctrl-C cancels the future. */
-  static int runAsync(PagedServeClient client, GenerateRequest request, PrintStream out) throws InterruptedException {
+  static int runAsync(PagedServeClient client, GenerateRequest request, PrintStream out, boolean printTools)
+      throws InterruptedException {
     CompletableFuture<List<Completion>> future = client.streamAsync(request, chunk -> out.print(chunk.getText()));
     AtomicBoolean interrupted = new AtomicBoolean();
     CountDownLatch finished = new CountDownLatch(1);
@@ -261,7 +349,7 @@ public final class Generate {
             });
     Runtime.getRuntime().addShutdownHook(hook);
     try {
-      return finish(future.get(), out);
+      return finish(future.get(), out, printTools);
     } catch (CancellationException e) {
       return failed(null, true, finished);
     } catch (ExecutionException e) {
@@ -274,8 +362,13 @@ public final class Generate {
     }
   }
 
-  private static int finish(List<Completion> completions, PrintStream out) {
+  private static int finish(List<Completion> completions, PrintStream out, boolean printTools) {
     out.println();
+    if (printTools) {
+      for (Completion c : completions) {
+        out.println(toolLine(c));
+      }
+    }
     for (Completion c : completions) {
       System.err.printf(
           "[%s; %d prompt (%d cached) + %d generated tokens; ttft %.0f ms, total %.2f s]%n",
@@ -287,6 +380,54 @@ public final class Generate {
           c.timings.getE2ESeconds());
     }
     return 0;
+  }
+
+  /** {"index", "finish_reason", "content", "tool_calls": [{"id", "name", "arguments"}]}, as Go prints it. */
+  private static String toolLine(Completion c) {
+    StringBuilder b = new StringBuilder();
+    b.append("{\"index\":").append(c.index);
+    b.append(",\"finish_reason\":").append(quote(c.finishReasonName()));
+    b.append(",\"content\":").append(quote(c.content));
+    b.append(",\"tool_calls\":[");
+    for (int i = 0; i < c.toolCalls.size(); i++) {
+      ToolCall call = c.toolCalls.get(i);
+      b.append(i == 0 ? "" : ",");
+      b.append("{\"id\":").append(quote(call.getId()));
+      b.append(",\"name\":").append(quote(call.getName()));
+      b.append(",\"arguments\":").append(quote(call.getArguments())).append('}');
+    }
+    return b.append("]}").toString();
+  }
+
+  /** A JSON string literal, escaped as Go's encoding/json does (HTML escaping off). */
+  private static String quote(String s) {
+    StringBuilder b = new StringBuilder(s.length() + 2).append('"');
+    for (char ch : s.toCharArray()) {
+      switch (ch) {
+        case '"':
+          b.append("\\\"");
+          break;
+        case '\\':
+          b.append("\\\\");
+          break;
+        case '\n':
+          b.append("\\n");
+          break;
+        case '\r':
+          b.append("\\r");
+          break;
+        case '\t':
+          b.append("\\t");
+          break;
+        default:
+          if (ch < 0x20 || ch == 0x2028 || ch == 0x2029) {
+            b.append(String.format("\\u%04x", (int) ch));
+          } else {
+            b.append(ch);
+          }
+      }
+    }
+    return b.append('"').toString();
   }
 
   private static int failed(StatusRuntimeException e, boolean interrupted, CountDownLatch finished) {
