@@ -2,7 +2,9 @@
 
 Register it with `add_generation_service`: the handlers parse their own requests, so a payload
 that is not the method's message is INVALID_ARGUMENT (grpcio's deserializer would end the
-call UNKNOWN, as if the server had failed).
+call UNKNOWN, as if the server had failed). The same wrapper is the API's one error boundary
+(`_fail`): the methods only decode, call the frontend and encode; a ServiceError they raise
+becomes its status, anything else a logged INTERNAL naming the request id.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from controlplane.errors import ServiceError, invalid_argument
-from controlplane.frontend import CompletionDone, Frontend
+from controlplane.frontend import MAX_NAME_CHARS, CompletionDone, Frontend
+from controlplane.request import new_request_id
 from controlplane.tools.definitions import NO_TOOLS, ToolUse
 from controlplane.tools.from_proto import chat_messages, chat_tool_use, forced_tool_constraint
 from controlplane.tools.output import CompletionParsers, finish_reason
@@ -54,87 +57,79 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         start = time.monotonic()
         remaining = context.time_remaining()
-        try:
-            self.frontend.check_model(request.model or None)  # proto3: "" is unset
-            prompt, use = self._prompt_ids(request)
-            sampling = sampling_fields_from_proto(request.sampling_params)
-            forced = forced_tool_constraint(use, sampling)
-            if forced is not None:
-                sampling["constraint"] = forced[0]
-            gen = self.frontend.validate(
-                prompt,
-                sampling,
-                request.sampling_params.stop,
-                request_id=request.request_id or None,
-                cache_salt=request.cache_salt or None,
-                deadline=None if remaining is None else start + remaining,
-            )
-            if forced is not None:  # a compile refusal names the tools, not sampling_params
-                gen = dataclasses.replace(gen, constraint_field=forced[1])
-            rid = gen.label  # the client's id echoed (the server keys the request by its own)
-            parent = extract(context.invocation_metadata() or ())
-            parsers = CompletionParsers(use, self.frontend.tool_call_format)
-            if use.tools:
-                self.frontend.metrics.tool_requests.labels(tool_choice=use.choice.mode).inc()
-            async for event in self.frontend.stream(gen, start, parent):
-                if isinstance(event, CompletionDone):
-                    reason, calls, content = event.finish_reason, [], ""
-                    if use.choice.calls_tools:
-                        parser = parsers(event.index)
-                        parser.finish()
-                        calls, content = parser.tool_calls, parser.content
-                        self.frontend.metrics.tool_calls.inc(len(calls))
-                        reason = finish_reason(reason, bool(calls))
-                    yield generation_pb2.GenerateResponse(
-                        request_id=rid,
-                        complete=generation_pb2.GenerateComplete(
-                            index=event.index,
-                            finish_reason=FINISH_REASON_BY_NAME[reason],
-                            tool_calls=[
-                                generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                for c in calls
-                            ],
-                            content=content,
-                            stop_string=event.stop_string or "",
-                            usage=common_pb2.Usage(
-                                prompt_tokens=event.prompt_tokens,
-                                completion_tokens=event.completion_tokens,
-                                cached_tokens=event.cached_tokens,
-                            ),
-                            timings=generation_pb2.Timings(
-                                queue_seconds=event.queue_seconds,
-                                time_to_first_token_seconds=event.time_to_first_token_seconds,
-                                e2e_seconds=event.e2e_seconds,
-                            ),
+        self.frontend.check_model(request.model or None)  # proto3: "" is unset
+        prompt, use = self._prompt_ids(request)
+        sampling = sampling_fields_from_proto(request.sampling_params)
+        forced = forced_tool_constraint(use, sampling)
+        if forced is not None:
+            sampling["constraint"] = forced[0]
+        gen = self.frontend.validate(
+            prompt,
+            sampling,
+            request.sampling_params.stop,
+            request_id=request.request_id or None,
+            cache_salt=request.cache_salt or None,
+            deadline=None if remaining is None else start + remaining,
+        )
+        if forced is not None:  # a compile refusal names the tools, not sampling_params
+            gen = dataclasses.replace(gen, constraint_field=forced[1])
+        rid = gen.label  # the client's id echoed (the server keys the request by its own)
+        parent = extract(context.invocation_metadata() or ())
+        parsers = CompletionParsers(use, self.frontend.tool_call_format)
+        if use.tools:
+            self.frontend.metrics.tool_requests.labels(tool_choice=use.choice.mode).inc()
+        async for event in self.frontend.stream(gen, start, parent):
+            if isinstance(event, CompletionDone):
+                reason, calls, content = event.finish_reason, [], ""
+                if use.choice.calls_tools:
+                    parser = parsers(event.index)
+                    parser.finish()
+                    calls, content = parser.tool_calls, parser.content
+                    self.frontend.metrics.tool_calls.inc(len(calls))
+                    reason = finish_reason(reason, bool(calls))
+                yield generation_pb2.GenerateResponse(
+                    request_id=rid,
+                    complete=generation_pb2.GenerateComplete(
+                        index=event.index,
+                        finish_reason=FINISH_REASON_BY_NAME[reason],
+                        tool_calls=[
+                            generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                            for c in calls
+                        ],
+                        content=content,
+                        stop_string=event.stop_string or "",
+                        usage=common_pb2.Usage(
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            cached_tokens=event.cached_tokens,
                         ),
-                    )
-                else:
-                    if use.choice.calls_tools:
-                        parsers(event.index).feed(event.text)
-                    yield generation_pb2.GenerateResponse(
-                        request_id=rid,
-                        chunk=generation_pb2.TokenChunk(
-                            index=event.index,
-                            token_ids=event.token_ids,
-                            text=event.text,
-                            logprobs=event.logprobs,
+                        timings=generation_pb2.Timings(
+                            queue_seconds=event.queue_seconds,
+                            time_to_first_token_seconds=event.time_to_first_token_seconds,
+                            e2e_seconds=event.e2e_seconds,
                         ),
-                    )
-        except ServiceError as exc:
-            self.frontend.record_failure(exc)
-            await abort_with(context, exc)
+                    ),
+                )
+            else:
+                if use.choice.calls_tools:
+                    parsers(event.index).feed(event.text)
+                yield generation_pb2.GenerateResponse(
+                    request_id=rid,
+                    chunk=generation_pb2.TokenChunk(
+                        index=event.index,
+                        token_ids=event.token_ids,
+                        text=event.text,
+                        logprobs=event.logprobs,
+                    ),
+                )
 
     async def Tokenize(
         self,
         request: generation_pb2.TokenizeRequest,
         context: grpc.aio.ServicerContext[generation_pb2.TokenizeRequest, generation_pb2.TokenizeResponse],
     ) -> generation_pb2.TokenizeResponse:
-        try:
-            self.frontend.check_model(request.model or None)
-            return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request)[0])
-        except ServiceError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        self.frontend.check_model(request.model or None)
+        return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request)[0])
 
     async def Detokenize(
         self,
@@ -143,16 +138,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             generation_pb2.DetokenizeRequest, generation_pb2.DetokenizeResponse
         ],
     ) -> generation_pb2.DetokenizeResponse:
-        try:
-            self.frontend.check_model(request.model or None)
-            ids = (
-                self.frontend.check_token_ids(list(request.token_ids), "token_ids")
-                if request.token_ids
-                else []
-            )
-        except ServiceError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        self.frontend.check_model(request.model or None)
+        ids = self.frontend.check_token_ids(list(request.token_ids), "token_ids") if request.token_ids else []
         return generation_pb2.DetokenizeResponse(text=self.frontend.tokenizer.decode(ids))
 
     async def ListModels(
@@ -201,21 +188,59 @@ async def _parse(raw: bytes, request_type: type[Message], context: grpc.aio.Serv
         )
 
 
+def _request_label(request: Any) -> str:
+    """The id a log line and an INTERNAL message name: the client's, or a fresh one."""
+    label = getattr(request, "request_id", "")
+    return label[:MAX_NAME_CHARS] if isinstance(label, str) and label else new_request_id()
+
+
+async def _fail(
+    frontend: Frontend, method: str, request: Any, context: grpc.aio.ServicerContext, exc: Exception
+) -> None:
+    """The one error boundary of the gRPC API: a ServiceError becomes its status (counted, a
+    refusal logged); anything else is a bug, logged with its traceback and the request id,
+    and the client gets INTERNAL naming that id (never grpcio's bare UNKNOWN)."""
+    if not isinstance(exc, ServiceError):
+        rid = _request_label(request)
+        log.exception("grpc_internal_error", method=method, request_id=rid)
+        exc = ServiceError("INTERNAL", f"internal server error (request id {rid})")
+    frontend.record_failure(exc)
+    await abort_with(context, exc)
+
+
 def _unary(
-    method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], request_type: type[Message]
+    frontend: Frontend,
+    name: str,
+    method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    request_type: type[Message],
 ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await method(await _parse(raw, request_type, context), context)
+        request = await _parse(raw, request_type, context)
+        try:
+            return await method(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # the boundary: every RPC's errors pass here
+            await _fail(frontend, name, request, context, exc)
 
     return handler
 
 
 def _streaming(
-    method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], request_type: type[Message]
+    frontend: Frontend,
+    name: str,
+    method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+    request_type: type[Message],
 ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for response in method(await _parse(raw, request_type, context), context):
-            yield response
+        request = await _parse(raw, request_type, context)
+        try:
+            async for response in method(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # the boundary, as _unary's
+            await _fail(frontend, name, request, context, exc)
 
     return handler
 
@@ -230,13 +255,13 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
         implementation = getattr(servicer, method.name)
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(implementation, request_type),
+                _streaming(servicer.frontend, method.name, implementation, request_type),
                 request_deserializer=None,
                 response_serializer=response_type.SerializeToString,
             )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(implementation, request_type),
+                _unary(servicer.frontend, method.name, implementation, request_type),
                 request_deserializer=None,
                 response_serializer=response_type.SerializeToString,
             )

@@ -38,15 +38,18 @@ def configure_logging() -> None:
     global _configured
     if _configured:
         return
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
-    )
+    tty = sys.stderr.isatty()
+    renderer: Any = structlog.dev.ConsoleRenderer() if tty else structlog.processors.JSONRenderer()
+    # log.exception(...): in JSON the traceback is the line's "exception" field (the console
+    # renderer prints it itself)
+    tracebacks: list[Any] = [] if tty else [structlog.processors.format_exc_info]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             _add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            *tracebacks,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(env.log_level())),
