@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
 from controlplane.errors import ServiceError
 from controlplane.frontend import Frontend
-from controlplane.openai.routes import OpenAIRoutes, error_response, install_error_handlers, openai_error
+from controlplane.openai.errors import error_response, install_error_handlers, openai_error
+from controlplane.openai.routes import OpenAIRoutes
 from controlplane.tls_mismatch import MismatchLog, TLSListener
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS

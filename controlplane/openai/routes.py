@@ -6,11 +6,9 @@
 usage so far on every chunk with `continuous_usage_stats`, as vLLM). Structured outputs
 (`response_format`, `structured_outputs`, `guided_*`) are read by `structured.py` into the
 request's constraint, named as the client put it.
-Every error, including a body that is not JSON, a route that does not exist or a wrong method,
-is OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` with `param` naming
-the field the message is about, and the status the gRPC code maps to (400 bad field, 401,
-404, 405, 413, 429 queue full, 503 no data plane). A client that disconnects, while its
-request waits for admission or while it runs, aborts it (and frees its KV blocks).
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `controlplane.tools` and the
+answers' calls rendered by `tool_calls.py`. Errors are OpenAI's error JSON (`errors.py`); the
+SSE body and disconnects are `streaming.py`'s; computed values (logprobs, usage) `render.py`'s.
 """
 
 from __future__ import annotations
@@ -18,19 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controlplane.errors import ServiceError, clip, invalid_argument
+from controlplane.errors import invalid_argument
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from controlplane.openai.protocol import (
     ChatCompletionRequest,
@@ -38,14 +32,21 @@ from controlplane.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from controlplane.openai.render import (
+    floored_logprob,
+    num_prompts,
+    openai_finish,
+    openai_usage,
+    response_id,
+    sampling_fields,
+)
+from controlplane.openai.streaming import first_event, sse_body, unless_disconnected
 from controlplane.openai.structured import Structured, structured_output
-from controlplane.openai.tool_calls import ChoiceToolCalls
+from controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
 from controlplane.request import GenerationRequest
-from controlplane.tools.definitions import ToolUse, parse_openai_tools
 from controlplane.tools.forced import forced_constraint
 from controlplane.tools.output import finish_reason
 from pagedserve import __version__
-from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract
 from protos.pagedserve.v1 import common_pb2
@@ -54,143 +55,6 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-# Pydantic's names for the members of a union field (they appear in an error's location).
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def error_body(status: int, message: str, param: str | None, code: str) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-
-
-def openai_error(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """An error that exists only over HTTP (404 route, 405, 413), in OpenAI's error JSON."""
-    code = _HTTP_CODES.get(status, "internal" if status >= 500 else "invalid_request")
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
-    status = exc.http_status
-    body = error_body(status, exc.message, param or exc.param, exc.code.lower())
-    headers = {"retry-after": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _location(loc: Sequence[Any]) -> tuple[str | None, bool]:
-    """A pydantic error location as the client names the field (`messages[0].role`), and
-    whether it ran into a union (the part after that names one alternative's guess only)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _UNION_TAGS or "[" in part or "-" in part:
-            return (clip(out, 128) if out else None), True
-        else:
-            out += f".{part}" if out else part
-    return (clip(out, 128) if out else None), False
-
-
-def describe_validation_error(
-    errors: Sequence[Any], content_type: str = "application/json"
-) -> tuple[str, str | None]:
-    """(message, param) for FastAPI's errors about a request body sent as `content_type`."""
-    if not errors:
-        return "the request is not valid", None
-    first = errors[0]
-    kind = first.get("type")
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    if kind == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", "decode error")
-        return f"the request body is not valid JSON: {reason}", None
-    if not loc:
-        if "json" not in content_type.lower():  # FastAPI parses JSON only when told it is JSON
-            got = clip(content_type, 48) if content_type else "none"
-            return (
-                f"the request body must be JSON, sent with content-type: application/json (got {got})",
-                None,
-            )
-        if kind == "missing":
-            return "the request body is missing: send a JSON object", None
-        return "the request body must be a JSON object", None
-    param, union = _location(loc)
-    if union:  # no member of a union field matched: the first member's complaint misleads
-        return f"{param}: not any of the accepted forms ({first.get('msg', 'invalid value')})", param
-    return f"{param}: {first.get('msg', 'invalid value')}", param
-
-
-def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_error(exc.errors(), request.headers.get("content-type", ""))
-        error = invalid_argument(message, param)
-        frontend.record_failure(error)
-        return error_response(error)
-
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        frontend.record_failure(exc)
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        path = clip(request.url.path, 128)
-        if exc.status_code == 404:
-            message = f"no such route: {request.method} {path}"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {path}"
-        else:
-            message = str(exc.detail)
-        return openai_error(exc.status_code, message, headers=dict(exc.headers or {}) or None)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("http_internal_error", path=clip(request.url.path, 128))
-        return openai_error(500, "internal server error")
-
-
-async def until_disconnected(http: Request) -> None:
-    """Returns when the client has gone away. The body has been read by then, so the only
-    message left to receive is the disconnect (a request's own cancellation ends it too)."""
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(http: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None (with `work` cancelled) as soon as the client disconnects:
-    a request waiting in the admission queue leaves it at once, one running is aborted."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(until_disconnected(http))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()  # the client left (or this handler is being cancelled)
-        await asyncio.gather(watcher, task, return_exceptions=True)
-    if task.cancelled():
-        return None
-    return task.result()  # re-raises a ServiceError
 
 
 @dataclass
@@ -266,39 +130,6 @@ class OpenAIRoutes:
         return {"prompt": self.frontend.tokenizer.decode(ids)}
 
     # -- shared -----------------------------------------------------------------------------------
-    @staticmethod
-    def _sampling(
-        body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
-    ) -> dict[str, object]:
-        """The sampling fields the body sets, named as SamplingParams names them (for
-        `Frontend.validate`, which range-checks them; an unset max_tokens means the rest of
-        the context). Only what JSON cannot say directly is converted here: logit_bias keys."""
-        values: dict[str, object] = {
-            "n": body.num_choices,
-            "ignore_eos": bool(body.ignore_eos),
-            "stop_token_ids": tuple(body.stop_token_ids or ()),
-        }
-        for name in (
-            "temperature",
-            "top_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-        ):
-            value = getattr(body, name)
-            if value is not None:
-                values[name] = value
-        if body.logit_bias:
-            values["logit_bias"] = _logit_bias(body.logit_bias)
-        if max_tokens is not None:
-            values["max_tokens"] = max_tokens
-        if logprobs is not None:
-            values["logprobs"] = logprobs
-        return values
-
     def _requests(
         self,
         prompts: Sequence[list[int]],
@@ -398,15 +229,15 @@ class OpenAIRoutes:
             )
 
             # Wait for the first event here: admission errors still get a proper status code.
-            async def first_event() -> tuple[StreamEvent | None]:
-                return (await _first(events),)
+            async def opening() -> tuple[StreamEvent | None]:
+                return (await first_event(events),)
 
-            got = await unless_disconnected(http, first_event())
+            got = await unless_disconnected(http, opening())
             if got is None:  # the client left while its request queued or prefilled
                 await events.aclose()
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(
-                _sse(
+                sse_body(
                     got[0],
                     events,
                     render_chunk,
@@ -440,11 +271,11 @@ class OpenAIRoutes:
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         structured = self._check(body)
-        self.frontend.check_batch(_num_prompts(body.prompt), body.num_choices)
+        self.frontend.check_batch(num_prompts(body.prompt), body.num_choices)
         prompts = self._completion_prompts(body.prompt)
-        sampling = self._sampling(body, body.max_tokens, body.logprobs)
+        sampling = sampling_fields(body, body.max_tokens, body.logprobs)
         gens = self._requests(prompts, body, sampling, http, structured)
-        rid, created = f"cmpl-{_response_id(http)}", int(time.time())
+        rid, created = f"cmpl-{response_id(http)}", int(time.time())
         decode = self._token_text
         wants_logprobs = body.logprobs is not None
 
@@ -460,8 +291,10 @@ class OpenAIRoutes:
                 pos += len(t)
             return {
                 "tokens": tokens,
-                "token_logprobs": [_logprob(lp.logprob) for lp in lps],
-                "top_logprobs": [{decode(t.token_id): _logprob(t.logprob) for t in lp.top} for lp in lps],
+                "token_logprobs": [floored_logprob(lp.logprob) for lp in lps],
+                "top_logprobs": [
+                    {decode(t.token_id): floored_logprob(t.logprob) for t in lp.top} for lp in lps
+                ],
                 "text_offset": offsets,
             }
 
@@ -490,7 +323,7 @@ class OpenAIRoutes:
                     ]
                 )
             return base(
-                [{"index": event.index, "text": "", "logprobs": None, "finish_reason": _finish(event)}]
+                [{"index": event.index, "text": "", "logprobs": None, "finish_reason": openai_finish(event)}]
             )
 
         def final(choices: dict[int, _Choice]) -> dict[str, Any]:
@@ -501,13 +334,13 @@ class OpenAIRoutes:
                         "index": index,
                         "text": "".join(c.text),
                         "logprobs": legacy_logprobs(c.token_ids, c.logprobs, 0),
-                        "finish_reason": _finish(c.done) if c.done else None,
+                        "finish_reason": openai_finish(c.done) if c.done else None,
                     }
                 )
-            return base(out, _usage([c.done for c in choices.values() if c.done], body.num_choices))
+            return base(out, openai_usage([c.done for c in choices.values() if c.done], body.num_choices))
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
-            return base([], _usage(done, body.num_choices))
+            return base([], openai_usage(done, body.num_choices))
 
         return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
@@ -525,7 +358,7 @@ class OpenAIRoutes:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         structured = self._check(body)
-        tool_use = _tool_use(body, structured)
+        tool_use = tool_use_of(body, structured)
         forced = forced_constraint(tool_use)
         if forced is not None:
             constraint, where = forced
@@ -538,9 +371,9 @@ class OpenAIRoutes:
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
-        sampling = self._sampling(body, max_tokens, logprobs)
+        sampling = sampling_fields(body, max_tokens, logprobs)
         gens = self._requests([prompt], body, sampling, http, structured, names)
-        rid, created = f"chatcmpl-{_response_id(http)}", int(time.time())
+        rid, created = f"chatcmpl-{response_id(http)}", int(time.time())
         calls = (
             ChoiceToolCalls(tool_use, self.frontend.tool_call_format) if tool_use.choice.calls_tools else None
         )
@@ -560,7 +393,7 @@ class OpenAIRoutes:
                 top = [
                     {
                         "token": decode(x.token_id),
-                        "logprob": _logprob(x.logprob),
+                        "logprob": floored_logprob(x.logprob),
                         "bytes": list(decode(x.token_id).encode()),
                     }
                     for x in lp.top
@@ -568,7 +401,7 @@ class OpenAIRoutes:
                 content.append(
                     {
                         "token": text,
-                        "logprob": _logprob(lp.logprob),
+                        "logprob": floored_logprob(lp.logprob),
                         "bytes": list(text.encode()),
                         "top_logprobs": top,
                     }
@@ -612,9 +445,9 @@ class OpenAIRoutes:
             if calls is not None:
                 metrics.tool_calls.inc(calls.num_calls(event.index))
             reason = (
-                _finish(event)
+                openai_finish(event)
                 if calls is None
-                else finish_reason(_finish(event), calls.has_calls(event.index))
+                else finish_reason(openai_finish(event), calls.has_calls(event.index))
             )
             return base(
                 [{"index": event.index, "delta": last, "logprobs": None, "finish_reason": reason}],
@@ -627,11 +460,11 @@ class OpenAIRoutes:
                 text = "".join(c.text)
                 if calls is None:
                     message: dict[str, Any] = {"role": "assistant", "content": text}
-                    reason = _finish(c.done) if c.done else None
+                    reason = openai_finish(c.done) if c.done else None
                 else:
                     message = calls.message(index, text)
                     metrics.tool_calls.inc(calls.num_calls(index))
-                    reason = finish_reason(_finish(c.done), calls.has_calls(index)) if c.done else None
+                    reason = finish_reason(openai_finish(c.done), calls.has_calls(index)) if c.done else None
                 out.append(
                     {
                         "index": index,
@@ -641,133 +474,15 @@ class OpenAIRoutes:
                     }
                 )
             return base(
-                out, "chat.completion", _usage([c.done for c in choices.values() if c.done], body.num_choices)
+                out,
+                "chat.completion",
+                openai_usage([c.done for c in choices.values() if c.done], body.num_choices),
             )
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
-            return base([], "chat.completion.chunk", _usage(done, body.num_choices))
+            return base([], "chat.completion.chunk", openai_usage(done, body.num_choices))
 
         return await self._respond(http, body, gens, chunk, final, usage_chunk)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-MIN_LOGPROB = -9999.0
-"""What a logprob of -inf is reported as (vLLM's floor): a token a structured output's grammar
-masks has probability 0, and JSON has no infinity."""
-
-
-def _logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
-def _tool_use(body: ChatCompletionRequest, structured: Structured) -> ToolUse:
-    """The request's tools and tool_choice; a forced call with a structured output is refused
-    (both would constrain the same text)."""
-    try:
-        use = parse_openai_tools(body.model_extra or {})
-    except InvalidField as exc:
-        raise invalid_argument(f"{exc.field} {clip(exc.reason, 200)}", exc.field) from None
-    if use.choice.forced and structured.constraint is not None:
-        source = next(iter(structured.field_names.values()), "response_format")
-        raise invalid_argument(
-            f"tool_choice: a forced tool call ({use.choice.mode}) cannot be combined with {source}",
-            "tool_choice",
-        )
-    return use
-
-
-def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias (JSON keys are strings) keyed by token id; values are checked with
-    the other sampling fields."""
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        token = key.strip()
-        if not (token.isascii() and token.isdigit() and len(token) <= 10):
-            raise invalid_argument(f"logit_bias keys must be token ids, got {clip(key, 16)!r}", "logit_bias")
-        out[int(token)] = value
-    return out
-
-
-def _num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
-    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
-        return 1
-    return len(prompt)
-
-
-def _response_id(http: Request) -> str:
-    """The response's id: the client's x-request-id if it sent one (validated with the
-    request), else a fresh one; never the server's internal request id."""
-    return http.headers.get("x-request-id") or uuid.uuid4().hex
-
-
-def _finish(done: CompletionDone) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
-
-
-def _usage(done: list[CompletionDone], n: int) -> dict[str, Any]:
-    """OpenAI usage: prompt (and cached) tokens count once per prompt, not once per sample."""
-    first_of_prompt: dict[int, CompletionDone] = {}
-    for d in done:
-        first_of_prompt.setdefault(d.index // n, d)
-    prompt = sum(d.prompt_tokens for d in first_of_prompt.values())
-    completion = sum(d.completion_tokens for d in done)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in first_of_prompt.values())},
-    }
-
-
-async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent | None:
-    try:
-        return await anext(events)
-    except StopAsyncIteration:
-        return None
-
-
-async def _sse(
-    first: StreamEvent | None,
-    events: AsyncIterator[StreamEvent],
-    render: Any,
-    render_usage: Any,
-    running_prompt_tokens: int | None = None,
-) -> AsyncIterator[str]:
-    """The SSE body. With `running_prompt_tokens` (continuous usage stats) every chunk also
-    carries the response's usage so far: all its prompts' tokens and every choice's completion
-    tokens streamed until then; the final usage chunk stays the exact total."""
-    done: list[CompletionDone] = []
-    completion_tokens = 0
-    try:
-        async with contextlib.aclosing(events):  # type: ignore[type-var]
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    event = pending.pop()
-                else:
-                    try:
-                        event = await anext(events)
-                    except StopAsyncIteration:
-                        break
-                if isinstance(event, CompletionDone):
-                    done.append(event)
-                else:
-                    completion_tokens += len(event.token_ids)
-                rendered = render(event)
-                if rendered is None:  # nothing to send for this event (held back)
-                    continue
-                if running_prompt_tokens is not None:
-                    rendered["usage"] = {
-                        "prompt_tokens": running_prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": running_prompt_tokens + completion_tokens,
-                    }
-                yield f"data: {json.dumps(rendered)}\n\n"
-    except ServiceError as exc:  # after the headers went out: report it in the stream
-        error = error_body(exc.http_status, exc.message, exc.param, exc.code.lower())
-        yield f"data: {json.dumps(error)}\n\n"
-    if render_usage is not None:
-        yield f"data: {json.dumps(render_usage(done))}\n\n"
-    yield "data: [DONE]\n\n"

@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from controlplane.tools.definitions import ToolUse
+from controlplane.errors import clip, invalid_argument
+from controlplane.openai.protocol import ChatCompletionRequest
+from controlplane.openai.structured import Structured
+from controlplane.tools.definitions import ToolUse, parse_openai_tools
 from controlplane.tools.output import CompletionParsers
 from controlplane.tools.parsers import ParserOutput, ToolCallDelta
+from pagedserve.common.invalid_field import InvalidField
 
 
 class ChoiceToolCalls:
@@ -78,3 +82,19 @@ def _merged(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
             entries[d.index] = entry
         entry["function"]["arguments"] += d.arguments
     return list(entries.values())
+
+
+def tool_use_of(body: ChatCompletionRequest, structured: Structured) -> ToolUse:
+    """The request's tools and tool_choice; a forced call with a structured output is refused
+    (both would constrain the same text)."""
+    try:
+        use = parse_openai_tools(body.model_extra or {})
+    except InvalidField as exc:
+        raise invalid_argument(f"{exc.field} {clip(exc.reason, 200)}", exc.field) from None
+    if use.choice.forced and structured.constraint is not None:
+        source = next(iter(structured.field_names.values()), "response_format")
+        raise invalid_argument(
+            f"tool_choice: a forced tool call ({use.choice.mode}) cannot be combined with {source}",
+            "tool_choice",
+        )
+    return use

@@ -15,7 +15,7 @@ from controlplane.errors import ServiceError
 from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.openai.protocol import ChatCompletionRequest
-from controlplane.openai.routes import OpenAIRoutes
+from controlplane.openai.render import sampling_fields
 from controlplane.request import GenerationRequest
 from pagedserve.common.protocol import sampling_fields_from_proto, sampling_params_from_proto
 from protos.pagedserve.v1 import common_pb2, dataplane_pb2
@@ -178,7 +178,7 @@ def test_unset_max_tokens_is_the_rest_of_the_context_over_either_api() -> None:
     prompt = [HELLO, COMMA, WORLD]
     over_grpc = fe.validate(prompt, sampling_fields_from_proto(common_pb2.SamplingParams(temperature=0.5)))
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0.5)
-    over_http = fe.validate(prompt, OpenAIRoutes._sampling(body, None, None), field_prefix="")
+    over_http = fe.validate(prompt, sampling_fields(body, None, None), field_prefix="")
     assert over_grpc.sampling_params == over_http.sampling_params
     assert over_grpc.max_tokens == CONTEXT - 3
     # A prompt filling the context still gets a valid max_tokens: admission refuses its length.

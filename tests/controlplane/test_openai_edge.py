@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from controlplane.errors import ServiceError
+from controlplane.openai.errors import describe_validation_error, field_location
 from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
-from controlplane.openai.routes import _location, _logit_bias, describe_validation_error
+from controlplane.openai.render import logit_bias_by_id
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -113,14 +114,14 @@ def test_a_json_decode_error_has_no_param_and_says_so() -> None:
         "the request body is not valid JSON: Expecting value",
         None,
     )
-    assert _location(("prompt", "list[int]", 3)) == ("prompt", True)
-    assert _location(("messages", 2, "content")) == ("messages[2].content", False)
+    assert field_location(("prompt", "list[int]", 3)) == ("prompt", True)
+    assert field_location(("messages", 2, "content")) == ("messages[2].content", False)
 
 
 def test_logit_bias_keys_must_be_token_ids() -> None:
-    assert _logit_bias({"5": 1.5, " 7": -2}) == {5: 1.5, 7: -2}
+    assert logit_bias_by_id({"5": 1.5, " 7": -2}) == {5: 1.5, 7: -2}
     for key in ("abc", "-1", "1.5", "9" * 4400, ""):
         with pytest.raises(ServiceError) as err:
-            _logit_bias({key: 1.0})
+            logit_bias_by_id({key: 1.0})
         assert err.value.param == "logit_bias"
         assert len(err.value.message) < 100

@@ -20,7 +20,7 @@ from controlplane.frontend import Frontend
 from controlplane.http_server import create_app
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.openai.protocol import UNSUPPORTED, ChatCompletionRequest
-from controlplane.openai.routes import MIN_LOGPROB, _logprob
+from controlplane.openai.render import MIN_LOGPROB, floored_logprob
 from controlplane.openai.structured import Structured, structured_output
 from controlplane.request import GenerationRequest
 from pagedserve.common.constraints import MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_SCHEMA_DEPTH, Constraint
@@ -515,5 +515,5 @@ def test_refusals_come_before_any_work_and_as_openai_errors() -> None:
 
 
 def test_a_masked_tokens_logprob_is_floored_for_json() -> None:
-    assert _logprob(float("-inf")) == MIN_LOGPROB == -9999.0
-    assert _logprob(-0.5) == -0.5
+    assert floored_logprob(float("-inf")) == MIN_LOGPROB == -9999.0
+    assert floored_logprob(-0.5) == -0.5
