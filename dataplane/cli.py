@@ -146,5 +146,4 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     token = read_token_file(config.dataplane_token_file) if config.dataplane_token_file else None
     configure_tracing("pagedserve-dataplane")
-    run(config, tls, token)
-    return 0
+    return run(config, tls, token)

@@ -28,7 +28,8 @@ from dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibratio
 from dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
 from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from dataplane.runner.model_runner import ModelRunner
-from dataplane.scheduler import Request, RequestStatus, Scheduler
+from dataplane.runner.sampler import SampledToken
+from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from kernels import kv_cache_torch_dtype
 from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from dataplane.structured.compile_service import CompileService
 
 log = get_logger(__name__)
+MAX_ISOLATED_REQUESTS = 256
+"""The most requests a faulted step is rerun one by one for (a batch is at most max_num_seqs)."""
 
 
 class LLMEngine:
@@ -124,6 +127,7 @@ class LLMEngine:
             watermark=config.scheduler.watermark,
         )
         self.swap_seconds = 0.0
+        self._whole_step_faults = 0  # steps in a row whose one request faulted (see _isolate_fault)
         # Tensor parallelism: the workers start now, mirror this rank's block counts and
         # scales, and run every forward with it; this rank alone schedules and samples.
         self.parallel = TensorParallelDriver(config) if tp > 1 else None
@@ -465,7 +469,12 @@ class LLMEngine:
             self.swap_seconds += time.perf_counter() - start
         if out.is_empty:
             return StepResult({}, [], 0, len(out.preempted))
-        sampled = self.runner.execute(out)
+        faulted: dict[str, str] = {}
+        try:
+            sampled = self.runner.execute(out)
+            self._whole_step_faults = 0
+        except Exception as exc:
+            sampled, faulted = self._isolate_fault(out, exc)
         for item in out.scheduled:
             token = sampled.get(item.request.request_id)
             if token is not None and token.logprob is not None:
@@ -485,7 +494,42 @@ class LLMEngine:
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
             if self.host_pool is not None:
                 assert self.host_pool.num_free_blocks == self.host_pool.num_blocks, "host blocks leaked"
-        return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted))
+        return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted), faulted)
+
+    def _isolate_fault(
+        self, out: SchedulerOutput, exc: Exception
+    ) -> tuple[dict[str, SampledToken], dict[str, str]]:
+        """A step raised: find the requests it came from by running each alone (the step had
+        changed nothing yet but the KV its forward wrote, which a rerun writes again, the
+        same), abort those, keep the others' tokens. A fault every request meets alone is
+        not any request's (a kernel fault, a broken invariant): it is raised, and ends the
+        loop. With one request in the step that cannot be told apart; it is blamed once, and
+        a second such step in a row is raised."""
+        if self.runner.step_listener is not None or len(out.scheduled) > MAX_ISOLATED_REQUESTS:
+            raise exc  # tensor-parallel workers replay every forward: no rerun is safe
+        log.warning("step_fault_isolating", requests=len(out.scheduled), error=repr(exc)[:500])
+        sampled: dict[str, SampledToken] = {}
+        faulted: dict[str, str] = {}
+        for item in out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[item])))
+            except Exception as own:
+                faulted[item.request.request_id] = repr(own)[:500]
+        if len(faulted) == len(out.scheduled) and (len(faulted) > 1 or self._whole_step_faults > 0):
+            raise exc
+        self._whole_step_faults = 1 if len(faulted) == len(out.scheduled) else 0
+        for engine_id, error in faulted.items():
+            log.error("request_faulted", request_id=engine_id, error=error)
+            primary = self._primary_of(engine_id)
+            self.abort_request(primary)
+        return sampled, faulted
+
+    def _primary_of(self, engine_id: str) -> str:
+        """The request id a sample belongs to (samples of n > 1 share their primary's group)."""
+        for rid, samples in self._samples.items():
+            if any(r.request_id == engine_id for r in samples):
+                return rid
+        return engine_id
 
     def _admit_siblings(self) -> None:
         for rid, siblings in list(self._pending_siblings.items()):

@@ -3,7 +3,7 @@ data-plane server imports them without loading the model code."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dataplane.kvcache import PrefixCacheStats
 from dataplane.request import Request
@@ -11,12 +11,15 @@ from dataplane.request import Request
 
 @dataclass
 class StepResult:
-    """What one step produced: new tokens per request and the requests that finished."""
+    """What one step produced: new tokens per request and the requests that finished.
+    `faulted`: requests whose own work in the step raised (engine id -> the error), aborted
+    with their samples and blocks freed; the rest of the batch went on without them."""
 
     new_tokens: dict[str, int]
     finished: list[Request]
     num_batched_tokens: int
     num_preempted: int
+    faulted: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,25 @@ class EngineLoop:
             self._streams.outbox(sample.key.stream_id).deltas.append(group.delta(sample.index, token_id))
         for request in result.finished:
             self._on_sample_finished(request)
+        for engine_id, error in result.faulted.items():
+            self._on_faulted(engine_id, error)
+
+    def _on_faulted(self, engine_id: str, error: str) -> None:
+        """A request whose own work in a step raised (the engine aborted it, blocks freed):
+        its stream gets INTERNAL naming the client's request id; the batch went on without it."""
+        sample = self._groups.sample(engine_id)
+        group = self._groups.get(sample.key) if sample is not None else None
+        if sample is None or group is None:
+            return
+        self.metrics.faulted()
+        self._reject(
+            sample.key,
+            "INTERNAL",
+            f"internal error while generating request {sample.key.request_id!r} (it alone failed; "
+            f"the server goes on): {error[:200]}",
+        )
+        self._forget(group)
+        self._stats_dirty = True
 
     def _on_sample_finished(self, request: Request) -> None:
         sample = self._groups.sample(request.request_id)

@@ -161,6 +161,12 @@ class DataPlaneMetrics:
             "Constrained requests refused because their grammar did not compile (or not in time).",
             registry=self.registry,
         )
+        self.request_faults = Counter(
+            PREFIX + "request_faults",
+            "Requests failed with INTERNAL because their own work in a step raised (the rest of "
+            "the batch went on).",
+            registry=self.registry,
+        )
         self.grammar_wait = Histogram(
             PREFIX + "structured_output_compile_seconds",
             "Time from a constrained request's arrival until its grammar was ready (compiled, or "
@@ -168,6 +174,9 @@ class DataPlaneMetrics:
             registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
         )
+
+    def faulted(self) -> None:
+        self.request_faults.inc()
 
     def constrained_request(self, kind: str) -> None:
         self.constrained.labels(kind=kind).inc()

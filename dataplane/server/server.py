@@ -30,6 +30,7 @@ from pagedserve.common.tls import ServerTLS
 from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE (sysexits.h): the engine loop died of an internal error
 
 SERVICE_NAME = dataplane_pb2.DESCRIPTOR.services_by_name["DataPlaneService"].full_name
 
@@ -121,7 +122,7 @@ async def create_server(
     return server, port
 
 
-def run(config: DataPlaneConfig, tls: ServerTLS | None = None, token: str | None = None) -> None:
+def run(config: DataPlaneConfig, tls: ServerTLS | None = None, token: str | None = None) -> int:
     """`pagedserve dataplane`: bind the ports, then load the model, then serve until SIGINT or
     SIGTERM. The model loads in the main thread with no event loop running, so Ctrl-C during
     the load is a plain KeyboardInterrupt (the command exits 130) and SIGTERM ends the process
@@ -143,7 +144,7 @@ def run(config: DataPlaneConfig, tls: ServerTLS | None = None, token: str | None
         except BaseException:
             runner.run(server.stop(None))
             raise
-        runner.run(serve(engine_loop, server, port, config.host, config.metrics_port))
+        return runner.run(serve(engine_loop, server, port, config.host, config.metrics_port))
 
 
 async def serve(
@@ -153,9 +154,11 @@ async def serve(
     host: str = "127.0.0.1",
     metrics_port: int | None = None,
     grace_s: float = 5.0,
-) -> None:
+) -> int:
     """Serve on a bound `server` until SIGINT/SIGTERM, then stop accepting, end the streams and
-    stop the loop."""
+    stop the loop; returns 0. If the engine loop dies of a fault no request could be blamed
+    for, serving stops at once and this returns EXIT_ENGINE_FAILED: the process exits non-zero,
+    so its supervisor (`serve`, Kubernetes) restarts it whatever its probes see."""
     await start_server(server, engine_loop)
     if metrics_port is not None:
         from prometheus_client import start_http_server
@@ -168,6 +171,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def on_loop_exit() -> None:  # (the loop thread)
+        if engine_loop.fatal_error is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(stop.set)
+
+    engine_loop.on_exit(on_loop_exit)
     waiter = asyncio.create_task(server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -181,3 +191,7 @@ async def serve(
         task.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
+    if engine_loop.fatal_error is not None:
+        log.error("dataplane_exiting", reason=f"the engine loop failed: {engine_loop.fatal_error!r}")
+        return EXIT_ENGINE_FAILED
+    return 0

@@ -5,6 +5,7 @@ and the traceback; the server keeps serving; a ServiceError keeps its own status
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,51 @@ def test_a_service_error_keeps_its_status_and_the_server_keeps_serving(
         )
     )
     assert out[-1].complete.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+
+
+def test_a_request_that_faults_in_a_step_fails_alone_with_internal(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the planes: the poisoned request's client gets INTERNAL naming the request's id,
+    the concurrent ones their unpoisoned greedy tokens, every block comes back, the data plane
+    counts the fault and keeps serving."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dataplane.runner.model_runner as model_runner
+
+    def ask(channel: grpc.Channel, rid: str, ids: list[int], seed: int | None = None) -> list[int]:
+        params = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        if seed is not None:
+            params.seed = seed
+        request = generation_pb2.GenerateRequest(
+            request_id=rid, token_ids=generation_pb2.TokenIds(ids=ids), sampling_params=params
+        )
+        out = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
+        return [t for r in out if r.HasField("chunk") for t in r.chunk.token_ids]
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        clean = [ask(channel, f"clean-{i}", p) for i, p in enumerate(prompts)]
+        real = model_runner.sample
+
+        def sample(logits: Any, params: list[Any], *args: Any) -> Any:
+            if any(p.seed == 4242 for p in params):
+                raise ValueError("a sampler bug this request alone meets")
+            return real(logits, params, *args)
+
+        monkeypatch.setattr(model_runner, "sample", sample)
+        with ThreadPoolExecutor(4) as pool:
+            poisoned = pool.submit(ask, channel, "poisoned-1", [20, 21, 22], 4242)
+            others = [pool.submit(ask, channel, f"other-{i}", p) for i, p in enumerate(prompts)]
+            assert [f.result() for f in others] == clean
+            with pytest.raises(grpc.RpcError) as err:
+                poisoned.result()
+        assert err.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+        details = err.value.details()  # type: ignore[attr-defined]
+        # the server's id of the request (its logs pair it with the client's "poisoned-1")
+        assert re.match(r"internal error while generating request '[0-9a-f]{32}' \(it alone failed", details)
+        idle = server.wait_idle()
+        assert idle.snapshot.stats.free_blocks == idle.snapshot.stats.total_blocks
+        assert server.dataplane.loop.metrics.request_faults._value.get() >= 1
+        assert server.dataplane.loop.alive
+        assert ask(channel, "after", prompts[0]) == clean[0]
