@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from controlplane.tools.prompt import PARSER_CHOICES
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
-from pagedserve.common.settings import setting
+from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
 
 
@@ -21,15 +21,17 @@ class RoutingWeights:
     """
 
     prefix_weight: float = setting(
-        1.0, "routing: weight of the cached prompt fraction", flag="--routing-prefix-weight"
+        1.0, "routing: weight of the cached prompt fraction", flag="--routing-prefix-weight", minimum=0
     )
-    usage_weight: float = setting(0.5, "routing: weight of KV budget use", flag="--routing-usage-weight")
-    load_weight: float = setting(0.5, "routing: weight of queue length", flag="--routing-load-weight")
+    usage_weight: float = setting(
+        0.5, "routing: weight of KV budget use", flag="--routing-usage-weight", minimum=0
+    )
+    load_weight: float = setting(
+        0.5, "routing: weight of queue length", flag="--routing-load-weight", minimum=0
+    )
 
     def __post_init__(self) -> None:
-        for name in ("prefix_weight", "usage_weight", "load_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -64,15 +66,19 @@ class ControlPlaneConfig:
         300.0,
         "seconds a data plane that left DNS may finish its streams before its link is closed",
         flag="--dataplane-drain-timeout",
+        minimum=0,
     )
     shutdown_grace_s: float = setting(
         30.0,
         "on SIGTERM: seconds running streams may take to finish (new requests are refused)",
         flag="--shutdown-grace",
+        minimum=0,
     )
-    max_queue_len: int = setting(1024, "requests that may wait for KV budget")
-    queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV budget", flag="--queue-timeout")
-    decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt")
+    max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
+    queue_timeout_s: float = setting(
+        60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0
+    )
+    decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt", minimum=0)
     routing: RoutingWeights = field(default_factory=RoutingWeights)
     reconnect_backoff_s: float = setting(0.2, "first reconnect delay to a lost data plane", cli=False)
     reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
@@ -109,15 +115,7 @@ class ControlPlaneConfig:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"dataplane address must be HOST:PORT, got {address!r}")
-        if self.max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
-        if self.queue_timeout_s <= 0:
-            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
-        if self.decode_reserve_blocks < 0:
-            raise ValueError(f"decode_reserve_blocks must be >= 0, got {self.decode_reserve_blocks}")
-        for name in ("dataplane_drain_timeout_s", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_bounds(self)
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}"

@@ -17,7 +17,7 @@ from pagedserve.common.block_hash import DEFAULT_HASH_SEED
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
-from pagedserve.common.settings import format_bytes, parse_bytes, setting
+from pagedserve.common.settings import check_bounds, format_bytes, parse_bytes, setting
 
 # The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
 ATTENTION_BACKENDS = BACKENDS
@@ -65,11 +65,17 @@ class CacheConfig:
     `calculate_kv_scales`, else 1.0 (with a loud warning).
     """
 
-    block_size: int = setting(16, "tokens per KV block")
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
     kv_cache_memory: int = setting(
-        2 * 1024**3, "KV pool size on the CPU (e.g. 2GiB, 512MiB)", parse=parse_bytes, show=format_bytes
+        2 * 1024**3,
+        "KV pool size on the CPU (e.g. 2GiB, 512MiB)",
+        parse=parse_bytes,
+        show=format_bytes,
+        minimum=1,
     )
-    gpu_memory_utilization: float = setting(0.90, "fraction of GPU memory for weights, activations and KV")
+    gpu_memory_utilization: float = setting(
+        0.90, "fraction of GPU memory for weights, activations and KV", exclusive_minimum=0, maximum=1
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache element type: auto (the model dtype), bfloat16 (an fp32 model's K/V rounded to bf16: "
@@ -80,19 +86,22 @@ class CacheConfig:
         None,
         "pin the KV pool's block count (default: sized from --kv-cache-memory on the CPU, "
         "from --gpu-memory-utilization on a GPU)",
+        minimum=1,
     )
     swap_space: float | None = setting(
         None,
         "host memory in GiB per data plane for swapped-out KV blocks (default: 4 on a GPU; on the CPU, "
         "the device KV pool's bytes, committed only as swap-outs write them)",
+        minimum=0,
     )
     num_cpu_blocks_override: int | None = setting(
         None,
         "pin the host (swap) pool's block count (overrides swap_space; 0: no swapping) "
         "(default: sized from --swap-space)",
+        minimum=0,
     )
     enable_prefix_caching: bool = setting(True, "reuse cached prompt blocks")
-    prefix_hash_seed: str = setting(DEFAULT_HASH_SEED, "seed of the chained block hashes")
+    prefix_hash_seed: str = setting(DEFAULT_HASH_SEED, "seed of the chained block hashes", min_length=1)
     enable_kv_events: bool = setting(
         False, "record KV events for an external prefix index (the data plane turns it on)", cli=False
     )
@@ -110,33 +119,14 @@ class CacheConfig:
         return self.kv_cache_dtype.startswith("fp8")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_memory < 1:
-            raise ValueError(
-                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_bounds(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_scales_path is not None and not self.is_fp8:
             raise ValueError("kv_scales_path needs an FP8 kv_cache_dtype (fp8_e4m3 or fp8_e5m2)")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.swap_space is not None and (
-            isinstance(self.swap_space, bool)
-            or not isinstance(self.swap_space, int | float)
-            or not 0.0 <= self.swap_space < float("inf")
-        ):
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
-        if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
-            raise ValueError(f"num_cpu_blocks_override must be >= 0, got {self.num_cpu_blocks_override}")
         for name in ("enable_prefix_caching", "enable_kv_events", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.prefix_hash_seed, str) or not self.prefix_hash_seed:
-            raise ValueError(f"prefix_hash_seed must be a non-empty string, got {self.prefix_hash_seed!r}")
         if self.enable_kv_events and not self.enable_prefix_caching:
             raise ValueError(
                 "enable_kv_events needs enable_prefix_caching: without it there is nothing to report"
@@ -156,9 +146,11 @@ class SchedulerConfig:
     free afterwards, so that an admission does not immediately cause a preemption.
     """
 
-    max_num_seqs: int = setting(64, "most sequences in one batch")
-    max_num_batched_tokens: int = setting(2048, "most tokens (prefill and decode) in one step")
-    max_model_len: int | None = setting(None, "longest prompt plus output (default: the model's limit)")
+    max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)
+    max_num_batched_tokens: int = setting(2048, "most tokens (prefill and decode) in one step", minimum=1)
+    max_model_len: int | None = setting(
+        None, "longest prompt plus output (default: the model's limit)", minimum=1
+    )
     preemption_mode: str = setting(
         "auto",
         "how to preempt when the KV pool runs out: swap to host memory, recompute later, or auto "
@@ -166,40 +158,25 @@ class SchedulerConfig:
         choices=PREEMPTION_MODES,
     )
     watermark: float = setting(
-        0.01, "fraction of the KV blocks kept free when admitting or resuming work (0: none)"
+        0.01,
+        "fraction of the KV blocks kept free when admitting or resuming work (0: none)",
+        minimum=0,
+        exclusive_maximum=1,
     )
     structured_outputs_compile_timeout: float = setting(
         10.0,
         "seconds a structured-output grammar (JSON schema, regex, choice, EBNF) may take to "
         "compile; past it the request fails with INVALID_ARGUMENT naming the field",
+        exclusive_minimum=0,
+        maximum=3600,
     )
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.structured_outputs_compile_timeout, bool)
-            or not isinstance(self.structured_outputs_compile_timeout, int | float)
-            or not 0.0 < self.structured_outputs_compile_timeout <= 3600.0
-        ):
-            raise ValueError(
-                "structured_outputs_compile_timeout must be in (0, 3600] seconds, "
-                f"got {self.structured_outputs_compile_timeout!r}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_bounds(self)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
-        if (
-            isinstance(self.watermark, bool)
-            or not isinstance(self.watermark, int | float)
-            or not 0.0 <= self.watermark < 1.0
-        ):
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
 
 @dataclass(frozen=True)
@@ -219,6 +196,7 @@ class ModelConfig:
         None,
         "torch intra-op threads (default: torch's own, split evenly across tensor-parallel ranks)",
         flag="--threads",
+        minimum=1,
     )
     attention_backend: str | None = setting(
         None,
@@ -241,6 +219,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(
                 f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}"
@@ -271,18 +250,11 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = setting(
-        1, "processes that split each layer's heads and MLP (gloo on the CPU); 1: no split"
+        1, "processes that split each layer's heads and MLP (gloo on the CPU); 1: no split", minimum=1
     )
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.tensor_parallel_size, bool)
-            or not isinstance(self.tensor_parallel_size, int)
-            or self.tensor_parallel_size < 1
-        ):
-            raise ValueError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
-            )
+        check_bounds(self)
 
 
 @dataclass(frozen=True)

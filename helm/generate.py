@@ -40,7 +40,13 @@ if str(ROOT) not in sys.path:  # `python helm/generate.py` from anywhere
 
 from controlplane.config import ControlPlaneConfig  # noqa: E402
 from dataplane.config import EngineConfig  # noqa: E402
-from pagedserve.common.settings import fields_with_types, flag_name, is_config, scalar_type  # noqa: E402
+from pagedserve.common.settings import (  # noqa: E402
+    fields_with_types,
+    flag_name,
+    is_config,
+    parse_bytes,
+    scalar_type,
+)
 
 CHART = ROOT / "helm" / "pagedserve"
 GENERATOR = "python -m helm.generate"
@@ -55,28 +61,9 @@ CHART_MANAGED: dict[str, str] = {
     "controlplane.model": "the control planes use `engine.model` (they tokenize for the data planes)",
 }
 
-# JSON-schema limits mirroring each dataclass's __post_init__ checks (tests/deploy checks that
-# a value just outside each limit is refused by the dataclass and one at the limit accepted).
+# The limits come from each setting's own bounds (`setting(minimum=...)`, checked by
+# `check_bounds` in the dataclass); a size given as text ("2GiB") is checked by its spelling.
 BYTES_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgG]([iI][bB])?)?\s*$"
-CONSTRAINTS: dict[str, dict[str, Any]] = {
-    "block_size": {"minimum": 1},
-    "kv_cache_memory": {"pattern": BYTES_PATTERN},
-    "gpu_memory_utilization": {"exclusiveMinimum": 0, "maximum": 1},
-    "num_gpu_blocks_override": {"minimum": 1},
-    "prefix_hash_seed": {"minLength": 1},
-    "max_num_seqs": {"minimum": 1},
-    "max_num_batched_tokens": {"minimum": 1},
-    "max_model_len": {"minimum": 1},
-    "num_threads": {"minimum": 1},
-    "max_queue_len": {"minimum": 0},
-    "queue_timeout_s": {"exclusiveMinimum": 0},
-    "decode_reserve_blocks": {"minimum": 0},
-    "dataplane_drain_timeout_s": {"minimum": 0},
-    "shutdown_grace_s": {"minimum": 0},
-    "prefix_weight": {"minimum": 0},
-    "usage_weight": {"minimum": 0},
-    "load_weight": {"minimum": 0},
-}
 
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
@@ -96,6 +83,8 @@ class Knob:
     help: str
     choices: tuple[Any, ...] | None
     repeat: bool  # a list given as one flag per item
+    bounds: dict[str, Any]  # the setting's JSON-schema bounds (minimum, exclusiveMaximum, ...)
+    bytes_text: bool  # a size given as text and parsed by the flag ("2GiB")
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -108,7 +97,10 @@ class Knob:
         out: dict[str, Any] = {"description": f"{self.help} ({self.flag})", **base}
         if self.choices:
             out["enum"] = [*self.choices, *([None] if self.optional else [])]
-        out.update(CONSTRAINTS.get(self.name, {}))
+        if self.bytes_text:  # its bounds hold for the parsed bytes: the text is checked by spelling
+            out["pattern"] = BYTES_PATTERN
+        else:
+            out.update(self.bounds)
         out["default"] = self.default
         return out
 
@@ -164,6 +156,8 @@ def knobs(cls: type, owner: str, section: str = "") -> list[Knob]:
                 help=str(f.metadata["help"]),
                 choices=tuple(f.metadata["choices"]) if f.metadata["choices"] else None,
                 repeat=bool(f.metadata["repeat"]),
+                bounds=dict(f.metadata.get("bounds") or {}),
+                bytes_text=f.metadata["parse"] is parse_bytes,
             )
         )
     return out

@@ -97,6 +97,11 @@ def setting(
     show: Callable[[Any], str] | None = None,
     repeat: bool = False,
     cli: bool = True,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: float | None = None,
+    exclusive_maximum: float | None = None,
+    min_length: int | None = None,
 ) -> Any:
     """A config field with its command-line face.
 
@@ -105,6 +110,17 @@ def setting(
     several values after one flag, or with `repeat` one per repeated flag. `cli` False keeps
     the field out of the command line (set by code only).
     """
+    bounds = {
+        key: value
+        for key, value in (
+            ("minimum", minimum),
+            ("maximum", maximum),
+            ("exclusiveMinimum", exclusive_minimum),
+            ("exclusiveMaximum", exclusive_maximum),
+            ("minLength", min_length),
+        )
+        if value is not None
+    }
     metadata = {
         "help": help,
         "flag": flag,
@@ -113,8 +129,57 @@ def setting(
         "show": show,
         "repeat": repeat,
         "cli": cli,
+        "bounds": bounds,  # JSON Schema's names: the chart's schema takes them as they are
     }
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def bounds_rule(bounds: dict[str, float]) -> str:
+    """A setting's bounds as a rule a person reads: ">= 1", "> 0", "in (0, 1]", "in [0, 1)",
+    "a string of at least 1 character"."""
+    if "minLength" in bounds:
+        n = int(bounds["minLength"])
+        return f"a string of at least {n} character{'s' if n != 1 else ''}"
+    low = ("[", bounds["minimum"]) if "minimum" in bounds else ("(", bounds.get("exclusiveMinimum"))
+    high = ("]", bounds["maximum"]) if "maximum" in bounds else (")", bounds.get("exclusiveMaximum"))
+    if low[1] is not None and high[1] is not None:
+        return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+    if low[1] is not None:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
+    if high[1] is not None:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
+    return ""
+
+
+def check_bounds(config: Any) -> None:
+    """The one check of every bounded setting of a config dataclass (its own fields; sections
+    check theirs): a value outside its bounds, or not a number, raises ValueError
+    "<name> must be <rule>, got <value>"."""
+    for f in dataclasses.fields(config):
+        bounds = f.metadata.get("bounds") if f.metadata else None
+        value = getattr(config, f.name)
+        if not bounds or value is None:
+            continue
+        if "minLength" in bounds:
+            if not isinstance(value, str) or len(value) < bounds["minLength"]:
+                raise ValueError(f"{f.name} must be {bounds_rule(bounds)}, got {value!r}")
+            continue
+        whole = "int" in str(f.type) and "float" not in str(f.type)  # an int setting takes no 1.5
+        number = (
+            isinstance(value, int if whole else int | float)
+            and not isinstance(value, bool)
+            and value == value
+        )
+        ok = number and (
+            value >= bounds.get("minimum", value)
+            and value <= bounds.get("maximum", value)
+            and ("exclusiveMinimum" not in bounds or value > bounds["exclusiveMinimum"])
+            and ("exclusiveMaximum" not in bounds or value < bounds["exclusiveMaximum"])
+            and value not in (float("inf"), float("-inf"))
+        )
+        if not ok:
+            what = "an integer " if whole else ""
+            raise ValueError(f"{f.name} must be {what}{bounds_rule(bounds)}, got {value!r}")
 
 
 def is_config(tp: Any) -> bool:
@@ -173,7 +238,10 @@ def add_arguments(
             default = f.metadata["show"](default)
         # Parsers use argparse.ArgumentDefaultsHelpFormatter: --help shows every default.
         flag = flag_name(f)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+        help_text = f.metadata["help"]
+        if f.metadata.get("bounds"):
+            help_text = f"{help_text} [{bounds_rule(f.metadata['bounds'])}]"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
         if value_type is not bool and not f.metadata["choices"]:
             kwargs["metavar"] = flag.removeprefix("--").replace("-", "_").upper()
         if value_type is bool:

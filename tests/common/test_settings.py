@@ -114,7 +114,7 @@ def test_help_shows_defaults() -> None:
     assert "--kv-cache-memory KV_CACHE_MEMORY" in text
     assert "(default: 2GiB)" in text
     assert "--max-num-seqs MAX_NUM_SEQS" in text
-    assert "most sequences in one batch (default: 64)" in text
+    assert "most sequences in one batch [>= 1] (default: 64)" in text
     assert "(default: the model's limit) (default" not in text
 
 
@@ -141,11 +141,11 @@ def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
     for area in ("pagedserve", "controlplane", "dataplane", "kernels", "clients", "protos", "benchmarks"):
         shutil.copytree(REPO / area, copy / area, ignore=shutil.ignore_patterns("__pycache__"))
     config_py = copy / "dataplane" / "config.py"
-    anchor = '    max_num_seqs: int = setting(64, "most sequences in one batch")\n'
+    anchor = '    max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)\n'
     text = config_py.read_text()
     assert anchor in text
     config_py.write_text(
-        text.replace(anchor, anchor + '    dummy_knob: int = setting(7, "a knob for this test")\n')
+        text.replace(anchor, anchor + '    dummy_knob: int = setting(7, "a knob for this test", minimum=1)\n')
     )
 
     env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
@@ -159,7 +159,7 @@ def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
         timeout=120,
     ).stdout
     assert "--dummy-knob DUMMY_KNOB" in help_text
-    assert "a knob for this test (default: 7)" in " ".join(help_text.split())
+    assert "a knob for this test [>= 1] (default: 7)" in " ".join(help_text.split())
 
     tiny = make_tiny_model("llama", tmp_path / "tiny")
     out = subprocess.run(
