@@ -193,6 +193,9 @@ class LLM:
         try:
             while pending:
                 result = self.engine.step()
+                if result.faulted:  # offline, a request's own fault is the caller's error
+                    engine_id, error = next(iter(result.faulted.items()))
+                    raise RuntimeError(f"request {engine_id} failed in a step: {error}")
                 for r in result.finished:
                     if r.request_id in pending:
                         pending.discard(r.request_id)

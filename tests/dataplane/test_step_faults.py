@@ -108,3 +108,19 @@ def test_one_request_steps_are_blamed_once_then_raised(llm: LLM, monkeypatch: py
     llm.engine.add_request(PROMPTS[1], GREEDY)
     with pytest.raises(RuntimeError, match="a kernel fault"):
         llm.engine.step()
+
+
+def test_offline_generate_raises_a_request_fault(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = model_runner.sample
+
+    def sample(logits: Any, params: list[SamplingParams], *args: Any) -> Any:
+        if any(p.seed == POISON_SEED for p in params):
+            raise ValueError("a sampler bug")
+        return real(logits, params, *args)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    poisoned = SamplingParams(max_tokens=4, temperature=0.0, seed=POISON_SEED)
+    with pytest.raises(RuntimeError, match="failed in a step: ValueError"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, poisoned], use_tqdm=False)
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    assert not llm.engine.has_unfinished_requests()
