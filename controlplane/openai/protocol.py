@@ -239,9 +239,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a text `prompt` or chat `messages` (exactly one)."""
+    """vLLM's /tokenize: a text `prompt` or chat `messages` (exactly one); with messages, the
+    `tools` and `tool_choice` of a chat request count as they would there."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # tools / tool_choice: read as chat requests read them
 
     model: str | None = None
     prompt: str | None = None

@@ -41,6 +41,7 @@ from controlplane.openai.render import (
     sampling_fields,
 )
 from controlplane.openai.streaming import first_event, sse_body, unless_disconnected
+from controlplane.openai.structured import NONE as NO_STRUCTURED
 from controlplane.openai.structured import Structured, structured_output
 from controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
 from controlplane.request import GenerationRequest
@@ -113,7 +114,10 @@ class OpenAIRoutes:
                     "add_special_tokens: not supported with messages", "add_special_tokens"
                 )
             messages = [m.template_message() for m in body.messages]
-            tokens = self.frontend.encode_chat(messages, "messages", bool(body.add_generation_prompt))
+            tools = tool_use_of(body.model_extra or {}, NO_STRUCTURED)
+            tokens = self.frontend.encode_chat(
+                messages, "messages", bool(body.add_generation_prompt), tool_use=tools
+            )
         else:
             if body.add_special_tokens:
                 raise invalid_argument(
@@ -358,7 +362,7 @@ class OpenAIRoutes:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         structured = self._check(body)
-        tool_use = tool_use_of(body, structured)
+        tool_use = tool_use_of(body.model_extra or {}, structured)
         forced = forced_constraint(tool_use)
         if forced is not None:
             constraint, where = forced

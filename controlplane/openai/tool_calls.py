@@ -10,11 +10,10 @@ was not cut short by `max_tokens` holds a call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from controlplane.errors import clip, invalid_argument
-from controlplane.openai.protocol import ChatCompletionRequest
 from controlplane.openai.structured import Structured
 from controlplane.tools.definitions import ToolUse, parse_openai_tools
 from controlplane.tools.output import CompletionParsers
@@ -84,11 +83,11 @@ def _merged(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
     return list(entries.values())
 
 
-def tool_use_of(body: ChatCompletionRequest, structured: Structured) -> ToolUse:
-    """The request's tools and tool_choice; a forced call with a structured output is refused
-    (both would constrain the same text)."""
+def tool_use_of(fields: Mapping[str, Any], structured: Structured) -> ToolUse:
+    """The tools and tool_choice a request body's top-level `fields` set; a forced call with a
+    structured output is refused (both would constrain the same text)."""
     try:
-        use = parse_openai_tools(body.model_extra or {})
+        use = parse_openai_tools(dict(fields))
     except InvalidField as exc:
         raise invalid_argument(f"{exc.field} {clip(exc.reason, 200)}", exc.field) from None
     if use.choice.forced and structured.constraint is not None:

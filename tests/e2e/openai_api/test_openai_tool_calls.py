@@ -272,7 +272,19 @@ def test_pydantic_tool_with_parse(client: openai.OpenAI) -> None:
     assert isinstance(parsed, Weather) and parsed.city
 
 
-def test_tools_reach_the_prompt_and_history_is_accepted(client: openai.OpenAI) -> None:
+def _tokenize_count(server: ServerThread, messages: Any, tools: Any) -> int:
+    """vLLM's /tokenize with tools: the ids a chat completion with those tools sees."""
+    import urllib.request
+
+    body = json.dumps({"model": DEFAULT_MODEL, "messages": messages, "tools": tools}).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/tokenize", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return int(json.loads(response.read())["count"])
+
+
+def test_tools_reach_the_prompt_and_history_is_accepted(client: openai.OpenAI, server: ServerThread) -> None:
     def prompt_tokens(**kwargs: Any) -> int:
         response = client.chat.completions.create(
             model=DEFAULT_MODEL, max_tokens=1, temperature=0.0, **kwargs
@@ -284,6 +296,7 @@ def test_tools_reach_the_prompt_and_history_is_accepted(client: openai.OpenAI) -
     with_tools = prompt_tokens(messages=ask("What is the weather in Paris?"), tools=TOOLS)
     hidden = prompt_tokens(messages=ask("What is the weather in Paris?"), tools=TOOLS, tool_choice="none")
     assert with_tools > plain + 100  # the tools' descriptions and schemas are in the prompt
+    assert _tokenize_count(server, ask("What is the weather in Paris?"), TOOLS) == with_tools
     assert hidden < with_tools
     history: Any = [
         {"role": "user", "content": "What is the weather in Paris?"},
