@@ -12,11 +12,11 @@ from clients.python.client import (
     AsyncGenerationClient,
     Completion,
     GenerationClient,
-    JsonSchema,
-    SchemaModel,
     StreamChunk,
     build_request,
 )
+from clients.python.constraints import JsonSchema, SchemaModel
+from clients.python.tools import ToolCall
 
 __all__ = [
     "AsyncGenerationClient",
@@ -25,5 +25,6 @@ __all__ = [
     "JsonSchema",
     "SchemaModel",
     "StreamChunk",
+    "ToolCall",
     "build_request",
 ]

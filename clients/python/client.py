@@ -32,96 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
+from clients.python.constraints import JsonSchema, set_constraint
+from clients.python.tools import ToolCall, ToolSpec, chat_message, tool_choice_message, tool_message
 from pagedserve.common.protocol import FINISH_REASON_NAMES
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 T = TypeVar("T")
-
-
-class SchemaModel(Protocol):
-    """A class with pydantic's (v2) `model_json_schema()`: any `pydantic.BaseModel` subclass."""
-
-    @classmethod
-    def model_json_schema(cls) -> dict[str, Any]: ...
-
-
-JsonSchema = str | Mapping[str, Any] | type[SchemaModel]
-"""A JSON Schema: its JSON text, the parsed document, or a pydantic model class."""
-
-CONSTRAINT_ARGUMENTS = ("json_schema", "json_object", "regex", "choice", "grammar")
-"""The keyword arguments that constrain the output, named as the wire's `SamplingParams` oneof."""
-
-
-def json_schema_text(schema: JsonSchema) -> str:
-    """A JSON schema as the JSON text the wire carries: a string is sent as it is (the server
-    checks it), a mapping is dumped, a pydantic model class gives its `model_json_schema()`.
-    Raises TypeError for anything else (and json.dumps' errors for a mapping that is not JSON data)."""
-    if isinstance(schema, str):
-        return schema
-    if isinstance(schema, type):
-        method = getattr(schema, "model_json_schema", None)
-        if method is None:
-            raise TypeError(
-                f"json_schema: the class {schema.__name__} has no model_json_schema() (a pydantic model has)"
-            )
-        schema = method()
-    if not isinstance(schema, Mapping):
-        raise TypeError(
-            "json_schema must be a dict, its JSON text or a pydantic model class, "
-            f"got {type(schema).__name__}"
-        )
-    return json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def set_constraint(
-    params: common_pb2.SamplingParams,
-    *,
-    json_schema: JsonSchema | None = None,
-    json_object: bool = False,
-    regex: str | None = None,
-    choice: Sequence[str] | None = None,
-    grammar: str | None = None,
-) -> None:
-    """Set the `constraint` oneof of `params` from at most one of the arguments (None, and
-    `json_object=False`, mean "not given"); two or more raise ValueError naming them. The
-    server validates the values (sizes, a compilable schema) and names the field when it refuses
-    one ("sampling_params.json_schema ...")."""
-    given = {
-        "json_schema": json_schema is not None,
-        "json_object": bool(json_object),
-        "regex": regex is not None,
-        "choice": choice is not None,
-        "grammar": grammar is not None,
-    }
-    names = [name for name in CONSTRAINT_ARGUMENTS if given[name]]
-    if len(names) > 1:
-        listed = ", ".join(names[:-1]) + " and " + names[-1]
-        raise ValueError(f"{listed} given: at most one constraint per request")
-    if json_schema is not None:
-        params.json_schema = json_schema_text(json_schema)
-    elif json_object:
-        params.json_object = True
-    elif regex is not None:
-        params.regex = regex
-    elif choice is not None:
-        if isinstance(choice, str):
-            raise TypeError("choice must be a sequence of strings, got one string")
-        params.choice.choices.extend(choice)
-        if not choice:  # an empty list still selects the kind (the server refuses it, naming it)
-            params.choice.SetInParent()
-    elif grammar is not None:
-        params.grammar = grammar
 
 
 @dataclass(frozen=True)
@@ -201,15 +127,6 @@ class StreamChunk:
     text: str
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One tool call of a completion (OpenAI's `tool_calls[i]`): `arguments` is JSON text."""
-
-    id: str
-    name: str
-    arguments: str
-
-
 @dataclass
 class Completion:
     """A finished completion (the last streamed item for its index)."""
@@ -228,64 +145,6 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str = ""  # with tools: the text outside the calls
-
-
-ToolSpec = Mapping[str, Any]
-"""A tool: OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`,
-or the function part alone; `parameters` a JSON Schema dict, its text or a pydantic model."""
-_TOOL_MODES = {
-    "none": generation_pb2.ToolChoice.MODE_NONE,
-    "auto": generation_pb2.ToolChoice.MODE_AUTO,
-    "required": generation_pb2.ToolChoice.MODE_REQUIRED,
-}
-
-
-def tool_message(tool: ToolSpec) -> generation_pb2.Tool:
-    function = tool.get("function", tool)
-    if not isinstance(function, Mapping) or "name" not in function:
-        raise ValueError("tools: each tool needs a name (OpenAI's {'type': 'function', 'function': {...}})")
-    parameters = function.get("parameters")
-    return generation_pb2.Tool(
-        name=function["name"],
-        description=function.get("description") or "",
-        parameters="" if parameters is None else json_schema_text(parameters),
-    )
-
-
-def tool_choice_message(choice: str | Mapping[str, Any]) -> generation_pb2.ToolChoice:
-    """ "none", "auto", "required", or a function: {"name": ...} or OpenAI's
-    {"type": "function", "function": {"name": ...}}."""
-    if isinstance(choice, str):
-        if choice not in _TOOL_MODES:
-            raise ValueError(f"tool_choice must be none, auto, required or {{'name': ...}}, got {choice!r}")
-        return generation_pb2.ToolChoice(mode=_TOOL_MODES[choice])
-    function = choice.get("function", choice)
-    name = function.get("name") if isinstance(function, Mapping) else None
-    if not isinstance(name, str):
-        raise ValueError("tool_choice: a function choice needs its name")
-    return generation_pb2.ToolChoice(mode=generation_pb2.ToolChoice.MODE_FUNCTION, function_name=name)
-
-
-def chat_message(message: Mapping[str, Any]) -> generation_pb2.ChatMessage:
-    """A chat message (OpenAI's shape: an assistant's `tool_calls`, a tool's `tool_call_id`;
-    a ToolCall of an earlier Completion is accepted as a call too)."""
-    out = generation_pb2.ChatMessage(
-        role=message["role"],
-        content=message.get("content") or "",
-        tool_call_id=message.get("tool_call_id") or "",
-    )
-    for call in message.get("tool_calls") or ():
-        if isinstance(call, ToolCall):
-            out.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
-            continue
-        function = call.get("function", call)
-        arguments = function.get("arguments", "")
-        out.tool_calls.add(
-            id=call.get("id") or "",
-            name=function["name"],
-            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
-        )
-    return out
 
 
 def build_request(

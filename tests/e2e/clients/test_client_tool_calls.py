@@ -21,7 +21,7 @@ import pydantic
 import pytest
 
 from clients.python import AsyncGenerationClient, GenerationClient, build_request
-from clients.python.client import ToolCall
+from clients.python.tools import ToolCall
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from protos.pagedserve.v1 import generation_pb2
 from tests.e2e.harness import ServerThread, engine_config
