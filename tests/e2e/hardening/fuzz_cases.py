@@ -216,8 +216,6 @@ def _sampling_fields(chat: bool) -> dict[str, st.SearchStrategy[Any]]:
 
 MODEL_PLACEHOLDER = "<served model>"  # replaced by the served model's name when sent
 UNSUPPORTED_PARAMS = (
-    "tools",
-    "tool_choice",
     "functions",
     "guided_whitespace_pattern",
     "structural_tag",

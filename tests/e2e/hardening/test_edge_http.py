@@ -264,14 +264,30 @@ def test_top_p_1e_minus_9_is_not_rounded_to_0_and_refused(http: Http) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ],
 )
 def test_unsupported_parameters_are_400_naming_them(http: Http, extra: dict[str, Any], param: str) -> None:
     error = error_of(chat(http, **extra), 400, param)
     assert error["message"].startswith(f"{param}: not supported by this server")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tool_choice": "auto"}, "tool_choice"),  # auto with no tools declared
+        ({"tool_choice": True}, "tool_choice"),
+    ],
+)
+def test_bad_tools_are_400_naming_the_field(http: Http, extra: dict[str, Any], param: str) -> None:
+    error = error_of(chat(http, **extra), 400, param)
+    assert error["message"].startswith(param)
 
 
 def test_n_above_the_maximum_is_400_before_any_work(http: Http) -> None:
