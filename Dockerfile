@@ -53,11 +53,11 @@ RUN case "${VARIANT}" in \
     esac \
     && pip install ".[${extras}]" \
     && pagedserve --version
-# The C++ CPU kernels are compiled on first use from their sources (kernels/cpu_ext.py): make
-# sure the installed package carries them.
-RUN site="$(python -c 'import kernels, os; print(os.path.dirname(kernels.__file__))')" \
-    && mkdir -p "${site}/cpu" \
-    && cp -n kernels/cpu/*.cpp "${site}/cpu/"
+# The C++ CPU kernels are compiled on first use from their sources (kernels/cpu_ext.py): the
+# package data carries them; fail the build here if a source or header is missing.
+RUN python -c 'import pathlib, pagedserve.kernels as k; cpu = pathlib.Path(k.__file__).parent / "cpu"; \
+    missing = [p.name for p in pathlib.Path("kernels/cpu").iterdir() if not (cpu / p.name).exists()]; \
+    assert not missing, missing'
 
 # ---- runtime ----------------------------------------------------------------------------------------
 FROM base AS runtime

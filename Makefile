@@ -39,7 +39,7 @@ chat: pull
 # Regenerate every client's gRPC code from protos/*.proto: Python (with typed stubs), Go and Java
 # (Go and Java need Debian's protoc and plugins, see docs/api.md; `--lang python` for Python only).
 protos: install
-	$(BIN)/python -m protos.generate
+	$(BIN)/python -m pagedserve.protos.generate
 
 # Regenerate the Helm chart's settings (values, schema, flag templates, docs tables) from the config dataclasses.
 chart: install
@@ -57,8 +57,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/buf lint protos
-	$(BIN)/python -m protos.breaking
-	$(BIN)/python -m protos.generate --check
+	$(BIN)/python -m pagedserve.protos.breaking
+	$(BIN)/python -m pagedserve.protos.generate --check
 	$(BIN)/python -m helm.generate --check
 	$(BIN)/hadolint Dockerfile
 

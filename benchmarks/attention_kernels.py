@@ -1,6 +1,6 @@
 """Decode paged-attention bandwidth: Triton on CUDA (16-bit vs FP8 cache), torch/C++ on the CPU.
 
-    .venv/bin/python -m benchmarks.attention_kernels [--json PATH]
+    .venv/bin/python -m pagedserve.benchmarks.attention_kernels [--json PATH]
 
 One decode step of one layer: `--seqs` sequences of `--context` tokens each, one query
 token per sequence, heads `--heads` / `--kv-heads`, `--head-dim`, `--block-size`, blocks
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from kernels import build_attention_metadata, paged_attention
-from kernels.backend import AttentionImpl
-from kernels.fp8 import quantize_fp8
 from pagedserve.common.settings import ArgumentParser
+from pagedserve.kernels import build_attention_metadata, paged_attention
+from pagedserve.kernels.backend import AttentionImpl
+from pagedserve.kernels.fp8 import quantize_fp8
 
 # Datasheet HBM/GDDR bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBPS = {
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fp8_speedup = by_name[f"triton {args.dtype} cache"]["ms"] / by_name["triton fp8_e4m3 cache"]["ms"]
     splits = None
     if cuda:
-        from kernels.triton_ops.attention import choose_num_splits
+        from pagedserve.kernels.triton_ops.attention import choose_num_splits
 
         splits = choose_num_splits(seqs, kvh, context, device)
     return {

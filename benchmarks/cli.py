@@ -17,43 +17,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS_ROOT, Report, default_out_dir
+from pagedserve.benchmarks.report import RESULTS_ROOT, Report, default_out_dir
 from pagedserve.common.settings import ArgumentParser
 
 # name -> (module, one-line help). Help text must not need the module imported.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "throughput": (
-        "benchmarks.throughput",
+        "pagedserve.benchmarks.throughput",
         "offline tokens/s: our engine vs transformers (static batching and generate_batch), optionally vLLM",
     ),
     "memory": (
-        "benchmarks.memory",
+        "pagedserve.benchmarks.memory",
         "KV utilization and fragmentation: contiguous pre-allocation vs our paged pool, on real lengths",
     ),
     "plan": (
-        "benchmarks.plan",
+        "pagedserve.benchmarks.plan",
         "the KV memory budget (GPU x utilization - weights - activations) for a model and a GPU",
     ),
     "prefix-caching": (
-        "benchmarks.prefix_caching",
+        "pagedserve.benchmarks.prefix_caching",
         "multi-turn customer-service chats with prefix caching on vs off (TTFT, throughput)",
     ),
     "pressure": (
-        "benchmarks.pressure",
+        "pagedserve.benchmarks.pressure",
         "a saturated replay on a small KV pool: preemption by recompute vs swap vs auto (recomputed tokens, TTFT)",
     ),
-    "trace": ("benchmarks.traces", "record a workload's real prompt/output lengths (for `memory`)"),
+    "trace": (
+        "pagedserve.benchmarks.traces",
+        "record a workload's real prompt/output lengths (for `memory`)",
+    ),
     "serve": (
-        "benchmarks.serve",
+        "pagedserve.benchmarks.serve",
         "online load on a running server (gRPC or OpenAI HTTP), or --launch / --peer vllm to start "
         "pagedserve serve (then vLLM's server) itself: throughput, TTFT/TPOT/ITL percentiles, goodput",
     ),
     "grpc-overhead": (
-        "benchmarks.grpc_overhead",
+        "pagedserve.benchmarks.grpc_overhead",
         "the offline workload through `pagedserve serve` vs the offline engine: tok/s ratio, added latency",
     ),
     "step-profile": (
-        "benchmarks.step_profile",
+        "pagedserve.benchmarks.step_profile",
         "one decode and one prefill step profiled by op class, fused vs transformers' layers, plus an A/B",
     ),
 }
@@ -63,15 +66,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # `module.main(ARGS)` (they print their tables and write JSON with --json).
 SCRIPTS: dict[str, tuple[str, str]] = {
     "fp8-quality": (
-        "benchmarks.fp8_quality",
+        "pagedserve.benchmarks.fp8_quality",
         "KV cache quality (bf16, FP8): KV bytes, blocks, perplexity and greedy agreement per kv_cache_dtype",
     ),
     "structured": (
-        "benchmarks.structured",
+        "pagedserve.benchmarks.structured",
         "structured outputs: constrained vs unconstrained tok/s on the same prompts, compile p50/p99, mask share",
     ),
     "attention-kernels": (
-        "benchmarks.attention_kernels",
+        "pagedserve.benchmarks.attention_kernels",
         "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",
     ),
 }
@@ -130,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.cli memory ...` = `pagedserve bench memory ...`."""
+    """`python -m pagedserve.benchmarks.cli memory ...` = `pagedserve bench memory ...`."""
     parser = ArgumentParser(prog="pagedserve")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -15,7 +15,7 @@ def default_model() -> str:
     return DEFAULT_MODEL
 
 
-# Engine settings a benchmark may take as they are (declared from dataplane.config with
+# Engine settings a benchmark may take as they are (declared from pagedserve.dataplane.config with
 # settings.add_arguments(..., only=KERNEL_SETTINGS)): the kernels and the dtypes they read.
 KERNEL_SETTINGS = frozenset({"cpu_linear", "cpu_weight_dtype", "kv_cache_dtype"})
 
@@ -23,7 +23,7 @@ KERNEL_SETTINGS = frozenset({"cpu_linear", "cpu_weight_dtype", "kv_cache_dtype"}
 def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
     KV pool bytes, threads; the KERNEL_SETTINGS the benchmark has, else the engine's defaults)."""
-    from dataplane import LLM
+    from pagedserve.dataplane import LLM
 
     kernel_flags = {name: getattr(args, name) for name in sorted(KERNEL_SETTINGS) if hasattr(args, name)}
 
@@ -42,7 +42,7 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
 
 def cpu_line() -> str:
     """One line naming the CPU, the flags that matter and the kernel build in use."""
-    from kernels.cpu_ext import cpu_report
+    from pagedserve.kernels.cpu_ext import cpu_report
 
     cpu = cpu_report()
     return (
@@ -63,7 +63,7 @@ def kernel_selection(engine: Any) -> list[dict[str, Any]]:
 
 def selection_table(selection: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Rows of the kernel-selection table: both times per row count, and the choice."""
-    from dataplane.runner.linear_selection import ROW_BANDS
+    from pagedserve.dataplane.runner.linear_selection import ROW_BANDS
 
     header = ["shape (in x out)", *(f"{r} rows panel / oneDNN ms" for r in ROW_BANDS), "chosen"]
     rows = []

@@ -1,6 +1,6 @@
 """KV cache quality (bf16 and FP8 against the model's dtype): memory, greedy agreement with the 16/32-bit cache, and perplexity.
 
-    .venv/bin/python -m benchmarks.fp8_quality --json benchmarks/results/fp8_quality.json
+    .venv/bin/python -m pagedserve.benchmarks.fp8_quality --json benchmarks/results/fp8_quality.json
 
 Not a timing benchmark: the figures do not depend on machine load. For each
 `--kv-cache-dtype` (auto, bfloat16, fp8_e4m3, fp8_e5m2), one engine on the default model (fp32
@@ -11,7 +11,7 @@ weights, per-layer K/V scales calibrated at start-up as the server does):
    fed as one sequence in `--chunk`-token prefill chunks through the paged cache: every
    chunk attends to the quantized K/V of all earlier tokens and its own, exactly as in
    serving (the cache is written before attention reads it).
-3. Greedy decoding of `--num-prompts` chat prompts (benchmarks.workloads.chat_prompts,
+3. Greedy decoding of `--num-prompts` chat prompts (pagedserve.benchmarks.workloads.chat_prompts,
    20-300 tokens) for `--max-tokens` tokens each, `ignore_eos`. Agreement with `auto`:
    token agreement = tokens equal to auto's up to each prompt's first divergence, over all
    tokens (after a divergence the continuations are different texts, not errors); also the
@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import default_model, phase
-from benchmarks.workloads import PASSAGES_FILE, chat_prompts
-from dataplane import LLM, SamplingParams
-from dataplane.runner.attention_hook import PagedStep
-from dataplane.runner.model_loader import load_tokenizer
-from kernels import build_attention_metadata
+from pagedserve.benchmarks.common import default_model, phase
+from pagedserve.benchmarks.workloads import PASSAGES_FILE, chat_prompts
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.settings import ArgumentParser, parse_bytes
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.dataplane.runner.model_loader import load_tokenizer
+from pagedserve.kernels import build_attention_metadata
 
 KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 

@@ -59,19 +59,19 @@ WHEELS_FOR_MODULE = {
     "tqdm": ("tqdm",),
 }
 REQUIRED_MODULES = ("torch", "triton", "transformers", "safetensors", "numpy", *WHEELS_FOR_MODULE)
-# Our modules the steps import (the exactness step reuses the engine tests' model and prompts).
+# Our modules the steps import (the exactness step uses the engine tests' tiny model and prompts).
 CHECKED_IMPORTS = (
-    "dataplane",
-    "kernels",
-    "benchmarks.attention_kernels",
-    "benchmarks.peers",
-    "benchmarks.workloads",
-    "tests.tiny_models",
-    "tests.dataplane.test_engine_exactness",
+    "pagedserve.dataplane",
+    "pagedserve.kernels",
+    "pagedserve.benchmarks.attention_kernels",
+    "pagedserve.benchmarks.peers",
+    "pagedserve.benchmarks.workloads",
+    "pagedserve.benchmarks.tiny_models",
 )
 # Greedy divergences accepted as numerical ties: the reference's top-2 margin, relative to its top
-# logit. fp32 as the CPU exactness tests (tests/tiny_models.py); bf16 keeps 8 mantissa bits, so two implementations that round
-# intermediate results at different places differ by a few bf16 ulps (2^-8 relative each).
+# logit. fp32 as the CPU exactness tests (benchmarks/tiny_models.py); bf16 keeps 8 mantissa
+# bits, so two implementations that round intermediate results at different places differ by a
+# few bf16 ulps (2^-8 relative each).
 TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 # Of the 32 prompts, how many may end in a tie: 2 in fp32 (as tests/dataplane/test_engine_exactness.py),
 # a quarter in bf16, whose coarse logits tie far more often.
@@ -147,7 +147,7 @@ def plan(args: argparse.Namespace, out: Path) -> list[Step]:
     pytest_argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'kernels.xml'}"]
     if importlib.util.find_spec("xdist") is not None:
         pytest_argv += ["-n", "4"]  # Triton compiles kernels one at a time per process
-    me = [py, "-m", "benchmarks.gpu_check"]
+    me = [py, "-m", "pagedserve.benchmarks.gpu_check"]
     throughput_args = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in THROUGHPUT_SETTINGS]
     steps = [
         Step(
@@ -168,7 +168,7 @@ def plan(args: argparse.Namespace, out: Path) -> list[Step]:
             "decode attention GB/s, 32 seqs x 4k, 16-bit and FP8 KV",
             40,
             (
-                *(py, "-m", "benchmarks.attention_kernels", "--device", "cuda"),
+                *(py, "-m", "pagedserve.benchmarks.attention_kernels", "--device", "cuda"),
                 *("--seqs", "32", "--context", "4096", "--json", str(out / "attention.json")),
             ),
         ),
@@ -193,7 +193,7 @@ def wheels_needed(missing: Sequence[str]) -> list[str]:
 
 def dry_run(steps: Sequence[Step]) -> list[str]:
     """Print the plan; return the problems found (none: the real run can start)."""
-    from benchmarks.report import format_table
+    from pagedserve.benchmarks.report import format_table
 
     rows = [[s.name, s.what, f"{s.limit_s} s", " ".join(s.argv[1:])] for s in steps]
     print(format_table(["step", "what", "limit", "command (after python)"], rows))
@@ -228,11 +228,11 @@ def check_step_arguments(step: Step) -> list[str]:
     argv = list(step.argv)
     try:
         if step.name == "attention":
-            from benchmarks import attention_kernels
+            from pagedserve.benchmarks import attention_kernels
 
-            attention_kernels.parse_args(argv[argv.index("benchmarks.attention_kernels") + 1 :])
+            attention_kernels.parse_args(argv[argv.index("pagedserve.benchmarks.attention_kernels") + 1 :])
         elif step.name in ("exactness", "throughput"):
-            parse_args(argv[argv.index("benchmarks.gpu_check") + 1 :])
+            parse_args(argv[argv.index("pagedserve.benchmarks.gpu_check") + 1 :])
         else:
             tests = [a for a in argv if a.startswith("tests/")]
             absent = [t for t in tests if not (ROOT / t).exists()]
@@ -342,7 +342,7 @@ def summary_line(name: str, data: dict[str, Any]) -> str:
 def run_all(args: argparse.Namespace, steps: Sequence[Step], out: Path) -> int:
     import torch
 
-    from benchmarks.report import Report
+    from pagedserve.benchmarks.report import Report
 
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; use --dry-run to check the plan here", file=sys.stderr)
@@ -415,15 +415,14 @@ def compare_greedy(ours: Sequence[int], ref_tokens: Sequence[int], ref_logits: A
 
 def run_exactness(device: str) -> dict[str, Any]:
     """Each EXACTNESS_CASES engine against transformers' greedy tokens, per dtype, on the 32
-    prompts of tests/dataplane/test_engine_exactness.py and its tiny random Llama."""
+    prompts of the exactness workload (benchmarks/tiny_models.py) and its tiny random Llama."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dataplane import LLM, SamplingParams
-    from tests.dataplane.test_engine_exactness import workload
-    from tests.tiny_models import make_tiny_model
+    from pagedserve.benchmarks.tiny_models import exactness_workload, make_tiny_model
+    from pagedserve.dataplane import LLM, SamplingParams
 
-    items = workload()
+    items = exactness_workload()
     prompts, lengths = [p for p, _ in items], [n for _, n in items]
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -498,9 +497,9 @@ def run_throughput(args: argparse.Namespace, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.peers import agreement, check_lengths, run_transformers_static
-    from benchmarks.workloads import describe, output_lengths
-    from dataplane import LLM, SamplingParams
+    from pagedserve.benchmarks.peers import agreement, check_lengths, run_transformers_static
+    from pagedserve.benchmarks.workloads import describe, output_lengths
+    from pagedserve.dataplane import LLM, SamplingParams
 
     config = llama_1b_config()
     prompts = random_prompts(args.num_prompts, args.min_prompt, args.max_prompt, config.vocab_size, args.seed)
@@ -604,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.step_json.write_text(json.dumps(result, indent=1) + "\n")
         print(summary_line(args.step, result))
         return 0 if args.step != "exactness" or exactness_ok(result) else 1
-    from benchmarks.report import default_out_dir
+    from pagedserve.benchmarks.report import default_out_dir
 
     out = (args.out or default_out_dir("gpu_check")).resolve()
     steps = plan(args, out)

@@ -6,7 +6,7 @@
 #   benchmarks/gpu_check.sh [--wheels DIR] [--python PY] [--dry-run] [--out DIR] [--only STEP...]
 #
 # The machine brings its own torch, triton and transformers and needs no network: pure-Python
-# packages it lacks (structlog, pytest, ...: `python -m benchmarks.gpu_check --missing-packages`
+# packages it lacks (structlog, pytest, ...: `python -m pagedserve.benchmarks.gpu_check --missing-packages`
 # lists them) are installed from the wheels in DIR (default: .whl in the repository root, or
 # $PAGEDSERVE_WHEELS) into a temporary folder, never into the machine's own environment.
 # --dry-run runs nothing on a GPU: it prints the plan and checks imports and arguments.
@@ -26,7 +26,7 @@ done
 
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-read -r -a missing <<<"$("$python" -m benchmarks.gpu_check --missing-packages)"
+read -r -a missing <<<"$("$python" -m pagedserve.benchmarks.gpu_check --missing-packages)"
 if ((${#missing[@]})); then
     if [[ -d $wheels ]]; then
         site="$(mktemp -d "${TMPDIR:-/tmp}/pagedserve-gpu-check-site.XXXXXX")"
@@ -40,4 +40,4 @@ if ((${#missing[@]})); then
         [[ " ${args[*]} " == *" --dry-run "* ]] || exit 2
     fi
 fi
-exec "$python" -m benchmarks.gpu_check "${args[@]}"
+exec "$python" -m pagedserve.benchmarks.gpu_check "${args[@]}"

@@ -2,13 +2,13 @@
 
 Reproduce (run it ALONE on the machine; see benchmarks/README.md):
 
-    pagedserve bench grpc-overhead          # = python -m benchmarks.grpc_overhead
+    pagedserve bench grpc-overhead          # = python -m pagedserve.benchmarks.grpc_overhead
 
 Quick plumbing check (numbers meaningless):
 
     pagedserve bench grpc-overhead --num-prompts 4 --min-output 4 --max-output 8
 
-Both phases run the same workload (`benchmarks.workloads`: 64 chat prompts of 20-300 tokens,
+Both phases run the same workload (`pagedserve.benchmarks.workloads`: 64 chat prompts of 20-300 tokens,
 output lengths 16-256, greedy, ignore_eos), one after the other in this run:
 
 1. Offline: `LLMEngine` in this process — `add_request` for every prompt, then `step()` until
@@ -42,9 +42,9 @@ if __package__ in (None, ""):
 
 import itertools
 
-from benchmarks.common import default_model, load_note, phase, warn_if_busy
-from benchmarks.report import Report
-from benchmarks.workloads import chat_prompts, describe, output_lengths
+from pagedserve.benchmarks.common import default_model, load_note, phase, warn_if_busy
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.workloads import chat_prompts, describe, output_lengths
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.settings import parse_bytes
 
@@ -64,9 +64,9 @@ def gaps(times: dict[str, list[float]]) -> list[float]:
 
 
 def run_offline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
-    from dataplane import SamplingParams
-    from dataplane.config import engine_config
-    from dataplane.engine.llm_engine import LLMEngine
+    from pagedserve.dataplane import SamplingParams
+    from pagedserve.dataplane.config import engine_config
+    from pagedserve.dataplane.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         engine_config(
@@ -127,7 +127,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
 
 
 async def _serve_phase(address: str, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
-    from clients.python import AsyncGenerationClient, StreamChunk
+    from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
 
     async with AsyncGenerationClient(address) as client:
         await client.generate(prompts[0][:16], max_tokens=4, temperature=0.0, ignore_eos=True)  # warm-up
@@ -240,6 +240,6 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import main
+    from pagedserve.benchmarks.cli import main
 
     sys.exit(main(["grpc-overhead", *sys.argv[1:]]))

@@ -53,12 +53,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.report import Report, fmt_pct
-from benchmarks.traces import WORKLOADS, LengthTrace, load_trace
-from dataplane.kvcache import BlockPool, KVCacheManager
-from dataplane.kvcache.budget import KV_DTYPE_BYTES, KVCacheShape, plan_kv_cache
-from dataplane.scheduler import Request, Scheduler
+from pagedserve.benchmarks.report import Report, fmt_pct
+from pagedserve.benchmarks.traces import WORKLOADS, LengthTrace, load_trace
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
+from pagedserve.dataplane.kvcache.budget import KV_DTYPE_BYTES, KVCacheShape, plan_kv_cache
+from pagedserve.dataplane.scheduler import Request, Scheduler
 
 # The default model's KV per token (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64).
 DEFAULT_SHAPE = KVCacheShape(num_layers=30, num_kv_heads=3, head_dim=64, bytes_per_element=4)

@@ -1,4 +1,4 @@
-"""Kept for old commands: `python -m benchmarks.offline_throughput` = `pagedserve bench throughput`.
+"""Kept for old commands: `python -m pagedserve.benchmarks.offline_throughput` = `pagedserve bench throughput`.
 
 With `--tensor-parallel-size N` it measures tensor parallelism instead: one chat workload on
 our engine with N ranks (`--threads`/N torch threads each) and, in the same run, its peers with
@@ -9,8 +9,8 @@ and, for N ranks, the communication share of step time (rank 0's seconds in its 
 plan broadcasts over the summed step times; an all-reduce also waits for the slower rank, so the
 share includes that imbalance).
 
-    python -m benchmarks.offline_throughput --tensor-parallel-size 3            # SmolLM2: 9/3 heads
-    python -m benchmarks.offline_throughput --tensor-parallel-size 2 --model DIR  # heads divisible by 2
+    python -m pagedserve.benchmarks.offline_throughput --tensor-parallel-size 3            # SmolLM2: 9/3 heads
+    python -m pagedserve.benchmarks.offline_throughput --tensor-parallel-size 2 --model DIR  # heads divisible by 2
 
 On an idle 2-core CPU expect no speed-up: the ranks split the same two cores and add a
 collective per row-parallel layer (2 per decoder layer) to every step.
@@ -29,8 +29,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, load_note, warn_if_busy
-from benchmarks.throughput import main
+from pagedserve.benchmarks.common import default_model, load_note, warn_if_busy
+from pagedserve.benchmarks.throughput import main
 from pagedserve.common.settings import parse_bytes
 
 
@@ -53,7 +53,9 @@ class TensorParallelRun:
 
 
 def parse_tensor_parallel_args(argv: Sequence[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.offline_throughput --tensor-parallel-size N")
+    ap = argparse.ArgumentParser(
+        prog="python -m pagedserve.benchmarks.offline_throughput --tensor-parallel-size N"
+    )
     ap.add_argument("--tensor-parallel-size", type=int, required=True, help="ranks of the measured run")
     ap.add_argument("--model", default=default_model(), help="store name or local HF folder")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -82,7 +84,7 @@ def run_tensor_parallel(
     lengths: list[int],
 ) -> tuple[TensorParallelRun, list[list[int]]]:
     """Warm up, then drive the engine step by step on the workload; comm seconds from rank 0."""
-    from dataplane import LLM, SamplingParams
+    from pagedserve.dataplane import LLM, SamplingParams
 
     llm = LLM(
         model,
@@ -121,7 +123,7 @@ def run_tensor_parallel(
 def tensor_parallel_main(argv: Sequence[str]) -> int:
     from transformers import AutoTokenizer
 
-    from benchmarks.workloads import chat_prompts, describe, output_lengths
+    from pagedserve.benchmarks.workloads import chat_prompts, describe, output_lengths
     from pagedserve.common.models import resolve_model_path
 
     args = parse_tensor_parallel_args(argv)

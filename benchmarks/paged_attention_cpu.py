@@ -34,11 +34,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
-from kernels.backend import AttentionImpl
-from kernels.cpu_ext import load_cpu_kernels
-from kernels.fp8 import FP8_DTYPES, fp8_max, quantize_fp8
-from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
+from pagedserve.kernels import AttentionMetadata, build_attention_metadata, paged_attention, write_kv_cache
+from pagedserve.kernels.backend import AttentionImpl
+from pagedserve.kernels.cpu_ext import load_cpu_kernels
+from pagedserve.kernels.fp8 import FP8_DTYPES, fp8_max, quantize_fp8
+from pagedserve.kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import Report
-from dataplane.kvcache import cdiv
-from dataplane.kvcache.budget import (
+from pagedserve.benchmarks.report import Report
+from pagedserve.dataplane.kvcache import cdiv
+from pagedserve.dataplane.kvcache.budget import (
     KV_DTYPE_BYTES,
     KVCacheShape,
     kv_memory_on_gpu,

@@ -3,7 +3,7 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
-    pagedserve bench prefix-caching                   # = python -m benchmarks.prefix_caching
+    pagedserve bench prefix-caching                   # = python -m pagedserve.benchmarks.prefix_caching
 
 Quick plumbing check (a minute or less, numbers meaningless):
 
@@ -11,7 +11,7 @@ Quick plumbing check (a minute or less, numbers meaningless):
 
 What it does, in one process and strictly one phase after another:
 
-1. Workload (`benchmarks.workloads.customer_service_dialogues`): `--conversations` chats
+1. Workload (`pagedserve.benchmarks.workloads.customer_service_dialogues`): `--conversations` chats
    (default 32, 127 turns in all) that all share one ~620-token system prompt (an online
    shop's assistant: tone, catalogue, shipping/refund/account policies), 3-5 customer turns
    each. Turn k's prompt is the model's chat template over [system, user 1, assistant 1, ...,
@@ -64,9 +64,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, engine_from_args, load_note, phase, warn_if_busy
-from benchmarks.report import Report
-from benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
+from pagedserve.benchmarks.common import default_model, engine_from_args, load_note, phase, warn_if_busy
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.workloads import Dialogue, chat_prompts, customer_service_dialogues
 from pagedserve.common.settings import parse_bytes
 
 # A common claim for prefix caching with a shared system prompt: TTFT -60% and >= 3x throughput
@@ -161,7 +161,7 @@ def _reply_end(output: Sequence[int], stop_ids: set[int]) -> int:
 def run_dialogues(
     args: argparse.Namespace, model: str, dialogues: list[Dialogue], caching: bool
 ) -> DialogueRun:
-    from dataplane import SamplingParams
+    from pagedserve.dataplane import SamplingParams
 
     t = time.perf_counter()
     llm = engine_from_args(args, model, enable_prefix_caching=caching)
@@ -645,8 +645,8 @@ def _plot(report: Report, rep: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m benchmarks.prefix_caching ...` = `pagedserve bench prefix-caching ...`."""
-    from benchmarks.cli import main as bench_main
+    """`python -m pagedserve.benchmarks.prefix_caching ...` = `pagedserve bench prefix-caching ...`."""
+    from pagedserve.benchmarks.cli import main as bench_main
 
     return bench_main(["prefix-caching", *(sys.argv[1:] if argv is None else argv)])
 

@@ -3,7 +3,7 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
-    pagedserve bench pressure                         # = python -m benchmarks.pressure
+    pagedserve bench pressure                         # = python -m pagedserve.benchmarks.pressure
 
 Quick plumbing check (numbers meaningless):
 
@@ -47,10 +47,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, load_note, phase, warn_if_busy
-from benchmarks.prefix_caching import percentile
-from benchmarks.report import Report, fmt_pct
-from benchmarks.traces import load_trace
+from pagedserve.benchmarks.common import default_model, load_note, phase, warn_if_busy
+from pagedserve.benchmarks.prefix_caching import percentile
+from pagedserve.benchmarks.report import Report, fmt_pct
+from pagedserve.benchmarks.traces import load_trace
 from pagedserve.common.settings import parse_bytes
 
 MODES = ("recompute", "swap", "auto")
@@ -75,7 +75,7 @@ def run_mode(
     args: argparse.Namespace, model: str, mode: str, workload: list[tuple[list[int], int]]
 ) -> dict[str, Any]:
     """One measured run of the workload with `preemption_mode=mode`."""
-    from dataplane import LLM, SamplingParams
+    from pagedserve.dataplane import LLM, SamplingParams
 
     settings: dict[str, Any] = {
         "dtype": "float32",
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks.cli import main as bench_main
+    from pagedserve.benchmarks.cli import main as bench_main
 
     return bench_main(["pressure", *(argv if argv is not None else sys.argv[1:])])
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks.common import load_note
+from pagedserve.benchmarks.common import load_note
 
 T = TypeVar("T")
 RESULTS_ROOT = Path("pagedserve-bench-results")

@@ -41,7 +41,7 @@ CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Step(Protocol):
-    """What the roofline reads of an engine step (benchmarks.throughput.StepRecord is one).
+    """What the roofline reads of an engine step (pagedserve.benchmarks.throughput.StepRecord is one).
     A protocol rather than an import: throughput imports this module."""
 
     @property

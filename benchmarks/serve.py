@@ -35,8 +35,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import Report, fmt_pct
-from benchmarks.serve_load import (
+from pagedserve.benchmarks.report import Report, fmt_pct
+from pagedserve.benchmarks.serve_load import (
     GrpcTarget,
     OpenAITarget,
     Outcome,
@@ -46,14 +46,14 @@ from benchmarks.serve_load import (
     samples,
     summarize,
 )
-from benchmarks.serve_peers import (
+from pagedserve.benchmarks.serve_peers import (
     DEFAULT_CONCURRENCY,
     add_launch_arguments,
     launching,
     run_launched,
     validate,
 )
-from benchmarks.workloads import output_lengths
+from pagedserve.benchmarks.workloads import output_lengths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -162,6 +162,6 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import main
+    from pagedserve.benchmarks.cli import main
 
     sys.exit(main(["serve", *sys.argv[1:]]))

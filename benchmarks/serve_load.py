@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.report import Report
+from pagedserve.benchmarks.report import Report
 
 
 @dataclass
@@ -70,7 +70,7 @@ def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[list[int]]:
         return [[rng.randrange(10, 300) for _ in range(args.input_len)] for _ in range(n)]
     from transformers import AutoTokenizer
 
-    from benchmarks.workloads import chat_prompts
+    from pagedserve.benchmarks.workloads import chat_prompts
     from pagedserve.common.models import resolve_model_path
 
     # The launched servers' model tokenizes the workload unless --tokenizer names another.
@@ -80,14 +80,14 @@ def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[list[int]]:
 
 class GrpcTarget:
     def __init__(self, address: str, api_key: str | None) -> None:
-        from clients.python import AsyncGenerationClient
-        from clients.python.client import NO_RETRY
+        from pagedserve.clients.python import AsyncGenerationClient
+        from pagedserve.clients.python.client import NO_RETRY
 
         # No client retries: a refused request counts as refused (the HTTP target does not retry).
         self.client = AsyncGenerationClient(address, api_key=api_key, retry=NO_RETRY)
 
     async def run(self, prompt: list[int], max_tokens: int, outcome: Outcome) -> None:
-        from clients.python import Completion
+        from pagedserve.clients.python import Completion
 
         async for item in self.client.generate_stream(
             prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True

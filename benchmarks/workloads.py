@@ -37,7 +37,7 @@ Workloads
     A one-line summary (counts, totals, min/mean/max) for logs.
 
 `customer_service_dialogues(n_conversations=32, seed=0)`
-    Multi-turn chats for prefix-caching benchmarks (`benchmarks.prefix_caching`): a list
+    Multi-turn chats for prefix-caching benchmarks (`pagedserve.benchmarks.prefix_caching`): a list
     of `Dialogue`s, text only (the replies come from the model at run time). Every
     conversation shares ONE system prompt, `benchmarks/data/customer_service_system.txt`
     (an online shop's assistant: tone rules, an 8-item product catalogue, shipping, refund

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from controlplane.errors import ServiceError
+from pagedserve.controlplane.errors import ServiceError
 
 T = TypeVar("T")
 

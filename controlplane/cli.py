@@ -11,9 +11,9 @@ import argparse
 import asyncio
 from typing import Any
 
-from controlplane.config import ControlPlaneConfig
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import cli_command
+from pagedserve.controlplane.config import ControlPlaneConfig
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -94,8 +94,8 @@ def ready_line(host: str, grpc_port: int, http_port: int | None, tls: bool) -> s
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlaneConfig:
     """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
     (e.g. the data plane `serve` started) replace fields before validation."""
-    from controlplane.auth import load_keys
     from pagedserve.common.tls import ClientTLS, server_tls
+    from pagedserve.controlplane.auth import load_keys
 
     dataplane_tls = None
     server_name = getattr(args, "dataplane_tls_server_name", None)
@@ -139,8 +139,8 @@ async def run_controlplane(
     """Start the control plane, announce its ports once a data plane is connected (or after
     `wait_s`), and serve until SIGINT/SIGTERM; returns the exit code (0 after serving, 128 +
     the signal when stopped before announcing)."""
-    from controlplane.server import run_until_signalled, start_control_plane, stop_signals
     from pagedserve.common.telemetry import configure_tracing
+    from pagedserve.controlplane.server import run_until_signalled, start_control_plane, stop_signals
 
     configure_tracing("pagedserve-controlplane")
     cp = await start_control_plane(config, host, grpc_port, http_port)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controlplane.tools.prompt import PARSER_CHOICES
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
+from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Transport-neutral: the gRPC servicer and the OpenAI HTTP front end hand it a validated
 `GenerationRequest` (built by the Frontend) and consume `generate()`'s events. The decisions
 (where a request runs, whether it may move after a failure) are pure functions in
-`controlplane.placement`; this class snapshots the links for them and carries them out. All
+`pagedserve.controlplane.placement`; this class snapshots the links for them and carries them out. All
 state here is soft: the data-plane links rebuild it from snapshots and events after a restart.
 
 The set of data planes: the static `--dataplane` addresses plus what `--dataplane-dns`
@@ -24,18 +24,18 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 
-from controlplane.admission import AdmissionQueue
-from controlplane.config import ControlPlaneConfig
-from controlplane.dataplane_client import DataPlaneConnection, Lost
-from controlplane.discovery import Resolver, resolve_dataplanes
-from controlplane.errors import ServiceError
-from controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
-from controlplane.prefix_index import PrefixIndex
-from controlplane.request import GenerationRequest
 from pagedserve.common.block_hash import first_block_extra_keys, hash_request_blocks
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost
+from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
+from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)

@@ -18,22 +18,22 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
-from controlplane.auth import request_tenant, tenant_salt
-from controlplane.detokenizer import IncrementalDetokenizer
-from controlplane.dispatcher import Admitted, Dispatcher
-from controlplane.errors import ServiceError, clip, invalid_argument
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.placement import NO_DATAPLANE
-from controlplane.request import GenerationRequest, new_request_id
-from controlplane.tokenizer import Tokenizer
-from controlplane.tools.definitions import NO_TOOLS, ToolUse
-from controlplane.tools.prompt import resolve_parser, template_inputs
 from pagedserve.common.admission_rules import beyond_context
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.controlplane.auth import request_tenant, tenant_salt
+from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
+from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
+from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
+from pagedserve.controlplane.metrics import ControlPlaneMetrics
+from pagedserve.controlplane.placement import NO_DATAPLANE
+from pagedserve.controlplane.request import GenerationRequest, new_request_id
+from pagedserve.controlplane.tokenizer import Tokenizer
+from pagedserve.controlplane.tools.definitions import NO_TOOLS, ToolUse
+from pagedserve.controlplane.tools.prompt import resolve_parser, template_inputs
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -228,7 +228,7 @@ class Frontend:
         tool_use: ToolUse = NO_TOOLS,
     ) -> str:
         """The chat rendered with the model's template (generation prompt appended), with the
-        request's tools (controlplane.tools.prompt says how). Earlier tool calls' arguments
+        request's tools (pagedserve.controlplane.tools.prompt says how). Earlier tool calls' arguments
         count toward the conversation's size limit."""
         if not messages:
             raise invalid_argument(f"{field_name} must not be empty", field_name)

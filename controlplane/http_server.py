@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
-from controlplane.errors import ServiceError
-from controlplane.frontend import Frontend
-from controlplane.openai.errors import error_response, install_error_handlers, openai_error
-from controlplane.openai.routes import OpenAIRoutes
-from controlplane.tls_mismatch import MismatchLog, TLSListener
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
+from pagedserve.controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.frontend import Frontend
+from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
+from pagedserve.controlplane.openai.routes import OpenAIRoutes
+from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
 
 MAX_BODY_BYTES = 4 << 20
 """The largest request body the HTTP API reads (4 MiB); larger ones get 413."""
@@ -169,7 +169,7 @@ def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
     @app.get("/live")
     async def live(request: Request) -> JSONResponse:
         """200 while the process can serve, else 503 with the reason (a liveness probe). What
-        can fail it is `app.state.liveness` (controlplane.server's `Liveness`), when set."""
+        can fail it is `app.state.liveness` (pagedserve.controlplane.server's `Liveness`), when set."""
         liveness = getattr(request.app.state, "liveness", None)
         problem = liveness.problem() if liveness is not None else None
         if problem is not None:
@@ -190,7 +190,7 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if tls is None:
             self._socket = socket.socket(family, socket.SOCK_STREAM)
-        else:  # a plaintext client gets a log line naming the mismatch (controlplane.tls_mismatch)
+        else:  # a plaintext client gets a log line naming the mismatch (pagedserve.controlplane.tls_mismatch)
             listener = TLSListener(family, socket.SOCK_STREAM)
             listener.mismatch = MismatchLog("http")
             self._socket = listener

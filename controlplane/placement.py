@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.config import RoutingWeights
-from controlplane.request import GenerationRequest
-from controlplane.router import Candidate, choose
 from pagedserve.common.admission_rules import refusal
 from pagedserve.common.block_hash import cdiv
+from pagedserve.controlplane.config import RoutingWeights
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.router import Candidate, choose
 
 NO_DATAPLANE = "no data plane is available to run this request"
 

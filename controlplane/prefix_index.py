@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
 class PrefixIndex:

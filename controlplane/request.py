@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pagedserve.common.protocol import sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
 def new_request_id() -> str:

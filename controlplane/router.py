@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from controlplane.config import RoutingWeights
+from pagedserve.controlplane.config import RoutingWeights
 
 
 @dataclass(frozen=True)

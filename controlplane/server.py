@@ -24,14 +24,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from controlplane.auth import ApiKeys, GrpcAuthInterceptor
-from controlplane.config import ControlPlaneConfig
-from controlplane.discovery import Resolver, resolve_dataplanes
-from controlplane.dispatcher import Dispatcher
-from controlplane.frontend import Frontend
-from controlplane.http_server import HttpServer, create_app
-from controlplane.servicer import GenerationServicer, add_generation_service
-from controlplane.tokenizer import Tokenizer
 from pagedserve.common.lifecycle import (
     NO_REUSEPORT,
     StopSignals,
@@ -43,7 +35,15 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
-from protos.pagedserve.v1 import generation_pb2
+from pagedserve.controlplane.auth import ApiKeys, GrpcAuthInterceptor
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
+from pagedserve.controlplane.dispatcher import Dispatcher
+from pagedserve.controlplane.frontend import Frontend
+from pagedserve.controlplane.http_server import HttpServer, create_app
+from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
+from pagedserve.controlplane.tokenizer import Tokenizer
+from pagedserve.protos.pagedserve.v1 import generation_pb2
 
 log = get_logger(__name__)
 

@@ -17,16 +17,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from controlplane.errors import ServiceError, invalid_argument
-from controlplane.frontend import MAX_NAME_CHARS, CompletionDone, Frontend
-from controlplane.request import new_request_id
-from controlplane.tools.definitions import NO_TOOLS, ToolUse
-from controlplane.tools.from_proto import chat_messages, chat_tool_use, forced_tool_constraint
-from controlplane.tools.output import CompletionParsers, finish_reason
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
 from pagedserve.common.telemetry import extract
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.controlplane.errors import ServiceError, invalid_argument
+from pagedserve.controlplane.frontend import MAX_NAME_CHARS, CompletionDone, Frontend
+from pagedserve.controlplane.request import new_request_id
+from pagedserve.controlplane.tools.definitions import NO_TOOLS, ToolUse
+from pagedserve.controlplane.tools.from_proto import chat_messages, chat_tool_use, forced_tool_constraint
+from pagedserve.controlplane.tools.output import CompletionParsers, finish_reason
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
 

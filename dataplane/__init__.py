@@ -1,7 +1,7 @@
 """pagedserve data plane: the paged KV block pool, the scheduler and the model runner.
 
-`from dataplane import LLM, SamplingParams` is the offline API. The torch-free parts
-(`dataplane.kvcache`, `dataplane.scheduler`, `pagedserve.common.sampling_params`, `dataplane.config`)
+The offline API, `from pagedserve import LLM, SamplingParams`, is re-exported from here. The torch-free parts
+(`pagedserve.dataplane.kvcache`, `pagedserve.dataplane.scheduler`, `pagedserve.common.sampling_params`, `pagedserve.dataplane.config`)
 import without torch, so the control plane can share them.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from dataplane.engine.llm import LLM, RequestOutput
+    from pagedserve.dataplane.engine.llm import LLM, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
@@ -20,7 +20,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch and transformers; load it only when asked for.
     if name in ("LLM", "RequestOutput"):
-        from dataplane.engine import llm
+        from pagedserve.dataplane.engine import llm
 
         return getattr(llm, name)
-    raise AttributeError(f"module 'dataplane' has no attribute {name!r}")
+    raise AttributeError(f"module 'pagedserve.dataplane' has no attribute {name!r}")

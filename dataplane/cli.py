@@ -10,9 +10,9 @@ import argparse
 import sys
 from typing import Any
 
-from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import cli_command, exit_with_parent
+from pagedserve.dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 
 # --help shows every default (settings declare theirs once, in dataplane/config.py).
 HELP_FORMAT = settings.HelpFormatter
@@ -33,13 +33,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def make_llm(args: argparse.Namespace) -> Any:
-    from dataplane import LLM
+    from pagedserve.dataplane import LLM
 
     return LLM.from_config(engine_config_from_args(args))
 
 
 def make_sampling(args: argparse.Namespace) -> Any:
-    from dataplane import SamplingParams
+    from pagedserve.dataplane import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -136,9 +136,9 @@ def dataplane_config_from_args(args: argparse.Namespace) -> DataPlaneConfig:
 
 @cli_command
 def cmd_dataplane(args: argparse.Namespace) -> int:
-    from dataplane.server.server import run
     from pagedserve.common.telemetry import configure_tracing
     from pagedserve.common.tls import read_token_file, server_tls
+    from pagedserve.dataplane.server.server import run
 
     if args.exit_with_parent is not None:  # `serve`'s child: SIGTERM when `serve` dies
         exit_with_parent(args.exit_with_parent)

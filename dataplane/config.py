@@ -11,15 +11,15 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.names import BACKENDS, KV_CACHE_DTYPES
 from pagedserve.common import settings
 from pagedserve.common.block_hash import DEFAULT_HASH_SEED
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, format_bytes, parse_bytes, setting
+from pagedserve.kernels.names import BACKENDS, KV_CACHE_DTYPES
 
-# The kernels' own vocabulary (kernels.names is a torch-free leaf: so is this module).
+# The kernels' own vocabulary (pagedserve.kernels.names is a torch-free leaf: so is this module).
 ATTENTION_BACKENDS = BACKENDS
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 # How fp32 CPU linears pick their kernel (dataplane/runner/linear_selection.py).

@@ -38,8 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python helm/generate.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from controlplane.config import ControlPlaneConfig  # noqa: E402
-from dataplane.config import EngineConfig  # noqa: E402
 from pagedserve.common.settings import (  # noqa: E402
     fields_with_types,
     flag_name,
@@ -47,6 +45,8 @@ from pagedserve.common.settings import (  # noqa: E402
     parse_bytes,
     scalar_type,
 )
+from pagedserve.controlplane.config import ControlPlaneConfig  # noqa: E402
+from pagedserve.dataplane.config import EngineConfig  # noqa: E402
 
 CHART = ROOT / "helm" / "pagedserve"
 GENERATOR = "python -m helm.generate"
@@ -54,8 +54,8 @@ GENERATOR = "python -m helm.generate"
 # Settings the chart fills in itself, never from `engine` / `controlplane.settings`.
 CHART_MANAGED: dict[str, str] = {
     "model_home": "the chart mounts the model store at `models.mountPath` and passes `--model-home`",
-    "dataplanes": "the chart passes the data planes' addresses (`controlplane.discovery`)",
-    "dataplane_dns": "the chart passes the headless Service's name (`controlplane.discovery`)",
+    "dataplanes": "the chart passes the data planes' addresses (`pagedserve.controlplane.discovery`)",
+    "dataplane_dns": "the chart passes the headless Service's name (`pagedserve.controlplane.discovery`)",
     "dataplane_token_file": "the chart mounts the shared token's Secret (`dataplaneAuth.token`)",
     # ControlPlaneConfig.model: the control planes tokenize with the data planes' model.
     "controlplane.model": "the control planes use `engine.model` (they tokenize for the data planes)",

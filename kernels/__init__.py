@@ -1,13 +1,13 @@
 """Paged KV cache ops: metadata, cache writes/copies/swaps, paged attention, FP8 formats.
 
 Every op has a torch implementation (the CPU default, and the reference) and a Triton one
-(kernels.triton_ops, the default on CUDA; on the CPU only in Triton's interpreter), chosen
-by `impl`, named in kernels.backend (which the engine resolves once, at start-up). This
+(pagedserve.kernels.triton_ops, the default on CUDA; on the CPU only in Triton's interpreter), chosen
+by `impl`, named in pagedserve.kernels.backend (which the engine resolves once, at start-up). This
 package is a leaf: it imports only torch, triton (lazily) and numpy (host-side metadata),
 never dataplane/controlplane. See docs/kernels.md.
 
 Importing the package itself loads nothing: the names below load their module on first use,
-so torch-free code (dataplane.config reads kernels.names) can import a leaf of it.
+so torch-free code (pagedserve.dataplane.config reads pagedserve.kernels.names) can import a leaf of it.
 """
 
 from __future__ import annotations
@@ -16,30 +16,35 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kernels.attention import paged_attention
-    from kernels.backend import AttentionImpl, ResolvedBackends, resolve_backend
-    from kernels.cache_ops import copy_blocks, swap_blocks, write_kv_cache
-    from kernels.fp8 import kv_cache_torch_dtype
-    from kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSeq, build_attention_metadata
-    from kernels.names import BACKENDS, KV_CACHE_DTYPES, Backend, KVCacheDtype
+    from pagedserve.kernels.attention import paged_attention
+    from pagedserve.kernels.backend import AttentionImpl, ResolvedBackends, resolve_backend
+    from pagedserve.kernels.cache_ops import copy_blocks, swap_blocks, write_kv_cache
+    from pagedserve.kernels.fp8 import kv_cache_torch_dtype
+    from pagedserve.kernels.metadata import (
+        AttentionMetadata,
+        DecodeGroup,
+        PrefillSeq,
+        build_attention_metadata,
+    )
+    from pagedserve.kernels.names import BACKENDS, KV_CACHE_DTYPES, Backend, KVCacheDtype
 
 _HOMES = {
-    "paged_attention": "kernels.attention",
-    "AttentionImpl": "kernels.backend",
-    "ResolvedBackends": "kernels.backend",
-    "resolve_backend": "kernels.backend",
-    "copy_blocks": "kernels.cache_ops",
-    "swap_blocks": "kernels.cache_ops",
-    "write_kv_cache": "kernels.cache_ops",
-    "KV_CACHE_DTYPES": "kernels.names",
-    "KVCacheDtype": "kernels.names",
-    "kv_cache_torch_dtype": "kernels.fp8",
-    "AttentionMetadata": "kernels.metadata",
-    "DecodeGroup": "kernels.metadata",
-    "PrefillSeq": "kernels.metadata",
-    "build_attention_metadata": "kernels.metadata",
-    "BACKENDS": "kernels.names",
-    "Backend": "kernels.names",
+    "paged_attention": "pagedserve.kernels.attention",
+    "AttentionImpl": "pagedserve.kernels.backend",
+    "ResolvedBackends": "pagedserve.kernels.backend",
+    "resolve_backend": "pagedserve.kernels.backend",
+    "copy_blocks": "pagedserve.kernels.cache_ops",
+    "swap_blocks": "pagedserve.kernels.cache_ops",
+    "write_kv_cache": "pagedserve.kernels.cache_ops",
+    "KV_CACHE_DTYPES": "pagedserve.kernels.names",
+    "KVCacheDtype": "pagedserve.kernels.names",
+    "kv_cache_torch_dtype": "pagedserve.kernels.fp8",
+    "AttentionMetadata": "pagedserve.kernels.metadata",
+    "DecodeGroup": "pagedserve.kernels.metadata",
+    "PrefillSeq": "pagedserve.kernels.metadata",
+    "build_attention_metadata": "pagedserve.kernels.metadata",
+    "BACKENDS": "pagedserve.kernels.names",
+    "Backend": "pagedserve.kernels.names",
 }
 
 __all__ = [

@@ -1,12 +1,12 @@
 """Paged attention over a flattened varlen batch.
 
-Implementations (`impl`): "triton" (kernels.triton_ops: one kernel family for prefill
+Implementations (`impl`): "triton" (pagedserve.kernels.triton_ops: one kernel family for prefill
 chunks and decodes, split-KV for long decodes; the default for CUDA tensors), and the CPU
 paths below, "cpp" and "torch", which are also the reference the Triton kernels are tested
 against. An FP8 cache is read as fp8 values times the layer's k_scale / v_scale.
 
 Decode queries (one new token per sequence) on CPU in fp32 go to the C++ kernel
-(kernels/cpu/paged_attention.cpp, built by kernels.cpu_ext when kernels.backend resolves
+(kernels/cpu/paged_attention.cpp, built by pagedserve.kernels.cpu_ext when pagedserve.kernels.backend resolves
 "cpp"), which reads K/V straight from the paged cache: fp32, or FP8 widened in the kernel
 with the scales folded in as the Triton kernel folds them. Otherwise they take the torch path: length-sorted groups,
 each gathering its sequences' K/V blocks with one index_select per tensor (whole blocks are
@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionImpl, attention_impl_for, cpp_cache_dtype
-from kernels.checks import check_attention_inputs
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
-from kernels.fp8 import is_fp8
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.backend import AttentionImpl, attention_impl_for, cpp_cache_dtype
+from pagedserve.kernels.checks import check_attention_inputs
+from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from pagedserve.kernels.fp8 import is_fp8
+from pagedserve.kernels.metadata import AttentionMetadata
 
 
 def _decode_kernels(
@@ -65,7 +65,7 @@ def paged_attention(
     h reads kv head h // group. Returns a new contiguous [T, H, D] in the query dtype. An FP8
     cache holds K / k_scale and V / v_scale (scales must be 1.0 for other caches).
 
-    impl (kernels.backend) is the concrete path: "torch" (SDPA); "cpp", the C++ decode kernel
+    impl (pagedserve.kernels.backend) is the concrete path: "torch" (SDPA); "cpp", the C++ decode kernel
     (ValueError unless the query is fp32 on the CPU and the cache fp32 or FP8, RuntimeError if
     it cannot be built) and, over an fp32 cache, the C++ prefill kernel (over FP8, prefill
     tokens take SDPA); "triton", the Triton kernels (CUDA,
@@ -77,7 +77,7 @@ def paged_attention(
     check_attention_inputs(query, key_cache, value_cache, meta, k_scale, v_scale)
     impl = attention_impl_for(impl, query.device, query.dtype, key_cache.dtype)
     if impl == "triton":
-        from kernels.triton_ops import paged_attention_triton
+        from pagedserve.kernels.triton_ops import paged_attention_triton
 
         return paged_attention_triton(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
     return paged_attention_torch(

@@ -1,11 +1,11 @@
 """Which implementation each kernel op runs, decided once per engine.
 
 One vocabulary:
-- `Backend` ("torch" | "triton", kernels.names): what a user chooses (`--attention-backend`);
+- `Backend` ("torch" | "triton", pagedserve.kernels.names): what a user chooses (`--attention-backend`);
   None means by device: Triton for CUDA tensors when it is installed and supports the cache
   dtype, else torch.
 - `AttentionImpl` ("torch" | "cpp" | "triton"): a concrete attention path. The torch backend
-  runs "cpp" (the C++ decode and prefill kernels, kernels.cpu_ext; FP8 prefill stays torch)
+  runs "cpp" (the C++ decode and prefill kernels, pagedserve.kernels.cpu_ext; FP8 prefill stays torch)
   on the CPU for an fp32 model over an fp32, bf16 or FP8 (e4m3 / e5m2) cache when the kernels
   build, else "torch".
 - `CacheWriteImpl` ("torch" | "cpp" | "triton"): write_kv_cache's path; where attention is
@@ -19,7 +19,7 @@ The public ops take these concrete names as `impl`; None there resolves by devic
 call, a convenience for tests and benchmarks, never the engine's path.
 
 "triton" on a CPU tensor works only in Triton's interpreter (TRITON_INTERPRET=1, which
-must be set before the first Triton kernel module is imported: kernels.triton_ops is
+must be set before the first Triton kernel module is imported: pagedserve.kernels.triton_ops is
 imported lazily, on the first Triton call, for that reason). It is meant for tests.
 """
 
@@ -32,9 +32,9 @@ from typing import Literal
 
 import torch
 
-from kernels.cpu_ext import load_cpu_kernels
-from kernels.fp8 import is_fp8, is_rounded_cache
-from kernels.names import BACKENDS, Backend
+from pagedserve.kernels.cpu_ext import load_cpu_kernels
+from pagedserve.kernels.fp8 import is_fp8, is_rounded_cache
+from pagedserve.kernels.names import BACKENDS, Backend
 
 AttentionImpl = Literal["torch", "cpp", "triton"]
 ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("torch", "cpp", "triton")

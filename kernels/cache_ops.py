@@ -2,10 +2,10 @@
 
 A layer's cache is two tensors, key_cache and value_cache, each
 [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset.
-The cache is in the model's dtype or in FP8 (kernels.fp8: quantized with the layer's
-k_scale / v_scale on write). Each public op validates its inputs once (kernels.checks) and
-dispatches on `impl`, a backend name (kernels.backend; None: by device): the torch functions
-here are the references the Triton kernels (kernels.triton_ops) are tested against, and the
+The cache is in the model's dtype or in FP8 (pagedserve.kernels.fp8: quantized with the layer's
+k_scale / v_scale on write). Each public op validates its inputs once (pagedserve.kernels.checks) and
+dispatches on `impl`, a backend name (pagedserve.kernels.backend; None: by device): the torch functions
+here are the references the Triton kernels (pagedserve.kernels.triton_ops) are tested against, and the
 CPU implementation.
 """
 
@@ -15,11 +15,17 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.backend import CacheWriteImpl, cache_impl_for, triton_interpreting
-from kernels.checks import as_bits, check_block_pairs, check_kv_caches, check_layer_caches, check_write_inputs
-from kernels.cpu_ext import load_cpu_kernels
-from kernels.fp8 import is_fp8, quantize_fp8
-from kernels.names import Backend
+from pagedserve.kernels.backend import CacheWriteImpl, cache_impl_for, triton_interpreting
+from pagedserve.kernels.checks import (
+    as_bits,
+    check_block_pairs,
+    check_kv_caches,
+    check_layer_caches,
+    check_write_inputs,
+)
+from pagedserve.kernels.cpu_ext import load_cpu_kernels
+from pagedserve.kernels.fp8 import is_fp8, quantize_fp8
+from pagedserve.kernels.names import Backend
 
 
 def write_kv_cache(
@@ -37,7 +43,7 @@ def write_kv_cache(
 
     key, value: [T, num_kv_heads, head_dim] (head_dim contiguous); slot_mapping: [T] int64.
     Slots must be distinct and in range (build_attention_metadata guarantees it). An FP8
-    cache stores fp8(x / scale), saturating, round-to-nearest-even (kernels.fp8).
+    cache stores fp8(x / scale), saturating, round-to-nearest-even (pagedserve.kernels.fp8).
 
     A bf16 cache of an fp32 model stores bf16(x), round to nearest even (torch's cast).
 
@@ -62,7 +68,7 @@ def write_kv_cache(
         return
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if cache_impl_for(impl, key_cache.device, key_cache.dtype) == "triton":
-        from kernels.triton_ops import write_kv_cache_triton
+        from pagedserve.kernels.triton_ops import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
@@ -83,7 +89,7 @@ def write_kv_cache_torch(
     if is_fp8(key_cache.dtype):
         key = quantize_fp8(key, k_scale, key_cache.dtype)
         value = quantize_fp8(value, v_scale, value_cache.dtype)
-    elif key.dtype != key_cache.dtype:  # a rounded cache (kernels.fp8.is_rounded_cache)
+    elif key.dtype != key_cache.dtype:  # a rounded cache (pagedserve.kernels.fp8.is_rounded_cache)
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     # One row per slot: [num_blocks * block_size, KVH, D]; index_copy_ bounds-checks the slots.
     as_bits(key_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bits(key))
@@ -116,7 +122,7 @@ def copy_blocks(
     if pairs.numel() == 0:
         return
     if cache_impl_for(impl, caches[0].device) == "triton":
-        from kernels.triton_ops import copy_blocks_triton
+        from pagedserve.kernels.triton_ops import copy_blocks_triton
 
         copy_blocks_triton(caches, pairs)
     else:
@@ -182,7 +188,7 @@ def _side_uses_triton(impl: Backend | None, device: torch.device) -> bool:
 
 def _gather_blocks(cache: torch.Tensor, ids: torch.Tensor, triton: bool) -> torch.Tensor:
     if triton:
-        from kernels.triton_ops import gather_blocks_triton
+        from pagedserve.kernels.triton_ops import gather_blocks_triton
 
         return gather_blocks_triton(cache, ids.to(cache.device))
     return as_bits(cache).index_select(0, ids.to(cache.device)).view(cache.dtype)
@@ -190,7 +196,7 @@ def _gather_blocks(cache: torch.Tensor, ids: torch.Tensor, triton: bool) -> torc
 
 def _scatter_blocks(cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, triton: bool) -> None:
     if triton:
-        from kernels.triton_ops import scatter_blocks_triton
+        from pagedserve.kernels.triton_ops import scatter_blocks_triton
 
         scatter_blocks_triton(cache, ids.to(cache.device), blocks)
     else:

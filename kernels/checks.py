@@ -1,6 +1,6 @@
 """Argument checks of the kernels' public ops, shared by the torch path and the Triton launchers.
 
-A leaf (torch and kernels.fp8 only): the Triton launchers re-check what their kernels assume
+A leaf (torch and pagedserve.kernels.fp8 only): the Triton launchers re-check what their kernels assume
 and would otherwise import these from the modules that dispatch to them, an import cycle.
 Every check raises ValueError with what did not fit. `as_bits` is here for the same reason:
 the torch references and the Triton copy launchers both move cache bits through it.
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.fp8 import is_fp8, is_rounded_cache
+from pagedserve.kernels.fp8 import is_fp8, is_rounded_cache
 
 if TYPE_CHECKING:
-    from kernels.metadata import AttentionMetadata
+    from pagedserve.kernels.metadata import AttentionMetadata
 
 # Same-width integer views: moving cache bits through them works for every element type
 # (CPU index_copy_ has no FP8 kernels) and never canonicalises NaN payloads.

@@ -109,7 +109,7 @@ class CpuKernels:
     # slot_mapping), float32 caches, in place
     write_kv_cache: Callable[..., None]
     # kernels/cpu/linear.cpp: panel_linear(out, x, packed, bias), float32, out written; packed
-    # by kernels.linear.pack_panels, bias empty for none
+    # by pagedserve.kernels.linear.pack_panels, bias empty for none
     panel_linear: Callable[..., None]
     # kernels/cpu/decoder_block.cpp, float32, a decoder layer's halves around attention:
     # decoder_attention_input(hidden, norm_weight, eps, qkv_packed, qkv_bias, qkv_features, cos,
@@ -123,7 +123,7 @@ class CpuKernels:
     # this build (two vectors of its ISA: 32 on AVX-512, 16 on AVX2, 8 on portable)
     panel_width: int
     # kernels/cpu/linear_bf16.cpp: panel_linear_bf16(out, x, packed, bias), x/out/bias
-    # float32, packed bfloat16 by kernels.linear.pack_panels_bf16; bf16_dot_products: whether
+    # float32, packed bfloat16 by pagedserve.kernels.linear.pack_panels_bf16; bf16_dot_products: whether
     # this build computes it with AVX-512 BF16 dot products (x rounded to bf16)
     panel_linear_bf16: Callable[..., None]
     bf16_dot_products: bool

@@ -3,7 +3,7 @@
 A pool stored in FP8 keeps 1 byte per element. Each layer has one K scale and one V scale
 (per-tensor, fp32): the cache holds q = fp8(x / scale) and readers use q * scale.
 Quantization saturates to the format's largest finite value and rounds to nearest even;
-both implementations (torch here, Triton in kernels.triton_ops) multiply by the same fp32
+both implementations (torch here, Triton in pagedserve.kernels.triton_ops) multiply by the same fp32
 reciprocal `inverse_scale(scale)`, so they produce bit-identical caches.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.names import KV_CACHE_DTYPES
+from pagedserve.kernels.names import KV_CACHE_DTYPES
 
 # e4m3 "fn": no infinities, one NaN encoding, largest finite 448 (the OCP/NVIDIA format).
 FP8_DTYPES: dict[str, torch.dtype] = {

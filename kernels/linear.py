@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.cpu_ext import CpuKernels
 
 # The panel widths of the builds (kernels/cpu/panel.h kPanel; the op checks packed.size(2)).
 PANEL_WIDTHS = (32, 16, 8)

@@ -18,11 +18,11 @@ from pagedserve.common.settings import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.cli import add_bench_parser
-    from clients.python.cli import add_client_parser
-    from controlplane.cli import add_controlplane_parser
-    from controlplane.doctor import add_doctor_parser
-    from dataplane.cli import add_dataplane_parsers
+    from pagedserve.benchmarks.cli import add_bench_parser
+    from pagedserve.clients.python.cli import add_client_parser
+    from pagedserve.controlplane.cli import add_controlplane_parser
+    from pagedserve.controlplane.doctor import add_doctor_parser
+    from pagedserve.dataplane.cli import add_dataplane_parsers
     from pagedserve.kernels_cli import add_kernels_parser
     from pagedserve.models_cli import add_models_parser
     from pagedserve.serve import add_serve_parser
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "bench":
-        from benchmarks.cli import SCRIPTS, run_script_module
+        from pagedserve.benchmarks.cli import SCRIPTS, run_script_module
 
         if argv[1] in SCRIPTS:  # kernel benchmarks parse their own arguments
             return run_script_module(SCRIPTS[argv[1]][0], argv[2:])

@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.cli import add_controlplane_args, config_from_args, ready_line
-from dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import (
     EXIT_ERROR,
@@ -52,6 +50,8 @@ from pagedserve.common.lifecycle import (
     print_error,
 )
 from pagedserve.common.settings import setting
+from pagedserve.controlplane.cli import add_controlplane_args, config_from_args, ready_line
+from pagedserve.dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 
 _READY_POLL_S = 0.05
 _STOP_CHILD_S = 15.0  # a SIGTERMed child's time to exit, with no signal's deadline to keep
@@ -123,8 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: SupervisionConfig) -> int:
-    from controlplane.server import start_control_plane, stop_signals
     from pagedserve.common.telemetry import configure_tracing
+    from pagedserve.controlplane.server import start_control_plane, stop_signals
 
     configure_tracing("pagedserve-controlplane")
     if args.dataplane_port:

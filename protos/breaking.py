@@ -1,8 +1,8 @@
 """`buf breaking` on the public API (generation.proto, common.proto) against a git reference,
 offline: buf reads the reference from the local .git (`make lint` runs this).
 
-    python -m protos.breaking            # pick the reference as below
-    python -m protos.breaking --against REF
+    python -m pagedserve.protos.breaking            # pick the reference as below
+    python -m pagedserve.protos.breaking --against REF
 
 The reference, the first that applies:
 1. `--against REF` or $PAGEDSERVE_BREAKING_AGAINST (e.g. origin/main in a pull-request build);

@@ -1,13 +1,13 @@
 """Generate the gRPC code of every client language from protos/ (`make protos`), or check it.
 
-    python -m protos.generate                  # Python, Go and Java
-    python -m protos.generate --lang python    # one language (repeatable)
-    python -m protos.generate --check          # fail if committed code differs from a fresh generation
+    python -m pagedserve.protos.generate                  # Python, Go and Java
+    python -m pagedserve.protos.generate --lang python    # one language (repeatable)
+    python -m pagedserve.protos.generate --check          # fail if committed code differs from a fresh generation
 
 Python: all of protos/pagedserve/v1/*.proto (the control plane and the data plane use them),
 with typed stubs, written next to the .proto files. protoc names imports after the proto path
 (`from pagedserve.v1 import common_pb2`); the generated modules live in the `protos` package,
-so imports are rewritten to `from protos.pagedserve.v1 import ...`. Nothing else changes.
+so imports are rewritten to `from pagedserve.protos.pagedserve.v1 import ...`. Nothing else changes.
 The compiler is grpcio-tools' (a Python dev dependency).
 
 Go and Java: the public API only (generation.proto and common.proto), into
@@ -45,9 +45,9 @@ APT_PACKAGES = {
 }
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 _IMPORT_PATTERNS = [
-    (re.compile(r"^from pagedserve\.v1 import ", re.M), "from protos.pagedserve.v1 import "),
-    (re.compile(r"^import pagedserve\.v1\.", re.M), "import protos.pagedserve.v1."),
-    (re.compile(r"(?<![\w.])pagedserve\.v1\.(\w+_pb2)\b"), r"protos.pagedserve.v1.\1"),
+    (re.compile(r"^from pagedserve\.v1 import ", re.M), "from pagedserve.protos.pagedserve.v1 import "),
+    (re.compile(r"^import pagedserve\.v1\.", re.M), "import pagedserve.protos.pagedserve.v1."),
+    (re.compile(r"(?<![\w.])pagedserve\.v1\.(\w+_pb2)\b"), r"pagedserve.protos.pagedserve.v1.\1"),
 ]
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.cli import SCRIPTS
+from pagedserve.benchmarks.cli import SCRIPTS
 from pagedserve.cli import build_parser, main
 from pagedserve.common.settings import ArgumentParser, HelpFormatter
 

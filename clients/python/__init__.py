@@ -1,6 +1,6 @@
 """Python client for pagedserve's gRPC API (sync and asyncio).
 
-from clients.python import GenerationClient
+from pagedserve.clients.python import GenerationClient
 with GenerationClient("127.0.0.1:50051") as client:
     print(client.generate("Hello", max_tokens=32)[0].text)
     # structured outputs: at most one of json_schema= (dict, JSON text or pydantic model class),
@@ -8,15 +8,15 @@ with GenerationClient("127.0.0.1:50051") as client:
     print(client.generate("Is the sky blue? Answer:", choice=["yes", "no"])[0].text)
 """
 
-from clients.python.client import (
+from pagedserve.clients.python.client import (
     AsyncGenerationClient,
     Completion,
     GenerationClient,
     StreamChunk,
     build_request,
 )
-from clients.python.constraints import JsonSchema, SchemaModel
-from clients.python.tools import ToolCall
+from pagedserve.clients.python.constraints import JsonSchema, SchemaModel
+from pagedserve.clients.python.tools import ToolCall
 
 __all__ = [
     "AsyncGenerationClient",

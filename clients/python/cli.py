@@ -99,7 +99,7 @@ def add_client_parser(sub: Any) -> None:
 def cmd_client_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from clients.python.client import Completion, GenerationClient
+    from pagedserve.clients.python.client import Completion, GenerationClient
 
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     tool_flags = [

@@ -41,10 +41,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from clients.python.constraints import JsonSchema, set_constraint
-from clients.python.tools import ToolCall, ToolSpec, chat_message, tool_choice_message, tool_message
+from pagedserve.clients.python.constraints import JsonSchema, set_constraint
+from pagedserve.clients.python.tools import (
+    ToolCall,
+    ToolSpec,
+    chat_message,
+    tool_choice_message,
+    tool_message,
+)
 from pagedserve.common.protocol import FINISH_REASON_NAMES
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 T = TypeVar("T")

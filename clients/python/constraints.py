@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from protos.pagedserve.v1 import common_pb2
+from pagedserve.protos.pagedserve.v1 import common_pb2
 
 
 class SchemaModel(Protocol):

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clients.python.constraints import json_schema_text
-from protos.pagedserve.v1 import generation_pb2
+from pagedserve.clients.python.constraints import json_schema_text
+from pagedserve.protos.pagedserve.v1 import generation_pb2
 
 
 @dataclass(frozen=True)

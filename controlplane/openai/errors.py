@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controlplane.errors import ServiceError, clip, invalid_argument
-from controlplane.frontend import Frontend
 from pagedserve.common.log import get_logger
+from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
+from pagedserve.controlplane.frontend import Frontend
 
 log = get_logger(__name__)
 

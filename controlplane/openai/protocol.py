@@ -4,8 +4,8 @@ The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `st
 `cache_salt`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
-`controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
-`controlplane.tools.definitions`. A parameter that would change the output but that we do not
+`pagedserve.controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
+`pagedserve.controlplane.tools.definitions`. A parameter that would change the output but that we do not
 implement (the deprecated `functions`, beam search, ...) is refused with 400 naming it (`unsupported()`), never
 silently ignored; other unknown fields (`user`, `store`, `metadata`, ...) are ignored. Values
 are range-checked by `Frontend.validate`, not here.
@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.tools.definitions import MAX_CALL_ID_CHARS, history_tool_calls
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.tools.definitions import MAX_CALL_ID_CHARS, history_tool_calls
 
 
 def _falsy(value: Any) -> bool:

@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import Request
 
-from controlplane.errors import clip, invalid_argument
-from controlplane.frontend import CompletionDone
-from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.controlplane.errors import clip, invalid_argument
+from pagedserve.controlplane.frontend import CompletionDone
+from pagedserve.controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MIN_LOGPROB = -9999.0
 """What a logprob of -inf is reported as (vLLM's floor): a token a structured output's grammar

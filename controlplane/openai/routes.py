@@ -6,7 +6,7 @@
 usage so far on every chunk with `continuous_usage_stats`, as vLLM). Structured outputs
 (`response_format`, `structured_outputs`, `guided_*`) are read by `structured.py` into the
 request's constraint, named as the client put it.
-Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `controlplane.tools` and the
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `pagedserve.controlplane.tools` and the
 answers' calls rendered by `tool_calls.py`. Errors are OpenAI's error JSON (`errors.py`); the
 SSE body and disconnects are `streaming.py`'s; computed values (logprobs, usage) `render.py`'s.
 """
@@ -24,15 +24,18 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from controlplane.errors import invalid_argument
-from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
-from controlplane.openai.protocol import (
+from pagedserve import __version__
+from pagedserve.common.log import get_logger
+from pagedserve.common.telemetry import extract
+from pagedserve.controlplane.errors import invalid_argument
+from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
+from pagedserve.controlplane.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from controlplane.openai.render import (
+from pagedserve.controlplane.openai.render import (
     floored_logprob,
     num_prompts,
     openai_finish,
@@ -40,17 +43,14 @@ from controlplane.openai.render import (
     response_id,
     sampling_fields,
 )
-from controlplane.openai.streaming import first_event, sse_body, unless_disconnected
-from controlplane.openai.structured import NONE as NO_STRUCTURED
-from controlplane.openai.structured import Structured, structured_output
-from controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
-from controlplane.request import GenerationRequest
-from controlplane.tools.forced import forced_constraint
-from controlplane.tools.output import finish_reason
-from pagedserve import __version__
-from pagedserve.common.log import get_logger
-from pagedserve.common.telemetry import extract
-from protos.pagedserve.v1 import common_pb2
+from pagedserve.controlplane.openai.streaming import first_event, sse_body, unless_disconnected
+from pagedserve.controlplane.openai.structured import NONE as NO_STRUCTURED
+from pagedserve.controlplane.openai.structured import Structured, structured_output
+from pagedserve.controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.tools.forced import forced_constraint
+from pagedserve.controlplane.tools.output import finish_reason
+from pagedserve.protos.pagedserve.v1 import common_pb2
 
 log = get_logger(__name__)
 T = TypeVar("T")

@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from controlplane.errors import ServiceError
-from controlplane.frontend import CompletionDone, StreamEvent
-from controlplane.openai.errors import error_body
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.frontend import CompletionDone, StreamEvent
+from pagedserve.controlplane.openai.errors import error_body
 
 T = TypeVar("T")
 

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.errors import ServiceError, clip, invalid_argument, json_type
 from pagedserve.common.constraints import Constraint, normalize_json_schema
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument, json_type
 
 SOURCES = (
     "response_format",

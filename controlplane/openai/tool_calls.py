@@ -1,6 +1,6 @@
 """Tool calls in OpenAI's chat shapes: one output parser per choice, read as the text streams.
 
-A response's tool calls come out of `controlplane.tools.parsers`: the model family's format
+A response's tool calls come out of `pagedserve.controlplane.tools.parsers`: the model family's format
 for `tool_choice: "auto"`, the forced JSON for "required" and a named function. The same parser
 runs whether the client streams or not, so a streamed answer's `delta.tool_calls` (the call's
 index, id and name once, then its arguments in pieces) always assemble to the message's
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controlplane.errors import clip, invalid_argument
-from controlplane.openai.structured import Structured
-from controlplane.tools.definitions import ToolUse, parse_openai_tools
-from controlplane.tools.output import CompletionParsers
-from controlplane.tools.parsers import ParserOutput, ToolCallDelta
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.errors import clip, invalid_argument
+from pagedserve.controlplane.openai.structured import Structured
+from pagedserve.controlplane.tools.definitions import ToolUse, parse_openai_tools
+from pagedserve.controlplane.tools.output import CompletionParsers
+from pagedserve.controlplane.tools.parsers import ParserOutput, ToolCallDelta
 
 
 class ChoiceToolCalls:

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.errors import json_type
 from pagedserve.common.constraints import MAX_CONSTRAINT_CHARS, normalize_json_schema
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.errors import json_type
 
 MAX_TOOLS = 128
 """The most tools one request may declare."""

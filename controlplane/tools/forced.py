@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from controlplane.tools.definitions import ToolUse
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.tools.definitions import ToolUse
 
 FORCED_REQUIRED = "forced_required"
 FORCED_NAMED = "forced_named"
-"""The parser formats (controlplane.tools.parsers) of the two forced outputs."""
+"""The parser formats (pagedserve.controlplane.tools.parsers) of the two forced outputs."""
 
 
 def forced_constraint(use: ToolUse) -> tuple[Constraint, str] | None:

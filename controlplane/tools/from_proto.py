@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controlplane.errors import clip, invalid_argument
-from controlplane.tools.definitions import (
+from pagedserve.common.constraints import Constraint
+from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.errors import clip, invalid_argument
+from pagedserve.controlplane.tools.definitions import (
     MAX_CALL_ID_CHARS,
     Tool,
     ToolChoice,
@@ -17,10 +19,8 @@ from controlplane.tools.definitions import (
     make_tool,
     make_tool_use,
 )
-from controlplane.tools.forced import forced_constraint
-from pagedserve.common.constraints import Constraint
-from pagedserve.common.invalid_field import InvalidField
-from protos.pagedserve.v1 import generation_pb2
+from pagedserve.controlplane.tools.forced import forced_constraint
+from pagedserve.protos.pagedserve.v1 import generation_pb2
 
 CHAT = "prompt.chat"
 _MODES = {

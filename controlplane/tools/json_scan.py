@@ -1,7 +1,7 @@
 """An incremental JSON scanner: how far a text that may stop mid-value is valid JSON.
 
 A tool call streams as JSON that is unfinished until the model's last token, so the output
-parsers (controlplane.tools.parsers) need more than `json.loads`: where a value ends if it
+parsers (pagedserve.controlplane.tools.parsers) need more than `json.loads`: where a value ends if it
 does, whether the text so far can still become valid JSON, and if not, where the valid part
 stops. `scan_value` answers that for one value and `scan_object` also names an object's
 top-level members with the raw spans of their values, to find a call's "name" and

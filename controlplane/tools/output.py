@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from controlplane.tools.definitions import ToolUse
-from controlplane.tools.forced import FORCED_NAMED, FORCED_REQUIRED
-from controlplane.tools.parsers import ToolCallParser, default_call_id, make_parser
+from pagedserve.controlplane.tools.definitions import ToolUse
+from pagedserve.controlplane.tools.forced import FORCED_NAMED, FORCED_REQUIRED
+from pagedserve.controlplane.tools.parsers import ToolCallParser, default_call_id, make_parser
 
 
 def open_parser(use: ToolUse, model_format: str) -> ToolCallParser:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 from uuid import uuid4
 
-from controlplane.tools.json_scan import (
+from pagedserve.controlplane.tools.json_scan import (
     JsonScanner,
     Member,
     ObjectScan,

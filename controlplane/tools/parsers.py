@@ -66,11 +66,11 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from controlplane.tools.json_scan import (
+from pagedserve.controlplane.tools.json_scan import (
     ObjectScan,
     skip_whitespace,
 )
-from controlplane.tools.parser_base import (
+from pagedserve.controlplane.tools.parser_base import (
     MISSING_ARGUMENTS,
     REJECTED,
     UNDECIDED,

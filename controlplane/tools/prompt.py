@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controlplane.tools.definitions import ToolUse
+from pagedserve.controlplane.tools.definitions import ToolUse
 
 PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral")
 """`--tool-call-parser` values: auto picks from the chat template."""

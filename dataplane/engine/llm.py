@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dataplane.config import EngineConfig, engine_config
-from dataplane.engine.llm_engine import LLMEngine
-from dataplane.scheduler import Request
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import EngineConfig, engine_config
+from pagedserve.dataplane.engine.llm_engine import LLMEngine
+from pagedserve.dataplane.scheduler import Request
 
 Prompt = str | list[int]
 

@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
-from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
-from dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
-from dataplane.kvcache.budget import (
+from pagedserve.common.log import StartupPhases, get_logger
+from pagedserve.common.models import resolve_model_path
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
+from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
+from pagedserve.dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
+from pagedserve.dataplane.kvcache.budget import (
     GpuMemoryPlan,
     KVCacheBudget,
     KVCacheShape,
@@ -21,24 +24,21 @@ from dataplane.kvcache.budget import (
     plan_gpu_memory,
     plan_kv_cache,
 )
-from dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
-from dataplane.parallel.group import threads_per_rank
-from dataplane.parallel.sharding import check_divisible, shard_model
-from dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
-from dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
-from dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
-from dataplane.runner.model_runner import ModelRunner
-from dataplane.runner.sampler import SampledToken
-from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
-from kernels import kv_cache_torch_dtype
-from pagedserve.common.log import StartupPhases, get_logger
-from pagedserve.common.models import resolve_model_path
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
+from pagedserve.dataplane.parallel.group import threads_per_rank
+from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
+from pagedserve.dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
+from pagedserve.dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
+from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
+from pagedserve.dataplane.runner.model_runner import ModelRunner
+from pagedserve.dataplane.runner.sampler import SampledToken
+from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.kernels import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from dataplane.structured.compile_service import CompileService
+    from pagedserve.dataplane.structured.compile_service import CompileService
 
 log = get_logger(__name__)
 MAX_ISOLATED_REQUESTS = 256
@@ -388,7 +388,9 @@ class LLMEngine:
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(rid, token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
         if grammar is not None:
-            from dataplane.structured.grammar import GrammarState  # imports xgrammar: only when used
+            from pagedserve.dataplane.structured.grammar import (
+                GrammarState,  # imports xgrammar: only when used
+            )
 
             request.grammar = GrammarState(grammar)
         return request
@@ -396,7 +398,7 @@ class LLMEngine:
     def grammars(self) -> CompileService:
         """The structured-output compiler, started on first use (it needs the tokenizer)."""
         if self._grammars is None:
-            from dataplane.structured.compile_service import CompileService
+            from pagedserve.dataplane.structured.compile_service import CompileService
 
             if self.tokenizer is None:
                 raise ValueError(f"structured outputs need a tokenizer, and {self.model_path} has none")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dataplane.kvcache import PrefixCacheStats
-from dataplane.request import Request
+from pagedserve.dataplane.kvcache import PrefixCacheStats
+from pagedserve.dataplane.request import Request
 
 
 @dataclass

@@ -1,14 +1,5 @@
 """KV block accounting: the physical block pool, the prefix cache and the per-request block tables (no torch)."""
 
-from dataplane.kvcache.block_pool import Block, BlockPool, FreeBlockQueue
-from dataplane.kvcache.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from dataplane.kvcache.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-    KVEventRecord,
-)
 from pagedserve.common.block_hash import (
     DEFAULT_HASH_SEED,
     BlockHash,
@@ -18,6 +9,15 @@ from pagedserve.common.block_hash import (
     hash_block_tokens,
     hash_request_blocks,
     seed_hash,
+)
+from pagedserve.dataplane.kvcache.block_pool import Block, BlockPool, FreeBlockQueue
+from pagedserve.dataplane.kvcache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagedserve.dataplane.kvcache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventRecord,
 )
 
 __all__ = [

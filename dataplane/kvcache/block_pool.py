@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from dataplane.kvcache.kv_events import (
+from pagedserve.common.block_hash import BlockHash, BlockKey
+from pagedserve.dataplane.kvcache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVEventRecord,
 )
-from pagedserve.common.block_hash import BlockHash, BlockKey
 
 
 class Block:

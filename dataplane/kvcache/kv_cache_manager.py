@@ -6,9 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dataplane.kvcache.block_pool import BlockPool
-from dataplane.kvcache.kv_events import KVEventRecord
-from dataplane.request import Request
 from pagedserve.common.block_hash import (
     DEFAULT_HASH_SEED,
     BlockHash,
@@ -18,6 +15,9 @@ from pagedserve.common.block_hash import (
     first_block_extra_keys,
     seed_hash,
 )
+from pagedserve.dataplane.kvcache.block_pool import BlockPool
+from pagedserve.dataplane.kvcache.kv_events import KVEventRecord
+from pagedserve.dataplane.request import Request
 
 
 @dataclass

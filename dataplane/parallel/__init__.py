@@ -6,5 +6,5 @@ workers it starts and supervises.
 - `sharding.py`: the transform that keeps a rank's share of each layer's linears.
 - `step_plan.py`: one step's runner inputs packed into one int64 tensor, broadcast by rank 0.
 - `driver.py`: rank 0's side: start the workers, broadcast plans, watch the workers' lives.
-- `worker.py`: a worker's main loop (`python -m dataplane.parallel.worker`).
+- `worker.py`: a worker's main loop (`python -m pagedserve.dataplane.parallel.worker`).
 """

@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: start the workers, hand them each step's plan, and
 take the data plane down when one dies.
 
-Workers are `python -m dataplane.parallel.worker` processes that die with this one
+Workers are `python -m pagedserve.dataplane.parallel.worker` processes that die with this one
 (PR_SET_PDEATHSIG). Each reads an 8-byte plan length from its stdin pipe, then takes the plan
 itself in one broadcast: so an idle worker waits on a pipe (no collective timeout to outlive),
 and a closed pipe is its signal to exit. A watcher thread per worker notices an exit that
@@ -20,14 +20,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from dataplane.config import EngineConfig
-from dataplane.parallel import step_plan
-from dataplane.parallel.group import COLLECTIVE_TIMEOUT_S, TensorParallelGroup, host_store
-from dataplane.runner.kv_scales import KVScales
-from dataplane.runner.model_runner import StepInputs
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import EXIT_ERROR, print_error
 from pagedserve.common.log import get_logger
+from pagedserve.dataplane.config import EngineConfig
+from pagedserve.dataplane.parallel import step_plan
+from pagedserve.dataplane.parallel.group import COLLECTIVE_TIMEOUT_S, TensorParallelGroup, host_store
+from pagedserve.dataplane.runner.kv_scales import KVScales
+from pagedserve.dataplane.runner.model_runner import StepInputs
 
 log = get_logger(__name__)
 
@@ -102,7 +102,7 @@ class TensorParallelDriver:
             argv = [
                 sys.executable,
                 "-m",
-                "dataplane.parallel.worker",
+                "pagedserve.dataplane.parallel.worker",
                 f"--rank={rank}",
                 f"--world-size={self.world_size}",
                 f"--store-port={self._store.port}",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataplane.parallel.group import TensorParallelGroup
+from pagedserve.dataplane.parallel.group import TensorParallelGroup
 
 
 def check_divisible(config: Any, tensor_parallel_size: int) -> None:

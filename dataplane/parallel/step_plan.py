@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.runner.model_runner import StepInputs
+from pagedserve.dataplane.runner.model_runner import StepInputs
 
 # Guards against a worker reading something that is not a plan (a protocol drift between ranks).
 MAGIC = 0x7E9A_0001

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker (rank 1..N-1): `python -m dataplane.parallel.worker`, started by
+"""A tensor-parallel worker (rank 1..N-1): `python -m pagedserve.dataplane.parallel.worker`, started by
 rank 0's `TensorParallelDriver`, never by hand.
 
 It loads the same model, takes rank 0's layout (block counts, FP8 scales) from the store,
@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 
-from dataplane.config import EngineConfig
-from dataplane.parallel import step_plan
-from dataplane.parallel.driver import LAYOUT_KEY, PLAN_LENGTH_BYTES, WorkerLayout, kv_pool_key
-from dataplane.parallel.group import TensorParallelGroup, join_store, threads_per_rank
-from dataplane.parallel.sharding import shard_model
-from dataplane.runner.model_loader import DTYPES, load_model
-from dataplane.runner.model_runner import ModelRunner
-from kernels import kv_cache_torch_dtype
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import exit_with_parent
 from pagedserve.common.models import resolve_model_path
+from pagedserve.dataplane.config import EngineConfig
+from pagedserve.dataplane.parallel import step_plan
+from pagedserve.dataplane.parallel.driver import LAYOUT_KEY, PLAN_LENGTH_BYTES, WorkerLayout, kv_pool_key
+from pagedserve.dataplane.parallel.group import TensorParallelGroup, join_store, threads_per_rank
+from pagedserve.dataplane.parallel.sharding import shard_model
+from pagedserve.dataplane.runner.model_loader import DTYPES, load_model
+from pagedserve.dataplane.runner.model_runner import ModelRunner
+from pagedserve.kernels import kv_cache_torch_dtype
 
 
 def build_worker_runner(
@@ -65,7 +65,7 @@ def serve_plans(runner: ModelRunner, group: TensorParallelGroup) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dataplane.parallel.worker")
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.dataplane.parallel.worker")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--store-port", type=int, required=True)

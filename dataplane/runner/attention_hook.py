@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata, ResolvedBackends, paged_attention, write_kv_cache
+from pagedserve.kernels import AttentionMetadata, ResolvedBackends, paged_attention, write_kv_cache
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -28,7 +28,7 @@ class PagedStep:
     metadata: AttentionMetadata
     # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    # The kernels' concrete implementations, resolved once for the caches (kernels.backend):
+    # The kernels' concrete implementations, resolved once for the caches (pagedserve.kernels.backend):
     # a layer call only dispatches on them.
     backends: ResolvedBackends
     # kv_scales[layer] = (k_scale, v_scale) of an FP8 cache; None: the cache is in the model dtype.

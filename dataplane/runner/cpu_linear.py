@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dataplane.runner.linear_selection import ShapeChoice
-from kernels.cpu_ext import CpuKernels
-from kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
+from pagedserve.dataplane.runner.linear_selection import ShapeChoice
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 
 def onednn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """Inference-only replacement of an fp32 CPU nn.Linear; the weight is packed into
-    kernels.linear's column panels once, and the C++ panel_linear op computes it. With
+    pagedserve.kernels.linear's column panels once, and the C++ panel_linear op computes it. With
     `bf16_weights` the panels hold the weight rounded to bfloat16 (half the bytes) and
     panel_linear_bf16 computes it; x and the result stay float32."""
 
@@ -70,7 +70,7 @@ class PanelLinear(nn.Module):
 
     @property
     def kernel_bias(self) -> torch.Tensor:
-        """The bias as the C++ ops take it: the tensor, or kernels.linear.NO_BIAS for none."""
+        """The bias as the C++ ops take it: the tensor, or pagedserve.kernels.linear.NO_BIAS for none."""
         return NO_BIAS if self.bias is None else self.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

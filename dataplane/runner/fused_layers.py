@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataplane.runner.attention_hook import PagedStep, paged_layer_attention
-from dataplane.runner.cpu_linear import PanelLinear
-from kernels.cpu_ext import CpuKernels
+from pagedserve.dataplane.runner.attention_hook import PagedStep, paged_layer_attention
+from pagedserve.dataplane.runner.cpu_linear import PanelLinear
+from pagedserve.kernels.cpu_ext import CpuKernels
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ def fuse_decoder_layers(model: nn.Module, cpu_ops: CpuKernels | None = None) -> 
     """Replace the decoder layers of a known architecture in place; returns how many were
     replaced (0: the model keeps transformers' layers, which the attention hook serves).
 
-    cpu_ops: the C++ CPU kernels (kernels.cpu_ext.load_cpu_kernels) for the elementwise work,
+    cpu_ops: the C++ CPU kernels (pagedserve.kernels.cpu_ext.load_cpu_kernels) for the elementwise work,
     used by layers whose weights are fp32 on the CPU; None: torch ops throughout."""
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from dataplane.runner.attention_hook import PagedStep
-from kernels import build_attention_metadata
-from kernels.backend import ResolvedBackends, default_backend
-from kernels.fp8 import fp8_max
+from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.kernels import build_attention_metadata
+from pagedserve.kernels.backend import ResolvedBackends, default_backend
+from pagedserve.kernels.fp8 import fp8_max
 
 SCALE_HEADROOM = 2.0
 CALIBRATION_TOKENS = 512

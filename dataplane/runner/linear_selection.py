@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dataplane.config import CPU_LINEAR_MODES
-from kernels.cpu_ext import CpuKernels, cpu_model, cpu_report
-from kernels.linear import pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 from pagedserve.common.log import get_logger
+from pagedserve.dataplane.config import CPU_LINEAR_MODES
+from pagedserve.kernels.cpu_ext import CpuKernels, cpu_model, cpu_report
+from pagedserve.kernels.linear import pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 log = get_logger(__name__)
 

@@ -25,13 +25,13 @@ from typing import Any, Protocol
 
 import torch
 
-from dataplane.kvcache import cdiv
-from dataplane.request import Request
-from dataplane.runner.kv_scales import KVScales
-from dataplane.runner.model_runner import ModelRunner
-from dataplane.scheduler import ScheduledRequest, SchedulerOutput
-from kernels.fp8 import is_fp8
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.dataplane.kvcache import cdiv
+from pagedserve.dataplane.request import Request
+from pagedserve.dataplane.runner.kv_scales import KVScales
+from pagedserve.dataplane.runner.model_runner import ModelRunner
+from pagedserve.dataplane.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.kernels.fp8 import is_fp8
 
 # Sampling with every filter on and logprobs: sorts and normalises [rows, vocab] fp32 tensors.
 PROFILE_SAMPLING = SamplingParams(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dataplane.runner.attention_hook import register_paged_attention
+from pagedserve.dataplane.runner.attention_hook import register_paged_attention
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

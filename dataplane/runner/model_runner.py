@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from dataplane.runner.attention_hook import PagedStep
-from dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
-from dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
-from dataplane.runner.kv_scales import KVScales
-from dataplane.runner.linear_selection import ShapeChoice, select_linears
-from dataplane.runner.sampler import SampledToken, sample
-from dataplane.scheduler import SchedulerOutput
-from kernels import build_attention_metadata, swap_blocks
-from kernels.backend import resolve_backend
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
-from kernels.fp8 import is_fp8
+from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
+from pagedserve.dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
+from pagedserve.dataplane.runner.kv_scales import KVScales
+from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
+from pagedserve.dataplane.runner.sampler import SampledToken, sample
+from pagedserve.dataplane.scheduler import SchedulerOutput
+from pagedserve.kernels import build_attention_metadata, swap_blocks
+from pagedserve.kernels.backend import resolve_backend
+from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from pagedserve.kernels.fp8 import is_fp8
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,9 @@ class ModelRunner:
 
     def _start_mask_fill(self, rows: list[tuple[int, Any]]) -> Any:
         """Structured outputs: start filling the constrained rows' token bitmask, on a worker
-        thread while the forward runs (dataplane.structured.grammar.TokenMasks)."""
+        thread while the forward runs (pagedserve.dataplane.structured.grammar.TokenMasks)."""
         if self._token_masks is None:
-            from dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
+            from pagedserve.dataplane.structured.grammar import TokenMasks  # imports xgrammar: only when used
 
             self._token_masks = TokenMasks(self.model.config.vocab_size)
         return self._token_masks.start_fill(rows)

@@ -38,10 +38,10 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from dataplane.config import PREEMPTION_MODES
-from dataplane.kvcache import KVCacheManager, cdiv
-from dataplane.request import Request, RequestStatus
 from pagedserve.common import admission_rules
+from pagedserve.dataplane.config import PREEMPTION_MODES
+from pagedserve.dataplane.kvcache import KVCacheManager, cdiv
+from pagedserve.dataplane.request import Request, RequestStatus
 
 # The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
 # one way between the pools costs about a quarter of recomputing it (a PCIe copy against a

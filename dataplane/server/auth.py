@@ -14,7 +14,7 @@ from pagedserve.common.tls import (
     metadata_values,
     token_matches,
 )
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dataplane.engine.outputs import EngineStats, StepResult
-from dataplane.kvcache import BlockHash, KVEventRecord
-from dataplane.request import Request
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.dataplane.engine.outputs import EngineStats, StepResult
+from pagedserve.dataplane.kvcache import BlockHash, KVEventRecord
+from pagedserve.dataplane.request import Request
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
 class GrammarCompiler(Protocol):

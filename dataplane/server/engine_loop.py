@@ -19,16 +19,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from dataplane.request import Request
-from dataplane.server.engine_api import DataPlaneIdentity, Engine
-from dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
-from dataplane.server.metrics import DataPlaneMetrics, kernel_info
-from dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
-from dataplane.server.streams import Sink, StreamMux
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import sampling_params_from_proto
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.dataplane.request import Request
+from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
+from pagedserve.dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
+from pagedserve.dataplane.server.metrics import DataPlaneMetrics, kernel_info
+from pagedserve.dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
+from pagedserve.dataplane.server.streams import Sink, StreamMux
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, set_span_in_context
 
-from dataplane.request import Request
-from dataplane.server.protocol import finish_reason_to_proto
 from pagedserve.common.telemetry import extract, tracer
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.dataplane.request import Request
+from pagedserve.dataplane.server.protocol import finish_reason_to_proto
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 _tracer = tracer(__name__)
 

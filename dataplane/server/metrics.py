@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from dataplane.engine.outputs import EngineStats
-from kernels.cpu_ext import cpu_report
 from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 from pagedserve.common.protocol import FINISH_REASON_NAMES
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.dataplane.engine.outputs import EngineStats
+from pagedserve.kernels.cpu_ext import cpu_report
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
 def kernel_info(engine: Any) -> dict[str, str] | None:

@@ -3,11 +3,11 @@ Imports no torch."""
 
 from __future__ import annotations
 
-from dataplane.engine.outputs import EngineStats
-from dataplane.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord
-from dataplane.request import RequestStatus
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.dataplane.engine.outputs import EngineStats
+from pagedserve.dataplane.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord
+from pagedserve.dataplane.request import RequestStatus
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 
 def finish_reason_to_proto(status: RequestStatus) -> common_pb2.FinishReason.ValueType:

@@ -16,18 +16,18 @@ import socket
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dataplane.config import DataPlaneConfig, EngineConfig
-from dataplane.server.auth import DataPlaneTokenInterceptor
-from dataplane.server.engine_api import DataPlaneIdentity
-from dataplane.server.engine_loop import EngineLoop
-from dataplane.server.openmp import release_openmp_threads
-from dataplane.server.servicer import DataPlaneServicer
 from pagedserve.common.grpc_options import LINK_SERVER_OPTIONS
 from pagedserve.common.lifecycle import NO_REUSEPORT, add_port, check_port_free
 from pagedserve.common.log import get_logger
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.dataplane.config import DataPlaneConfig, EngineConfig
+from pagedserve.dataplane.server.auth import DataPlaneTokenInterceptor
+from pagedserve.dataplane.server.engine_api import DataPlaneIdentity
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.openmp import release_openmp_threads
+from pagedserve.dataplane.server.servicer import DataPlaneServicer
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE (sysexits.h): the engine loop died of an internal error
@@ -39,7 +39,7 @@ def build_engine_loop(config: EngineConfig, dataplane_id: str | None = None) -> 
     """Load the model and the engine (KV events on, so control planes can index the cache)."""
     from dataclasses import replace
 
-    from dataplane.engine.llm_engine import LLMEngine
+    from pagedserve.dataplane.engine.llm_engine import LLMEngine
 
     if config.cache.enable_prefix_caching and not config.cache.enable_kv_events:
         config = replace(config, cache=replace(config.cache, enable_kv_events=True))

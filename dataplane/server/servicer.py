@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dataplane.server.engine_loop import EngineLoop
 from pagedserve.common.log import get_logger
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
 

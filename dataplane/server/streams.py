@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 Sink = Callable[[dataplane_pb2.ConnectResponse | None], None]
 """Receives a stream's responses in order; None means the loop is gone (end the stream)."""

@@ -32,10 +32,11 @@ from typing import Any
 
 import xgrammar as xgr
 
-from dataplane.structured.compile_worker import read_message, write_message
-from dataplane.structured.grammar import GrammarError, tokenizer_info
+import pagedserve
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.log import get_logger
+from pagedserve.dataplane.structured.compile_worker import read_message, write_message
+from pagedserve.dataplane.structured.grammar import GrammarError, tokenizer_info
 
 log = get_logger(__name__)
 
@@ -67,7 +68,9 @@ def _child_env() -> dict[str, str]:
     """The parent's environment, one thread for torch (imported by xgrammar, unused), and the
     folder this package was imported from first on the path (a source checkout that was
     never installed still works)."""
-    root = str(Path(__file__).resolve().parents[2])
+    # The folder holding the `pagedserve` package (a checkout's root, or site-packages), as
+    # imported here: not resolved, since pagedserve/dataplane is a link in a checkout.
+    root = str(Path(pagedserve.__file__).parent.parent)
     path = os.environ.get("PYTHONPATH")
     return {
         **os.environ,
@@ -77,7 +80,7 @@ def _child_env() -> dict[str, str]:
 
 
 class _Worker:
-    """One compile child (`python -m dataplane.structured.compile_worker`) and its pipes.
+    """One compile child (`python -m pagedserve.dataplane.structured.compile_worker`) and its pipes.
 
     A separate interpreter, not multiprocessing: a spawned child would re-import the caller's
     main module (a script without a `__main__` guard would run again), and a forked one would
@@ -87,7 +90,7 @@ class _Worker:
         self, tokenizer_path: str, vocab_size: int, stop_ids: Sequence[int], start_timeout_s: float
     ) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dataplane.structured.compile_worker"],
+            [sys.executable, "-m", "pagedserve.dataplane.structured.compile_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_child_env(),

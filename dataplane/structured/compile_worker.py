@@ -1,4 +1,4 @@
-"""The grammar compiler's child process: `python -m dataplane.structured.compile_worker`.
+"""The grammar compiler's child process: `python -m pagedserve.dataplane.structured.compile_worker`.
 
 It reads (tokenizer path, vocab size, stop ids) first, answers ("ready", None), then compiles
 each Constraint it reads and answers ("ok", the compiled grammar's JSON) or ("error", the
@@ -44,7 +44,7 @@ def main() -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from dataplane.structured.grammar import GrammarError, compile_constraint, tokenizer_info
+    from pagedserve.dataplane.structured.grammar import GrammarError, compile_constraint, tokenizer_info
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from kernels.checks import check_attention_inputs
-from kernels.fp8 import is_fp8
-from kernels.metadata import AttentionMetadata, WorkItems
-from kernels.triton_ops import jit
-from kernels.triton_ops.common import TL_DTYPES, check_device, next_pow2
+from pagedserve.kernels.checks import check_attention_inputs
+from pagedserve.kernels.fp8 import is_fp8
+from pagedserve.kernels.metadata import AttentionMetadata, WorkItems
+from pagedserve.kernels.triton_ops import jit
+from pagedserve.kernels.triton_ops.common import TL_DTYPES, check_device, next_pow2
 
 LOG2E = 1.4426950408889634
 # A decode split reads at least this many keys: shorter splits cost more in the reduction
@@ -73,7 +73,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     tiles: TileConfig | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention (same contract as kernels.attention.paged_attention).
+    """Triton paged attention (same contract as pagedserve.kernels.attention.paged_attention).
 
     Prefill chunks run as work items of several query tokens; decode tokens run as one item
     each, split along the context into num_splits parts (flash decoding) when that helps

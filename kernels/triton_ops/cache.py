@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.checks import as_bits, check_write_inputs
-from kernels.fp8 import inverse_scale, is_fp8
-from kernels.triton_ops import jit
-from kernels.triton_ops.common import FP8_FORMATS, check_device, next_pow2
+from pagedserve.kernels.checks import as_bits, check_write_inputs
+from pagedserve.kernels.fp8 import inverse_scale, is_fp8
+from pagedserve.kernels.triton_ops import jit
+from pagedserve.kernels.triton_ops.common import FP8_FORMATS, check_device, next_pow2
 
 # Elements each copy program moves (a block of SmolLM2's cache is 16 x 3 x 64 = 3072).
 _COPY_CHUNK = 4096
@@ -24,7 +24,7 @@ def write_kv_cache_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Triton write_kv_cache (same contract as kernels.cache_ops.write_kv_cache_torch)."""
+    """Triton write_kv_cache (same contract as pagedserve.kernels.cache_ops.write_kv_cache_torch)."""
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     check_device(key, value, key_cache, value_cache, slot_mapping)
     num_tokens = key.shape[0]
@@ -77,7 +77,7 @@ def copy_blocks_triton(caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> N
     """Copy blocks pairs[:, 0] -> pairs[:, 1] in every cache, all sources read before any write.
 
     caches: contiguous [num_blocks, ...] tensors sharing shape, dtype and device; pairs: [N, 2]
-    int64 with distinct, in-range destinations (kernels.cache_ops.copy_blocks validates).
+    int64 with distinct, in-range destinations (pagedserve.kernels.cache_ops.copy_blocks validates).
     When a block is both a source and a destination, the sources go through a staging copy.
     """
     check_device(*caches)

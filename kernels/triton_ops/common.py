@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import triton_interpreting, triton_supports_dtype, why_not_triton
+from pagedserve.kernels.backend import triton_interpreting, triton_supports_dtype, why_not_triton
 
 TL_DTYPES = {
     torch.float32: tl.float32,

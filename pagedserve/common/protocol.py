@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.sampling_params import InvalidField, SamplingParams
-from protos.pagedserve.v1 import common_pb2
+from pagedserve.protos.pagedserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (
     "max_tokens",

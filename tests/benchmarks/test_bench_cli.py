@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.benchmarks.tiny_models import tiny_config
 from pagedserve.cli import main
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
-from tests.tiny_models import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def test_offline_throughput_reports_two_ranks_and_their_communication_share(
     args = ["--tensor-parallel-size", "2", "--model", str(tiny_chat_model), "--num-prompts", "3"]
     args += ["--max-prompt", "60", "--min-output", "4", "--max-output", "8", "--threads", "2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.offline_throughput", *args, "--json-out", str(figures)],
+        [sys.executable, "-m", "pagedserve.benchmarks.offline_throughput", *args, "--json-out", str(figures)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -194,8 +194,8 @@ def test_vllm_peer_without_vllm_is_refused_before_any_work(capsys: pytest.Captur
 
 
 def test_serve_loads_a_running_server_over_grpc_and_openai(tmp_path: Path) -> None:
+    from pagedserve.benchmarks.tiny_models import make_tiny_model
     from tests.e2e.harness import ServerThread, engine_config
-    from tests.tiny_models import make_tiny_model
 
     tiny = make_tiny_model("llama", tmp_path / "llama")
     srv = ServerThread(engine_config(tiny, num_blocks=64), tiny)
@@ -231,7 +231,7 @@ def test_kernel_benchmarks_take_their_own_arguments(capsys: pytest.CaptureFixtur
 def test_the_vllm_peer_venv_is_cached_outside_the_repo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks import peer_venv, vllm_env
+    from pagedserve.benchmarks import peer_venv, vllm_env
 
     monkeypatch.setenv("PAGEDSERVE_PEERS_HOME", str(tmp_path))
     directory = vllm_env.venv_dir()
@@ -254,7 +254,7 @@ def test_bench_writes_a_fresh_directory_by_default_never_the_committed_results(
     before = committed.read_bytes() if committed.exists() else None
     monkeypatch.chdir(REPO)  # from a checkout, as a developer runs it
     runs = tmp_path / "runs"
-    monkeypatch.setattr("benchmarks.report.RESULTS_ROOT", runs)
+    monkeypatch.setattr("pagedserve.benchmarks.report.RESULTS_ROOT", runs)
     for _ in range(2):
         assert main(["bench", "plan", "--model", "LLaMA-13B", "--no-progress"]) == 0
     dirs = sorted(runs.iterdir())
@@ -271,11 +271,11 @@ def test_bench_writes_a_fresh_directory_by_default_never_the_committed_results(
 def test_the_default_results_folder_is_fresh_and_relative_to_where_bench_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import benchmarks.report
-    from benchmarks.report import RESULTS_ROOT, default_out_dir
+    import pagedserve.benchmarks.report
+    from pagedserve.benchmarks.report import RESULTS_ROOT, default_out_dir
 
     assert str(RESULTS_ROOT) == "pagedserve-bench-results"  # under the current directory
-    monkeypatch.setattr(benchmarks.report.time, "strftime", lambda fmt: "20261130-120000")
+    monkeypatch.setattr(pagedserve.benchmarks.report.time, "strftime", lambda fmt: "20261130-120000")
     made = []
     for _ in range(3):
         made.append(default_out_dir("memory", tmp_path))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.memory import Allocation, replay
-from benchmarks.traces import LengthTrace, load_trace
-from dataplane.kvcache.budget import KVCacheShape
+from pagedserve.benchmarks.memory import Allocation, replay
+from pagedserve.benchmarks.traces import LengthTrace, load_trace
+from pagedserve.dataplane.kvcache.budget import KVCacheShape
 
 # 2 bytes per token, so `kv_memory = 2 * slots` gives exactly `slots` token slots.
 TWO_BYTES = KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=1, bytes_per_element=1)

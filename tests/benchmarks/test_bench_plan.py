@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.plan import BUILTIN_MODELS, ModelShape, parse_gpu, plan, resolve_model
+from pagedserve.benchmarks.plan import BUILTIN_MODELS, ModelShape, parse_gpu, plan, resolve_model
 
 GiB = 2**30
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import main
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import gpu_check
-from benchmarks.gpu_check import (
+from pagedserve.benchmarks import gpu_check
+from pagedserve.benchmarks.gpu_check import (
     STEPS,
     TIME_BUDGET_S,
     Step,
@@ -78,7 +78,9 @@ def test_plan_fits_the_budget_and_requires_cuda_for_the_kernel_tests(tmp_path: P
 
 
 def test_a_step_with_bad_arguments_is_a_problem() -> None:
-    bad = Step("attention", "", 1, ("python", "-m", "benchmarks.attention_kernels", "--seqs", "many"))
+    bad = Step(
+        "attention", "", 1, ("python", "-m", "pagedserve.benchmarks.attention_kernels", "--seqs", "many")
+    )
     assert check_step_arguments(bad) == [f"attention: its arguments do not parse: {list(bad.argv[1:])}"]
     missing = Step("kernels", "", 1, ("python", "-m", "pytest", "tests/kernels/test_absent.py"))
     assert check_step_arguments(missing) == ["kernels: no such test file ['tests/kernels/test_absent.py']"]

@@ -8,8 +8,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers import run_transformers_static
-from tests.tiny_models import assert_same_greedy, load_reference_model, make_tiny_model, reference_greedy
+from pagedserve.benchmarks.peers import run_transformers_static
+from pagedserve.benchmarks.tiny_models import (
+    assert_same_greedy,
+    load_reference_model,
+    make_tiny_model,
+    reference_greedy,
+)
 
 # Two batches of two: the first left-pads its 3-token prompt to 7, the second runs 5 tokens for
 # a request that wants 2.

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.roofline import (
+from pagedserve.benchmarks.roofline import (
     LinearShapes,
     MachineLimits,
     decode_curve,
@@ -234,10 +234,10 @@ def test_kv_element_size_scales_the_kv_reads() -> None:
 
 # -- context tokens from the scheduler's real output ---------------------------------------------
 def test_classify_sums_context_and_pairs_of_a_real_schedule() -> None:
-    from benchmarks.throughput import Scheduled, _classify
-    from dataplane.kvcache import BlockPool, KVCacheManager
-    from dataplane.scheduler import Request, Scheduler
+    from pagedserve.benchmarks.throughput import Scheduled, _classify
     from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
+    from pagedserve.dataplane.scheduler import Request, Scheduler
 
     sched = Scheduler(KVCacheManager(BlockPool(16), 4), 256, 8, 8)  # block 4, budget 8 tokens
 

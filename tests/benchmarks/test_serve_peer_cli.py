@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import serve, serve_peers
-from benchmarks.serve_load import Outcome, summarize, tokens_in_choice
+from pagedserve.benchmarks import serve, serve_peers
+from pagedserve.benchmarks.serve_load import Outcome, summarize, tokens_in_choice
 from pagedserve.cli import main
 
 
@@ -103,7 +103,7 @@ def test_our_kernel_flags_and_vllm_dtype_reach_the_servers(tmp_path: Path) -> No
     flags = dict(
         zip(*(lambda a: (a[4::2], a[5::2]))(serve_peers.pagedserve_spec(args, tmp_path).argv), strict=True)
     )
-    # the engine's own defaults, from dataplane.config
+    # the engine's own defaults, from pagedserve.dataplane.config
     assert (flags["--cpu-linear"], flags["--cpu-weight-dtype"], flags["--kv-cache-dtype"]) == (
         "auto",
         "float32",
@@ -225,7 +225,7 @@ def test_the_side_by_side_table_and_ratios_from_two_fake_runs() -> None:
 
 
 def test_launch_runs_pagedserve_serve_and_leaves_no_process(tmp_path: Path) -> None:
-    from tests.tiny_models import make_tiny_model
+    from pagedserve.benchmarks.tiny_models import make_tiny_model
 
     tiny = make_tiny_model("llama", tmp_path / "llama")
     out = tmp_path / "out"

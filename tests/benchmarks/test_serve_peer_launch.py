@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.server_process import ServerSpec, group_members, healthy, launch, sigterm_exits
+from pagedserve.benchmarks.server_process import ServerSpec, group_members, healthy, launch, sigterm_exits
 from pagedserve.common.lifecycle import free_port
 
 FAKE_SERVER = """
@@ -139,7 +139,7 @@ def test_a_killed_benchmark_takes_its_server_with_it(fake: Path, tmp_path: Path)
     bench = f"""
 import sys, time
 from pathlib import Path
-from benchmarks.server_process import ServerSpec, launch
+from pagedserve.benchmarks.server_process import ServerSpec, launch
 spec = ServerSpec("fake", [sys.executable, {str(fake)!r}, "{port}", "ok", {str(pid_file)!r}], {port})
 with launch(spec, Path({str(tmp_path / "fake.log")!r}), timeout_s=60):
     print("ready", flush=True)

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks import serve, serve_peers
-from benchmarks.report import Report
-from benchmarks.serve_load import Outcome, summarize
-from benchmarks.serve_peers import ServedRun
-from benchmarks.server_process import ServerSpec
+from pagedserve.benchmarks import serve, serve_peers
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.serve_load import Outcome, summarize
+from pagedserve.benchmarks.serve_peers import ServedRun
+from pagedserve.benchmarks.server_process import ServerSpec
 from pagedserve.cli import main
 
 OURS, PEER = "pagedserve serve", "vLLM serve"

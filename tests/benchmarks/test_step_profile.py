@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import dataplane.runner.attention_hook as attention_hook
-import dataplane.runner.fused_layers as fused_layers
-import dataplane.runner.model_runner as model_runner
-from benchmarks.step_profile import PHASES, VARIANTS
+import pagedserve.dataplane.runner.attention_hook as attention_hook
+import pagedserve.dataplane.runner.fused_layers as fused_layers
+import pagedserve.dataplane.runner.model_runner as model_runner
+from pagedserve.benchmarks.step_profile import PHASES, VARIANTS
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import main
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_bad_sizes_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_profile_runs_the_block_ops_halves_op_by_op_and_restores_them(tiny: Path) -> None:
     """The C++ block ops hide the phases inside them: the profiled steps run each layer half
     op by op, and the runner gets its block ops back after."""
-    from benchmarks.step_profile import build_runner, phase_ranges
-    from dataplane.runner.fused_layers import FusedDecoderLayer
+    from pagedserve.benchmarks.step_profile import build_runner, phase_ranges
+    from pagedserve.dataplane.runner.fused_layers import FusedDecoderLayer
 
     runner = build_runner(tiny, True, 16, 4)
     layers = [m for m in runner.model.modules() if isinstance(m, FusedDecoderLayer)]

@@ -16,7 +16,7 @@ from pagedserve.common.constraints import (
 )
 from pagedserve.common.protocol import sampling_params_from_proto, sampling_params_to_proto
 from pagedserve.common.sampling_params import InvalidField, SamplingParams
-from protos.pagedserve.v1 import common_pb2
+from pagedserve.protos.pagedserve.v1 import common_pb2
 
 SCHEMA = {"type": "object", "properties": {"ключ": {"type": "string"}, "a": {"type": "integer"}}}
 

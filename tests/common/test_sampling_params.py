@@ -110,9 +110,9 @@ def test_a_tiny_positive_temperature_or_repetition_penalty_is_applied_as_the_min
     are applied as 0.01 (vLLM raises such temperatures to 0.01 too); 0 stays greedy."""
     import torch
 
-    from dataplane.runner.sampler import sample
     from pagedserve.common.protocol import sampling_params_from_proto, sampling_params_to_proto
     from pagedserve.common.sampling_params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE
+    from pagedserve.dataplane.runner.sampler import sample
 
     p = SamplingParams(temperature=tiny, repetition_penalty=tiny, seed=1)
     assert (

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.config import ControlPlaneConfig
-from dataplane.config import CacheConfig, DataPlaneConfig, EngineConfig, engine_config
 from pagedserve.cli import build_parser
 from pagedserve.common import settings
 from pagedserve.common.settings import format_bytes, parse_bytes, setting
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.dataplane.config import CacheConfig, DataPlaneConfig, EngineConfig, engine_config
 from pagedserve.serve import child_command, dataplane_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def test_serve_hands_its_child_the_engine_config_it_was_given() -> None:
     command = child_command(config)
     assert command[1:5] == ["-m", "pagedserve", "dataplane", "--config-json"]
     child_args = build_parser().parse_args(command[3:])
-    from dataplane.cli import dataplane_config_from_args
+    from pagedserve.dataplane.cli import dataplane_config_from_args
 
     assert dataplane_config_from_args(child_args) == config
 
@@ -122,8 +122,8 @@ _DUMMY_PROBE = """
 import sys, json
 from pagedserve.cli import build_parser
 from pagedserve.serve import child_command, dataplane_config
-from dataplane.cli import dataplane_config_from_args
-from dataplane import LLM
+from pagedserve.dataplane.cli import dataplane_config_from_args
+from pagedserve.dataplane import LLM
 
 args = build_parser().parse_args(["serve", "--dummy-knob", "9"])
 child = dataplane_config_from_args(build_parser().parse_args(child_command(dataplane_config(args))[3:]))
@@ -135,7 +135,7 @@ print(json.dumps({"child": child.engine.scheduler.dummy_knob, "llm": llm.engine.
 def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
     """Add one field to SchedulerConfig in a copy of the source: it shows up in `serve --help`
     with its default, in `LLM(...)` and in the data-plane child's config."""
-    from tests.tiny_models import make_tiny_model
+    from pagedserve.benchmarks.tiny_models import make_tiny_model
 
     copy = tmp_path / "src"
     for area in ("pagedserve", "controlplane", "dataplane", "kernels", "clients", "protos", "benchmarks"):

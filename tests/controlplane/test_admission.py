@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from controlplane.admission import AdmissionQueue
-from controlplane.budget import BlockBudget
-from controlplane.errors import ServiceError
+from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.budget import BlockBudget
+from pagedserve.controlplane.errors import ServiceError
 
 
 class Pool:

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 
-from controlplane.config import ControlPlaneConfig
-from controlplane.dataplane_client import DataPlaneConnection
-from controlplane.dispatcher import Admitted, Dispatcher
-from controlplane.prefix_index import PrefixIndex
-from controlplane.request import GenerationRequest
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
+from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 WAIT_S = 5.0  # bound on every wait: each is for a message on a local port
 INFO = dataplane_pb2.DataPlaneInfo(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.detokenizer import IncrementalDetokenizer
+from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
 
 
 class ByteTokenizer:

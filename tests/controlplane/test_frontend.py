@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from controlplane.dispatcher import Admitted, GenerationEvent
-from controlplane.errors import ServiceError
-from controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.openai.protocol import ChatCompletionRequest
-from controlplane.openai.render import sampling_fields
-from controlplane.request import GenerationRequest
 from pagedserve.common.protocol import sampling_fields_from_proto, sampling_params_from_proto
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.controlplane.dispatcher import Admitted, GenerationEvent
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
+from pagedserve.controlplane.metrics import ControlPlaneMetrics
+from pagedserve.controlplane.openai.protocol import ChatCompletionRequest
+from pagedserve.controlplane.openai.render import sampling_fields
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 WORDS = ["<pad>", "Hello", ",", " world", "!", " How", " are", " you", "?"]
 HELLO, COMMA, WORLD, BANG, HOW, ARE, YOU, QUESTION = range(1, 9)
@@ -249,7 +249,7 @@ def test_every_numeric_field_is_range_checked_before_conversion(
 
 def test_n_is_bounded_before_any_per_sample_state_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     built = []
-    monkeypatch.setattr("controlplane.frontend.IncrementalDetokenizer", lambda *a: built.append(a))
+    monkeypatch.setattr("pagedserve.controlplane.frontend.IncrementalDetokenizer", lambda *a: built.append(a))
     fe = frontend(FakeDispatcher([[[HELLO]]]))
     with pytest.raises(ServiceError, match=r"^sampling_params\.n must be at most 128, got 4294967295$"):
         fe.validate([HELLO], {"n": 2**32 - 1})

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane.dataplane_client import DataPlaneConnection, RequestHandle
-from controlplane.frontend import CompletionDone
-from controlplane.prefix_index import PrefixIndex
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection, RequestHandle
+from pagedserve.controlplane.frontend import CompletionDone
+from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 from tests.controlplane.test_frontend import (
     ARE,
     BANG,

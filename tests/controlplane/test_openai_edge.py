@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from controlplane.errors import ServiceError
-from controlplane.openai.errors import describe_validation_error, field_location
-from controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
-from controlplane.openai.render import logit_bias_by_id
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.openai.errors import describe_validation_error, field_location
+from pagedserve.controlplane.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.controlplane.openai.render import logit_bias_by_id
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
-from controlplane.config import ControlPlaneConfig, RoutingWeights
-from controlplane.dataplane_client import DataPlaneConnection
-from controlplane.dispatcher import Dispatcher, prompt_hashes
-from controlplane.errors import ServiceError
-from controlplane.placement import (
+from pagedserve.common.admission_rules import refusal
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.controlplane.config import ControlPlaneConfig, RoutingWeights
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.dispatcher import Dispatcher, prompt_hashes
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.placement import (
     NO_DATAPLANE,
     WAIT,
     LinkSnapshot,
@@ -25,10 +27,8 @@ from controlplane.placement import (
     reservation_refusal,
     retry_on_other,
 )
-from controlplane.request import GenerationRequest
-from pagedserve.common.admission_rules import refusal
-from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 W = RoutingWeights()
 TOO_LONG = (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from controlplane.prefix_index import PrefixIndex
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
 def stored(seq: int, *hashes: bytes) -> dataplane_pb2.KVEvent:

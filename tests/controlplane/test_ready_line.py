@@ -1,6 +1,6 @@
 """The ready line `serve` and `controlplane` print: a client reads the scheme from it."""
 
-from controlplane.cli import ready_line
+from pagedserve.controlplane.cli import ready_line
 
 
 def test_plaintext_ports_are_http() -> None:

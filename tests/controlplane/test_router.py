@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.config import RoutingWeights
-from controlplane.router import Candidate, choose, score
+from pagedserve.controlplane.config import RoutingWeights
+from pagedserve.controlplane.router import Candidate, choose, score
 
 
 def cand(name: str, **kw: int) -> Candidate:

@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from controlplane.tools.definitions import (
+from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.tools.definitions import (
     ANY_OBJECT_SCHEMA,
     MAX_TOOLS,
     Tool,
@@ -16,9 +17,8 @@ from controlplane.tools.definitions import (
     make_tool_use,
     parse_openai_tools,
 )
-from controlplane.tools.forced import forced_constraint, required_schema
-from controlplane.tools.prompt import resolve_parser, template_inputs, template_reads_tools
-from pagedserve.common.invalid_field import InvalidField
+from pagedserve.controlplane.tools.forced import forced_constraint, required_schema
+from pagedserve.controlplane.tools.prompt import resolve_parser, template_inputs, template_reads_tools
 
 WEATHER = {
     "type": "function",

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.tools.json_scan import (
+from pagedserve.controlplane.tools.json_scan import (
     MAX_DEPTH,
     JsonScanner,
     Member,
@@ -23,7 +23,7 @@ from controlplane.tools.json_scan import (
     scan_object,
     scan_value,
 )
-from controlplane.tools.parsers import (
+from pagedserve.controlplane.tools.parsers import (
     FORCED_FORMATS,
     PARSER_FORMATS,
     ParserOutput,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.kvcache.block_pool import Block, BlockPool, FreeBlockQueue
+from pagedserve.dataplane.kvcache.block_pool import Block, BlockPool, FreeBlockQueue
 
 
 def ref_counts(pool: BlockPool) -> list[int]:

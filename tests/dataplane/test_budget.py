@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.kvcache.budget import KVCacheShape, kv_memory_on_gpu, plan_kv_cache
+from pagedserve.dataplane.kvcache.budget import KVCacheShape, kv_memory_on_gpu, plan_kv_cache
 
 SMOLLM2_FP32 = KVCacheShape(num_layers=30, num_kv_heads=3, head_dim=64, bytes_per_element=4)
 

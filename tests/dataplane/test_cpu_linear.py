@@ -7,8 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from dataplane.runner.cpu_linear import PackedLinear, PanelLinear, onednn_linear_available, pack_linears
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from pagedserve.dataplane.runner.cpu_linear import (
+    PackedLinear,
+    PanelLinear,
+    onednn_linear_available,
+    pack_linears,
+)
+from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
 
 
 @pytest.fixture(scope="module")

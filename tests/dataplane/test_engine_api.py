@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,13 +148,13 @@ def test_our_kernels_package_is_not_mistaken_for_the_pypi_one(tmp_path: Path) ->
     model_dir = make_tiny_model("llama", tmp_path / "m")
     script = f"""
 import importlib.util, sys
-import kernels
+import pagedserve.kernels as kernels
 assert kernels.__file__.startswith({str(REPO)!r}), kernels.__file__
 from transformers.utils.import_utils import is_kernels_available
 assert not is_kernels_available(), "transformers thinks our kernels package is the hub one"
 import transformers.integrations.hub_kernels as hub
 assert not hasattr(hub, "get_kernel_hub"), "transformers imported hub-kernel symbols"
-from dataplane import LLM, SamplingParams
+from pagedserve.dataplane import LLM, SamplingParams
 llm = LLM({str(model_dir)!r}, max_model_len=32, kv_cache_memory=2**20)
 out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
 assert len(out[0].token_ids) == 3
@@ -183,8 +183,8 @@ def test_offline_text_withholds_an_incomplete_trailing_character_as_a_stream_doe
     UTF-8 character, while a stream of the same tokens withholds that partial character. Both
     now give the same text: the offline one drops the incomplete trailing character too (its
     token stays in `token_ids`)."""
-    from controlplane.detokenizer import IncrementalDetokenizer
-    from controlplane.tokenizer import Tokenizer
+    from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
+    from pagedserve.controlplane.tokenizer import Tokenizer
 
     llm, path = served_llm
     tokenizer = Tokenizer(path)

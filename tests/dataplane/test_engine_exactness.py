@@ -3,33 +3,24 @@ whatever the batch composition, block size, chunking or preemption."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from tests.tiny_models import (
+from pagedserve.benchmarks.tiny_models import (
     Reference,
     assert_same_greedy,
     load_reference_model,
     make_tiny_model,
     reference_greedy,
 )
+from pagedserve.benchmarks.tiny_models import (
+    exactness_workload as workload,
+)
+from pagedserve.dataplane import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-NUM_PROMPTS = 32
-
-
-def workload(seed: int = 0) -> list[tuple[list[int], int]]:
-    """32 prompts of mixed lengths (1..70 tokens) with their own output lengths (1..20)."""
-    rng = random.Random(seed)
-    items = []
-    for i in range(NUM_PROMPTS):
-        length = 1 if i == 0 else rng.randint(2, 70)
-        items.append(([rng.randrange(3, 384) for _ in range(length)], rng.randint(1, 20)))
-    return items
 
 
 @pytest.fixture(scope="module")

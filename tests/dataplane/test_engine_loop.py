@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
-from dataplane.kvcache import BlockHash, BlockStored, KVEventRecord, PrefixCacheStats
-from dataplane.request import Request, RequestStatus
-from dataplane.server.engine_api import DataPlaneIdentity, Engine
-from dataplane.server.engine_loop import EngineLoop
-from dataplane.server.groups import GroupTable, SampleId, StreamRequestKey
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
+from pagedserve.dataplane.kvcache import BlockHash, BlockStored, KVEventRecord, PrefixCacheStats
+from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.groups import GroupTable, SampleId, StreamRequestKey
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 ARRIVAL = 100.0  # every fake request arrives then; each step advances the clock by 1 s
 STOP, LENGTH, ABORT = (
@@ -444,7 +444,7 @@ def test_a_constrained_request_waits_for_its_grammar_while_others_step(
 
 
 def test_a_grammar_refusal_rejects_the_request_by_name(loop: EngineLoop, engine: FakeEngine) -> None:
-    from dataplane.structured.grammar import GrammarError
+    from pagedserve.dataplane.structured.grammar import GrammarError
 
     sink = Sink()
     stream = loop.connect(sink)

@@ -12,10 +12,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from dataplane import LLM, SamplingParams
-from dataplane.structured.grammar import GrammarError
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.structured.grammar import GrammarError
 
 pytestmark = pytest.mark.real_model
 
@@ -189,7 +189,7 @@ def test_equal_constraints_compile_once(llm: Any) -> None:
 
 
 def test_a_compile_past_the_timeout_is_refused_and_the_next_compile_works(llm: Any, model_path: Path) -> None:
-    from dataplane.structured.compile_service import CompileService
+    from pagedserve.dataplane.structured.compile_service import CompileService
 
     engine = llm.engine
     service = CompileService(
@@ -241,7 +241,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_place(llm: Any) -> None:
     import torch
     import xgrammar as xgr
 
-    from dataplane.structured.grammar import GrammarState, TokenMasks
+    from pagedserve.dataplane.structured.grammar import GrammarState, TokenMasks
 
     compiled = llm.engine.grammars().compile(Constraint("json_schema", json.dumps(PERSON)))
     vocab = llm.engine.runner.model.config.vocab_size

@@ -10,19 +10,24 @@ import pytest
 import torch
 from torch import nn
 
-from dataplane import LLM, SamplingParams
-from dataplane.runner.attention_hook import PagedStep
-from dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
-from dataplane.runner.fused_layers import (
+from pagedserve.benchmarks.tiny_models import (
+    assert_same_greedy,
+    load_reference_model,
+    make_tiny_model,
+    reference_greedy,
+)
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
+from pagedserve.dataplane.runner.fused_layers import (
     FusedDecoderLayer,
     bind_block_kernels,
     fuse_decoder_layers,
     rms_norm,
 )
-from dataplane.runner.model_loader import load_model
-from kernels import build_attention_metadata, resolve_backend
-from kernels.cpu_ext import load_cpu_kernels
-from tests.tiny_models import assert_same_greedy, load_reference_model, make_tiny_model, reference_greedy
+from pagedserve.dataplane.runner.model_loader import load_model
+from pagedserve.kernels import build_attention_metadata, resolve_backend
+from pagedserve.kernels.cpu_ext import load_cpu_kernels
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 BLOCK_SIZE = 4

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.kvcache import BlockPool, KVCacheManager, cdiv
-from dataplane.request import Request
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager, cdiv
+from pagedserve.dataplane.request import Request
 
 
 def make(num_blocks: int, block_size: int) -> tuple[BlockPool, KVCacheManager]:

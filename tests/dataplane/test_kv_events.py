@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.kvcache import (
+from pagedserve.dataplane.kvcache import (
     AllBlocksCleared,
     BlockHash,
     BlockKey,

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from dataplane.config import ModelConfig, engine_config
-from dataplane.runner import linear_selection
-from dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
-from dataplane.runner.linear_selection import ROW_BANDS, ShapeChoice, select_linears
-from kernels.cpu_ext import CpuKernels, load_cpu_kernels
+from pagedserve.dataplane.config import ModelConfig, engine_config
+from pagedserve.dataplane.runner import linear_selection
+from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
+from pagedserve.dataplane.runner.linear_selection import ROW_BANDS, ShapeChoice, select_linears
+from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
 
 
 @pytest.fixture(autouse=True)

@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from dataplane import LLM
-from dataplane.kvcache.budget import plan_gpu_memory
-from dataplane.runner import memory_profile
-from dataplane.runner.memory_profile import (
+from pagedserve.benchmarks.tiny_models import make_tiny_model, tiny_config
+from pagedserve.dataplane import LLM
+from pagedserve.dataplane.kvcache.budget import plan_gpu_memory
+from pagedserve.dataplane.runner import memory_profile
+from pagedserve.dataplane.runner.memory_profile import (
     PROFILE_SAMPLING,
     dummy_scheduler_output,
     profile_activation_peak,
     worst_case_seq_lens,
 )
-from dataplane.runner.model_runner import ModelRunner
-from tests.tiny_models import make_tiny_model, tiny_config
+from pagedserve.dataplane.runner.model_runner import ModelRunner
 
 GiB = 2**30
 
@@ -203,7 +203,7 @@ def test_plan_gpu_memory_errors_name_the_cause() -> None:
 
 # -- the engine's GPU planning, its CUDA calls replaced by the fake --------------------------------
 def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dataplane.engine import llm_engine
+    from pagedserve.dataplane.engine import llm_engine
 
     llm = LLM(str(tiny_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
@@ -224,7 +224,7 @@ def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch:
 def test_engine_falls_back_to_the_estimate_when_the_profile_runs_out_of_memory(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dataplane.engine import llm_engine
+    from pagedserve.dataplane.engine import llm_engine
 
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

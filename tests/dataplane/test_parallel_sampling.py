@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane import LLM, SamplingParams
 
 PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 and a partial one
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.kvcache import (
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import (
     AllBlocksCleared,
     BlockHash,
     BlockKey,
@@ -16,8 +17,7 @@ from dataplane.kvcache import (
     KVCacheManager,
     hash_request_blocks,
 )
-from dataplane.scheduler import Request, Scheduler
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.scheduler import Request, Scheduler
 
 BS = 4
 SEED = "pagedserve"

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from tests.tiny_models import (
+from pagedserve.benchmarks.tiny_models import (
     Reference,
     assert_same_greedy,
     load_reference_model,
     make_tiny_model,
     reference_greedy,
 )
+from pagedserve.dataplane import LLM, SamplingParams
 
 
 def workload() -> list[tuple[list[int], int]]:

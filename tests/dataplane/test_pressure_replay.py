@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.pressure import build_workload
-from dataplane.kvcache import BlockPool, KVCacheManager
-from dataplane.scheduler import Request, Scheduler
+from pagedserve.benchmarks.pressure import build_workload
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
+from pagedserve.dataplane.scheduler import Request, Scheduler
 
 DEVICE_BLOCKS = 68  # 48 MiB of SmolLM2's fp32 KV (30 layers x 3 KV heads x 64 x 4 B x 2) in 16-token blocks
 BLOCK_SIZE = 16

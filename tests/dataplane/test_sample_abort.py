@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from dataplane.request import Request, RequestStatus
-from dataplane.server.engine_api import Engine
-from dataplane.server.engine_loop import EngineLoop
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.server.engine_api import Engine
+from pagedserve.dataplane.server.engine_loop import EngineLoop
 from tests.dataplane.test_engine_loop import ABORT, IDENTITY, LENGTH, FakeEngine, Plan, Sink, run_step
 from tests.dataplane.test_engine_loop import settle as settle_loop
 from tests.dataplane.test_engine_loop import submit as submit_to_loop
-from tests.tiny_models import make_tiny_model
 
 PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 (shared by the samples) and a partial one
 PARAMS = SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)

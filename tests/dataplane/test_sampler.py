@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dataplane.runner.sampler import _filtered_probs, apply_penalties, sample
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.runner.sampler import _filtered_probs, apply_penalties, sample
 
 LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 1.0, 4.9, 0.0, 0.0]])
 

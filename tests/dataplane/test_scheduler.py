@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from dataplane.kvcache import BlockPool, KVCacheManager
-from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
+from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 2
 
@@ -74,16 +74,16 @@ def free_ids(s: Scheduler) -> list[int]:
 # -- torch-free core -------------------------------------------------------------------------
 
 TORCH_FREE_MODULES = [
-    "dataplane.kvcache",
+    "pagedserve.dataplane.kvcache",
     "pagedserve.common.block_hash",
-    "dataplane.kvcache.block_pool",
-    "dataplane.kvcache.kv_events",
-    "dataplane.kvcache.kv_cache_manager",
-    "dataplane.scheduler",
-    "dataplane.request",
-    "dataplane.scheduler.scheduler",
+    "pagedserve.dataplane.kvcache.block_pool",
+    "pagedserve.dataplane.kvcache.kv_events",
+    "pagedserve.dataplane.kvcache.kv_cache_manager",
+    "pagedserve.dataplane.scheduler",
+    "pagedserve.dataplane.request",
+    "pagedserve.dataplane.scheduler.scheduler",
     "pagedserve.common.sampling_params",
-    "dataplane.config",
+    "pagedserve.dataplane.config",
 ]
 
 

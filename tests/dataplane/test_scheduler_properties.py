@@ -23,7 +23,8 @@ from hypothesis import currently_in_test_context, given, settings, target
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
-from dataplane.kvcache import (
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import (
     AllBlocksCleared,
     BlockHash,
     BlockPool,
@@ -32,8 +33,7 @@ from dataplane.kvcache import (
     KVCacheManager,
     cdiv,
 )
-from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 2
 STOP = 5

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import dataplane.runner.model_runner as model_runner
-from dataplane import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model
+import pagedserve.dataplane.runner.model_runner as model_runner
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane import LLM, SamplingParams
 
 PROMPTS = [list(range(10, 30)), list(range(40, 47)), list(range(50, 83))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

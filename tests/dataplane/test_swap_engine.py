@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from dataplane import LLM, SamplingParams
-from dataplane.config import engine_config
-from dataplane.engine.llm_engine import LLMEngine
-from dataplane.engine.outputs import EngineStats
-from dataplane.kvcache import PrefixCacheStats, cdiv
-from dataplane.request import RequestStatus
-from dataplane.server.metrics import DataPlaneMetrics
-from tests.tiny_models import (
+from pagedserve.benchmarks.tiny_models import (
     Reference,
     assert_same_greedy,
     load_reference_model,
     make_tiny_model,
     reference_greedy,
 )
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.config import engine_config
+from pagedserve.dataplane.engine.llm_engine import LLMEngine
+from pagedserve.dataplane.engine.outputs import EngineStats
+from pagedserve.dataplane.kvcache import PrefixCacheStats, cdiv
+from pagedserve.dataplane.request import RequestStatus
+from pagedserve.dataplane.server.metrics import DataPlaneMetrics
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 128
@@ -105,7 +105,7 @@ def assert_same_as_unconstrained(
     outputs: list[list[list[int]]], base: list[list[list[int]]], refs: list[Reference], context: str
 ) -> None:
     """Equal to the unconstrained run, token for token; a divergence passes only where the
-    transformers reference shows a numerical tie (see tests/tiny_models.py), at most once."""
+    transformers reference shows a numerical tie (see benchmarks/tiny_models.py), at most once."""
     ties = 0
     for i, (samples, base_samples, ref) in enumerate(zip(outputs, base, refs, strict=True)):
         assert len(samples) == len(base_samples)

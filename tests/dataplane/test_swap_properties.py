@@ -32,9 +32,9 @@ from hypothesis import currently_in_test_context, given, settings, target
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
-from dataplane.kvcache import BlockPool, KVCacheManager, cdiv
-from dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager, cdiv
+from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 2
 VOCAB = 8

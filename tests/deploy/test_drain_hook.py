@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pagedserve.common.tls import DATAPLANE_TOKEN_METADATA
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 from tests.deploy.chart import load_drain_script
 
 

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controlplane.metrics import ControlPlaneMetrics
-from dataplane.engine.outputs import EngineStats
-from dataplane.kvcache import PrefixCacheStats
-from dataplane.server.metrics import DataPlaneMetrics
 from helm.generate import dashboard
+from pagedserve.controlplane.metrics import ControlPlaneMetrics
+from pagedserve.dataplane.engine.outputs import EngineStats
+from pagedserve.dataplane.kvcache import PrefixCacheStats
+from pagedserve.dataplane.server.metrics import DataPlaneMetrics
 from tests.deploy.chart import CHART, objects, of_kind, render
 
 METRIC = re.compile(r"\bpagedserve_[a-z0-9_]+\b")

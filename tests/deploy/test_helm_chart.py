@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from dataplane.cli import dataplane_config_from_args
-from dataplane.config import DataPlaneConfig
 from helm.generate import CHART_MANAGED, Knob, blocks
 from pagedserve.cli import build_parser
 from pagedserve.common import settings
+from pagedserve.dataplane.cli import dataplane_config_from_args
+from pagedserve.dataplane.config import DataPlaneConfig
 from tests.deploy.chart import (
     CHART,
     CRD_KINDS,

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from controlplane.config import ControlPlaneConfig
-from dataplane.config import EngineConfig
 from helm import generate
 from helm.generate import BYTES_PATTERN, Knob, blocks, knobs
 from pagedserve.cli import build_parser
 from pagedserve.common import settings
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.dataplane.config import EngineConfig
 from tests.deploy.chart import CHART
 
 

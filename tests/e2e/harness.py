@@ -22,13 +22,13 @@ from typing import Any
 
 import grpc
 
-from controlplane.config import ControlPlaneConfig
-from controlplane.server import ControlPlane, start_control_plane
-from dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from dataplane.server.engine_loop import EngineLoop
-from dataplane.server.server import build_engine_loop, create_server
 from pagedserve.common.tls import ServerTLS
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.server import ControlPlane, start_control_plane
+from pagedserve.dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.server import build_engine_loop, create_server
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -37,7 +37,7 @@ def test_the_readme_has_its_python_snippets() -> None:
     # calling: a missing block would pass silently below.
     assert len(blocks) == 5
     assert "from openai import OpenAI" in blocks[0]
-    assert "from dataplane import LLM, SamplingParams" in blocks[1]
+    assert "from pagedserve import LLM, SamplingParams" in blocks[1]
     assert "GenerationClient" in blocks[2]
     assert "response_format=City" in blocks[3]
     assert 'tool_choice="required"' in blocks[4]
@@ -119,7 +119,7 @@ def test_every_flag_the_readme_passes_to_pagedserve_exists() -> None:
 
 
 def test_the_readme_lists_every_benchmark() -> None:
-    from benchmarks.cli import SCRIPTS, SUBCOMMANDS
+    from pagedserve.benchmarks.cli import SCRIPTS, SUBCOMMANDS
 
     listed = {line.split()[2] for line in _pagedserve_command_lines() if line.split()[1:2] == ["bench"]}
     assert sorted(set(SUBCOMMANDS) | set(SCRIPTS)) == sorted(listed)
@@ -148,7 +148,7 @@ def _parser_facts() -> tuple[set[str], set[str], set[str]]:
 
 def _openai_accepts(field: str, value: object) -> bool:
     """The OpenAI API takes `field` with this value (it is not among the refused parameters)."""
-    from controlplane.openai.protocol import UNSUPPORTED
+    from pagedserve.controlplane.openai.protocol import UNSUPPORTED
 
     return field not in UNSUPPORTED or UNSUPPORTED[field](value)
 

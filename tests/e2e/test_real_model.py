@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from dataplane import LLM, SamplingParams
+from pagedserve.benchmarks.tiny_models import assert_same_greedy, reference_greedy
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
-from tests.tiny_models import assert_same_greedy, reference_greedy
+from pagedserve.dataplane import LLM, SamplingParams
 
 pytestmark = pytest.mark.real_model
 

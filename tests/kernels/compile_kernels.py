@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kernels.triton_ops import jit
+from pagedserve.kernels.triton_ops import jit
 
 TL = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 

@@ -1,6 +1,6 @@
 """Kernel tests run the Triton kernels on the GPU when there is one, else in Triton's CPU
 interpreter. TRITON_INTERPRET must be set before the first @triton.jit module is imported
-(kernels.triton_ops is imported lazily, on the first Triton call), hence here.
+(pagedserve.kernels.triton_ops is imported lazily, on the first Triton call), hence here.
 
 PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/gpu_check.sh sets) makes that fallback an
 error instead: a GPU check that silently ran in the interpreter would report a pass for
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from kernels.cpu_ext import CpuKernels
+    from pagedserve.kernels.cpu_ext import CpuKernels
 
 REQUIRE = os.environ.get("PAGEDSERVE_KERNEL_TESTS", "")
 
@@ -33,8 +33,8 @@ elif not torch.cuda.is_available():
 
 def _runnable_isas() -> tuple[str, ...]:
     # Imported here, not at the top: TRITON_INTERPRET must be settled before kernels' imports
-    # (kernels.cpu_ext imports no Triton module).
-    from kernels.cpu_ext import runnable_isas
+    # (pagedserve.kernels.cpu_ext imports no Triton module).
+    from pagedserve.kernels.cpu_ext import runnable_isas
 
     return runnable_isas()
 
@@ -42,9 +42,9 @@ def _runnable_isas() -> tuple[str, ...]:
 @pytest.fixture(scope="session", params=_runnable_isas())
 def ext(request: pytest.FixtureRequest) -> CpuKernels:
     """The C++ CPU kernels, once per instruction-set build this CPU executes (avx512, avx2,
-    portable: kernels.cpu_ext.CPU_ISAS), so every kernel test covers every ISA variant the
+    portable: pagedserve.kernels.cpu_ext.CPU_ISAS), so every kernel test covers every ISA variant the
     machine can run. They must build here (a missing kernel is a failure, not a skip)."""
-    from kernels.cpu_ext import load_cpu_kernels
+    from pagedserve.kernels.cpu_ext import load_cpu_kernels
 
     kernels = load_cpu_kernels(strict=True, isa=request.param)
     assert kernels is not None and kernels.isa == request.param

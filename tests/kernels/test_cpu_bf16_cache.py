@@ -17,11 +17,11 @@ import torch
 from test_cpu_fp8 import DECODE_SEQ_LENS, generate_greedy
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
-from kernels import paged_attention, write_kv_cache
-from kernels.backend import AttentionImpl, resolve_backend
-from kernels.cpu_ext import CpuKernels
-from kernels.fp8 import kv_cache_torch_dtype
-from tests.tiny_models import make_tiny_model
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.kernels import paged_attention, write_kv_cache
+from pagedserve.kernels.backend import AttentionImpl, resolve_backend
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.fp8 import kv_cache_torch_dtype
 
 
 def split(batch: Batch) -> tuple[Batch, Batch]:
@@ -39,7 +39,7 @@ def attend(batch: Batch, impl: AttentionImpl) -> torch.Tensor:
 
 
 def run_kernels(ext: CpuKernels, batch: Batch) -> torch.Tensor:
-    """This ISA build's decode and prefill ops over the batch, as kernels.attention calls them."""
+    """This ISA build's decode and prefill ops over the batch, as pagedserve.kernels.attention calls them."""
     out = torch.full_like(batch.query, 12345.0)
     meta = batch.meta
     caches = (batch.query, batch.key_cache, batch.value_cache)
@@ -178,9 +178,9 @@ def test_engine_bf16_cache(ext: CpuKernels, tiny_llama: Path, monkeypatch: pytes
     assert llm.engine.kv_scales is None
     # The same kv_cache_memory holds twice the blocks of the fp32 pool.
     assert llm.engine.budget.num_blocks == 2 * fp32_llm.engine.budget.num_blocks
-    import kernels.backend
+    import pagedserve.kernels.backend
 
-    monkeypatch.setattr(kernels.backend, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr(pagedserve.kernels.backend, "load_cpu_kernels", lambda: None)
     llm_torch, tokens_torch = generate_greedy(tiny_llama, "bfloat16")
     assert llm_torch.engine.runner.backends.attention == "torch"
     assert tokens == tokens_torch

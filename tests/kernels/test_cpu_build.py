@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_ext
+from pagedserve.kernels import cpu_ext
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD = (
-    "from kernels.cpu_ext import load_cpu_kernels\n"
+    "from pagedserve.kernels.cpu_ext import load_cpu_kernels\n"
     "kernels = load_cpu_kernels(strict=True, isa='portable')\n"
     "print('loaded', kernels.library_path)\n"
 )

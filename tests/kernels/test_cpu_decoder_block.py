@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ext import CpuKernels
-from kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 HIDDEN = 80
 HEADS, KV_HEADS, HEAD_DIM = 5, 1, 16

@@ -17,14 +17,14 @@ import pytest
 import torch
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
-from dataplane import LLM, SamplingParams
-from kernels import paged_attention
-from kernels.backend import AttentionImpl, resolve_backend
-from kernels.cpu_ext import CpuKernels
-from kernels.fp8 import dequantize_fp8, quantize_fp8
-from kernels.reference import dense_causal_attention_reference
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.kernels import paged_attention
+from pagedserve.kernels.backend import AttentionImpl, resolve_backend
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.fp8 import dequantize_fp8, quantize_fp8
+from pagedserve.kernels.reference import dense_causal_attention_reference
 from tests.dataplane.test_engine_exactness import assert_no_leaks, workload
-from tests.tiny_models import make_tiny_model
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Per-tensor scales as calibration picks them: randn * 30 garbage saturates, real values
@@ -248,9 +248,9 @@ def test_engine_fp8_uses_the_kernel_and_matches_the_torch_path(
     scales: Any = llm.engine.kv_scales
     assert scales is not None and all(s != 1.0 for s in scales.k_scale + scales.v_scale)
     # The previous FP8 path: the torch backend without the C++ kernel.
-    import kernels.backend
+    import pagedserve.kernels.backend
 
-    monkeypatch.setattr(kernels.backend, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr(pagedserve.kernels.backend, "load_cpu_kernels", lambda: None)
     llm_torch, tokens_torch = generate_greedy(tiny_qwen3, kv_cache_dtype)
     assert llm_torch.engine.runner.backends.attention == "torch"
     assert tokens == tokens_torch

@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_paged_attention import MIXED_QUERY_LENS, MIXED_SEQ_LENS, make_batch
 
-from kernels import cpu_ext, paged_attention
-from kernels.cpu_ext import (
+from pagedserve.kernels import cpu_ext, paged_attention
+from pagedserve.kernels.cpu_ext import (
     CPU_ISAS,
     ISA_ENV,
     check_isa,
@@ -27,7 +27,7 @@ from kernels.cpu_ext import (
     runnable_isas,
     selected_isa,
 )
-from kernels.linear import NO_BIAS, pack_panels, panel_linear
+from pagedserve.kernels.linear import NO_BIAS, pack_panels, panel_linear
 
 ZEN4 = frozenset(["fma", "f16c", "avx", "avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"])
 ZEN3 = frozenset(["sse4_2", "fma", "f16c", "avx", "avx2", "bmi2"])

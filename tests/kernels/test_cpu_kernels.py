@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch, max_error
 
-from kernels import build_attention_metadata, paged_attention
-from kernels.cpu_ext import CpuKernels
-from kernels.reference import dense_causal_attention_reference
+from pagedserve.kernels import build_attention_metadata, paged_attention
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.reference import dense_causal_attention_reference
 
 
 def reference(batch: Batch, query: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +250,7 @@ def test_kernel_rejects_bad_indices(ext: CpuKernels) -> None:
 
 def test_import_does_not_build() -> None:
     code = (
-        "import kernels, kernels.cpu_ext as c, sys; "
+        "import pagedserve.kernels.cpu_ext as c, sys; "
         "assert not c._loaded; assert 'torch.utils.cpp_extension' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

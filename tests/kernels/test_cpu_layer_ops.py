@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.cpu_ext import CpuKernels
 
 
 def llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,8 +119,8 @@ def test_bad_inputs_are_refused_by_name(ext: CpuKernels) -> None:
 
 
 def test_cpp_cache_write_equals_torch_and_checks_slots(ext: CpuKernels) -> None:
-    from kernels import write_kv_cache
-    from kernels.cache_ops import write_kv_cache_torch
+    from pagedserve.kernels import write_kv_cache
+    from pagedserve.kernels.cache_ops import write_kv_cache_torch
 
     gen = torch.Generator().manual_seed(9)
     shape = (6, 4, 3, 64)  # 6 blocks of 4 slots, 3 kv heads

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ext import CpuKernels
-from kernels.linear import PANEL_WIDTHS, pack_panels, panel_linear
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.linear import PANEL_WIDTHS, pack_panels, panel_linear
 
 
 def make_layer(

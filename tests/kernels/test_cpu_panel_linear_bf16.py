@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ext import CpuKernels
-from kernels.linear import pack_panels_bf16, panel_linear_bf16
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.linear import pack_panels_bf16, panel_linear_bf16
 
 
 def reference(

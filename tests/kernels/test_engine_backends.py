@@ -14,10 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from dataplane import LLM, SamplingParams
-from kernels.backend import ResolvedBackends, resolve_backend
+from pagedserve.benchmarks.tiny_models import (
+    Reference,
+    load_reference_model,
+    make_tiny_model,
+    reference_greedy,
+)
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.kernels.backend import ResolvedBackends, resolve_backend
 from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all, workload
-from tests.tiny_models import Reference, load_reference_model, make_tiny_model, reference_greedy
 
 NUM_PROMPTS = 8
 
@@ -132,7 +137,7 @@ def test_fp8_scales_file_round_trip(tiny: dict[str, Any], tmp_path: Path) -> Non
 
 
 def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    import dataplane.engine.llm_engine as llm_engine
+    import pagedserve.dataplane.engine.llm_engine as llm_engine
 
     warnings: list[tuple[str, dict[str, Any]]] = []
     real = llm_engine.log
@@ -153,7 +158,7 @@ def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: py
 
 
 def test_backend_and_dtype_validation(tiny: dict[str, Any]) -> None:
-    from dataplane.config import CacheConfig, ModelConfig
+    from pagedserve.dataplane.config import CacheConfig, ModelConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="fp8")

@@ -1,4 +1,4 @@
-"""Paged KV ops against the dense float64 reference (kernels.reference).
+"""Paged KV ops against the dense float64 reference (pagedserve.kernels.reference).
 
 fp32 decode tests run both decode implementations: impl="torch" (gathers + SDPA) and
 impl="cpp" (the C++ kernel, which must build here: no skip). See also test_cpu_kernels.py.
@@ -15,16 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import (
+from pagedserve.kernels import (
     AttentionMetadata,
     build_attention_metadata,
     copy_blocks,
     paged_attention,
     write_kv_cache,
 )
-from kernels.backend import AttentionImpl
-from kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
-from kernels.reference import dense_causal_attention_reference
+from pagedserve.kernels.backend import AttentionImpl
+from pagedserve.kernels.metadata import DECODE_GROUP_MAX_SEQS, DECODE_GROUP_MAX_TOKENS
+from pagedserve.kernels.reference import dense_causal_attention_reference
 
 # fp32: the kernel and the float64 reference differ only by fp32 rounding in
 # O(seq_len * head_dim) accumulations of O(1) values, about 1e-6 here.

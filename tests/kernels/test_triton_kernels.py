@@ -2,8 +2,8 @@
 
 Tolerances. The cache kernels move or quantize values, so they must match the torch
 reference bit for bit (FP8 quantization included: both multiply by the same fp32 reciprocal
-scale and round to nearest even, see kernels.fp8). Attention is compared with the float64
-dense reference (kernels.reference) and with the torch path at the dtype tolerances of
+scale and round to nearest even, see pagedserve.kernels.fp8). Attention is compared with the float64
+dense reference (pagedserve.kernels.reference) and with the torch path at the dtype tolerances of
 test_paged_attention (fp32 1e-5; fp16 4e-3; bf16 3e-2: both implementations keep fp32
 softmax statistics and accumulators and differ only in where they round to the query dtype).
 An FP8 cache adds no tolerance: FP8 values widen exactly to fp32/fp16/bf16 and both sides
@@ -36,10 +36,16 @@ from test_paged_attention import (
     make_batch,
 )
 
-from kernels import build_attention_metadata, copy_blocks, paged_attention, swap_blocks, write_kv_cache
-from kernels.fp8 import dequantize_fp8, quantize_fp8
-from kernels.reference import dense_causal_attention_reference
-from kernels.triton_ops.attention import TileConfig
+from pagedserve.kernels import (
+    build_attention_metadata,
+    copy_blocks,
+    paged_attention,
+    swap_blocks,
+    write_kv_cache,
+)
+from pagedserve.kernels.fp8 import dequantize_fp8, quantize_fp8
+from pagedserve.kernels.reference import dense_causal_attention_reference
+from pagedserve.kernels.triton_ops.attention import TileConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: FP32_ATOL, torch.float16: FP16_ATOL, torch.bfloat16: BF16_ATOL}
@@ -71,7 +77,7 @@ def check_attention(
 ) -> None:
     args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
     if triton_kwargs:
-        from kernels.triton_ops import paged_attention_triton
+        from pagedserve.kernels.triton_ops import paged_attention_triton
 
         out = paged_attention_triton(*args, k_scale, v_scale, **triton_kwargs)  # type: ignore[arg-type]
     else:
@@ -219,7 +225,7 @@ def test_strided_query_and_empty_batch() -> None:
 
 
 def test_num_splits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.triton_ops import attention as tri
+    from pagedserve.kernels.triton_ops import attention as tri
 
     monkeypatch.setattr(tri, "_num_sms", lambda _index: 132)
     cuda = torch.device("cuda", 0)
@@ -232,7 +238,7 @@ def test_num_splits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_e4m3_needs_sm89_in_compiled_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import backend
+    from pagedserve.kernels import backend
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (8, 0))
@@ -250,7 +256,7 @@ def test_e4m3_needs_sm89_in_compiled_triton(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_triton_launcher_validation() -> None:
-    from kernels.triton_ops import paged_attention_triton
+    from pagedserve.kernels.triton_ops import paged_attention_triton
 
     batch = make_batch([1], [5], block_size=4, num_kv_heads=1, group=1, head_dim=16, device=DEVICE)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)

@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.common.tls import read_token_file, token_metadata
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

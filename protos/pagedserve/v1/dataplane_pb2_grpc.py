@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.pagedserve.v1 import dataplane_pb2 as pagedserve_dot_v1_dot_dataplane__pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2 as pagedserve_dot_v1_dot_dataplane__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -5,7 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from protos.pagedserve.v1 import dataplane_pb2 as _dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2 as _dataplane_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

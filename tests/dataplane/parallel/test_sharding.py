@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from dataplane.parallel.sharding import RowParallelLinear, check_divisible, shard_model
-from dataplane.runner.model_loader import load_model
-from tests.tiny_models import make_tiny_model, tiny_config
+from pagedserve.benchmarks.tiny_models import make_tiny_model, tiny_config
+from pagedserve.dataplane.parallel.sharding import RowParallelLinear, check_divisible, shard_model
+from pagedserve.dataplane.runner.model_loader import load_model
 
 
 class LocalGroup:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.parallel import step_plan
-from dataplane.runner.model_runner import StepInputs
+from pagedserve.dataplane.parallel import step_plan
+from pagedserve.dataplane.runner.model_runner import StepInputs
 
 
 def test_round_trip_keeps_every_field() -> None:

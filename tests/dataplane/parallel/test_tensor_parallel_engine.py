@@ -18,13 +18,7 @@ from typing import Any
 
 import pytest
 
-from dataplane import LLM, SamplingParams
-from dataplane.config import engine_config
-from dataplane.kvcache import cdiv
-from dataplane.parallel.driver import TensorParallelDriver
-from dataplane.runner.model_runner import ModelRunner
-from pagedserve.common.lifecycle import EXIT_ERROR
-from tests.tiny_models import (
+from pagedserve.benchmarks.tiny_models import (
     Reference,
     assert_same_greedy,
     load_reference_model,
@@ -32,6 +26,12 @@ from tests.tiny_models import (
     reference_greedy,
     tiny_config,
 )
+from pagedserve.common.lifecycle import EXIT_ERROR
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.config import engine_config
+from pagedserve.dataplane.kvcache import cdiv
+from pagedserve.dataplane.parallel.driver import TensorParallelDriver
+from pagedserve.dataplane.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 REPO = Path(__file__).resolve().parents[3]
@@ -210,7 +210,7 @@ def test_a_worker_killed_mid_generation_ends_the_process_with_a_clear_error(
     path, _ = models["llama"]
     script = f"""
 import os, signal, threading, time
-from dataplane import LLM, SamplingParams
+from pagedserve.dataplane import LLM, SamplingParams
 llm = LLM({str(path)!r}, tensor_parallel_size=2, max_model_len=1024, max_num_seqs=4)
 driver = llm.engine.parallel
 def kill_after_some_steps():

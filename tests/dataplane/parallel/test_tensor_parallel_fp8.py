@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from dataplane import LLM, SamplingParams
-from dataplane.kvcache import cdiv
+from pagedserve.benchmarks.tiny_models import TIE_TOLERANCE, make_tiny_model, tiny_config
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.kvcache import cdiv
 from tests.dataplane.parallel.test_tensor_parallel_engine import BLOCK_SIZE, workload
-from tests.tiny_models import TIE_TOLERANCE, make_tiny_model, tiny_config
 
 KV_CACHE_DTYPE = "fp8_e4m3"
 

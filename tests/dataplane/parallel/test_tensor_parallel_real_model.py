@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from dataplane import LLM, SamplingParams
+from pagedserve.benchmarks.tiny_models import TIE_TOLERANCE
 from pagedserve.common.models import DEFAULT_MODEL
-from tests.tiny_models import TIE_TOLERANCE
+from pagedserve.dataplane import LLM, SamplingParams
 
 pytestmark = pytest.mark.real_model
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from dataplane.engine.outputs import StepResult
-from dataplane.server.engine_loop import EngineLoop
-from dataplane.server.server import EXIT_ENGINE_FAILED, bind_server, serve
+from pagedserve.dataplane.engine.outputs import StepResult
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.server import EXIT_ENGINE_FAILED, bind_server, serve
 from tests.dataplane.test_engine_loop import IDENTITY, FakeEngine
 
 

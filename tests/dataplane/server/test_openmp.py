@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dataplane.server.openmp import loaded_libgomp, release_openmp_threads
+from pagedserve.dataplane.server.openmp import loaded_libgomp, release_openmp_threads
 
 
 def _thread_ids() -> set[str]:

@@ -15,7 +15,7 @@ from concurrent import futures
 
 import grpc
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 OK = ("ok",)
 UNAVAILABLE = ("abort", grpc.StatusCode.UNAVAILABLE, "no data plane is available")

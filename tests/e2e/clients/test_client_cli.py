@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pagedserve.cli import main
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SERVED = ("tiny", "tiny-alias")
 

@@ -22,7 +22,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from clients.python import AsyncGenerationClient, GenerationClient, build_request
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient, build_request
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.e2e.harness import ServerThread, engine_config
 

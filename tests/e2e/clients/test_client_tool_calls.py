@@ -20,10 +20,10 @@ import jsonschema
 import pydantic
 import pytest
 
-from clients.python import AsyncGenerationClient, GenerationClient, build_request
-from clients.python.tools import ToolCall
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient, build_request
+from pagedserve.clients.python.tools import ToolCall
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
-from protos.pagedserve.v1 import generation_pb2
+from pagedserve.protos.pagedserve.v1 import generation_pb2
 from tests.e2e.harness import ServerThread, engine_config
 
 WEATHER_PARAMETERS: dict[str, Any] = {

@@ -42,10 +42,10 @@ import grpc
 import jsonschema
 import pytest
 
-from clients.python import AsyncGenerationClient, GenerationClient
-from controlplane.server import ControlPlane
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from pagedserve.common.tls import ServerTLS
+from pagedserve.controlplane.server import ControlPlane
 from tests.e2e.certs import Pki, make_pki
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
 from tests.e2e.harness import REPO, ServerThread, engine_config, start_controlplane

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peer_venv import PeerVenv
+from pagedserve.benchmarks.peer_venv import PeerVenv
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.e2e.harness import Process
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from clients.python import AsyncGenerationClient, GenerationClient
-from clients.python.client import DEFAULT_RETRY, NO_RETRY, Completion, RetryPolicy, StreamChunk
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
+from pagedserve.clients.python.client import DEFAULT_RETRY, NO_RETRY, Completion, RetryPolicy, StreamChunk
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
 
 _ids = itertools.count()

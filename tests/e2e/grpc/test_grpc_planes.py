@@ -17,9 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.python import AsyncGenerationClient, Completion, StreamChunk
-from clients.python.client import NO_RETRY
-from dataplane import LLM, SamplingParams
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
+from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import (
     controlplane_process,
     dataplane_process,
@@ -30,7 +31,6 @@ from tests.e2e.harness import (
     wait_idle,
     wait_until_async,
 )
-from tests.tiny_models import make_tiny_model
 
 LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)
 
@@ -334,7 +334,7 @@ def _handles(cp):  # type: ignore[no-untyped-def]
 
 
 def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
-    from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+    from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
     async def run() -> None:
         dp = await start_dataplane(engine_config(tiny))
@@ -361,7 +361,7 @@ def test_draining_data_plane_takes_no_new_requests(tiny: Path) -> None:
 
 
 def test_a_cancel_reaches_a_draining_data_plane_and_frees_its_blocks(tiny: Path) -> None:
-    from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+    from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
     async def run() -> None:
         dp = await start_dataplane(engine_config(tiny))
@@ -395,7 +395,7 @@ def test_a_cancel_reaches_a_draining_data_plane_and_frees_its_blocks(tiny: Path)
 
 
 def test_dataplanes_discovered_by_dns(tiny: Path) -> None:
-    from controlplane.discovery import resolve_dataplanes
+    from pagedserve.controlplane.discovery import resolve_dataplanes
 
     async def run() -> None:
         assert "127.0.0.1:5" in await resolve_dataplanes("localhost:5")
@@ -414,8 +414,8 @@ def test_dataplanes_discovered_by_dns(tiny: Path) -> None:
 
 
 async def start_control_plane_dns(tiny: Path, name: str):  # type: ignore[no-untyped-def]
-    from controlplane.config import ControlPlaneConfig
-    from controlplane.server import start_control_plane
+    from pagedserve.controlplane.config import ControlPlaneConfig
+    from pagedserve.controlplane.server import start_control_plane
 
     config = ControlPlaneConfig(model=str(tiny), dataplane_dns=name, dns_refresh_s=0.2)
     cp = await start_control_plane(config, "127.0.0.1", 0, http_port=None)

@@ -13,9 +13,9 @@ import asyncio
 
 import pytest
 
-from clients.python import AsyncGenerationClient, Completion
-from dataplane.server.engine_loop import EngineLoop
+from pagedserve.clients.python import AsyncGenerationClient, Completion
 from pagedserve.common.models import DEFAULT_MODEL
+from pagedserve.dataplane.server.engine_loop import EngineLoop
 from tests.e2e.harness import engine_config, start_controlplane, start_dataplane, wait_idle
 
 pytestmark = pytest.mark.real_model

@@ -17,10 +17,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from clients.python import AsyncGenerationClient, GenerationClient
-from controlplane.tokenizer import Tokenizer
-from dataplane import LLM, SamplingParams
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+from pagedserve.controlplane.tokenizer import Tokenizer
+from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import REPO, Process
 
 pytestmark = pytest.mark.real_model

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from hypothesis import strategies as st
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2
 
 CASE_TIMEOUT_S = 10.0
 """Every case is answered within this (a slower answer, or none, fails as a hang)."""
@@ -34,7 +34,7 @@ MAX_MESSAGE_CHARS = 1024
 """An error message never grows with what the client sent (values are clipped, not echoed)."""
 KEY = "alpha"
 AUTH = ("authorization", f"Bearer {KEY}")
-VOCAB = 384  # tests.tiny_models.VOCAB: ids below it are valid prompt tokens
+VOCAB = 384  # pagedserve.benchmarks.tiny_models.VOCAB: ids below it are valid prompt tokens
 SERVICE = "/pagedserve.v1.GenerationService"
 GRPC_METHODS = ("Generate", "Tokenize", "Detokenize", "ListModels")
 # What a GenerationService call may end with; anything else (UNKNOWN, INTERNAL, a deadline:

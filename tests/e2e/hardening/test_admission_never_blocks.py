@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import Http
 from tests.e2e.harness import ServerThread, engine_config, wait_until
-from tests.tiny_models import make_tiny_model
 
 RESERVE = 20  # decode blocks reserved per sample: 1 prompt block + 20 × n of the 64
 STALL_S = 4.0

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2
 from tests.e2e.hardening import fuzz_cases as fc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config

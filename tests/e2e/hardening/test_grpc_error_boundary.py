@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.errors import ServiceError
-from controlplane.frontend import Frontend
-from controlplane.servicer import GenerationServicer, add_generation_service
-from controlplane.tokenizer import Tokenizer
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.frontend import Frontend
+from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
+from pagedserve.controlplane.tokenizer import Tokenizer
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config
 
@@ -144,7 +144,7 @@ def test_a_request_that_faults_in_a_step_fails_alone_with_internal(
     counts the fault and keeps serving."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import dataplane.runner.model_runner as model_runner
+    import pagedserve.dataplane.runner.model_runner as model_runner
 
     def ask(channel: grpc.Channel, rid: str, ids: list[int], seed: int | None = None) -> list[int]:
         params = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

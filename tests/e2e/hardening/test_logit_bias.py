@@ -10,13 +10,13 @@ import grpc
 import pytest
 import torch
 
-from dataplane.runner.sampler import sample
+from pagedserve.benchmarks.tiny_models import VOCAB
 from pagedserve.common.protocol import sampling_params_from_proto, sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.dataplane.runner.sampler import sample
+from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import Http, make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config
-from tests.tiny_models import VOCAB
 
 LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 1.0, 4.9, 0.0, 0.0]])
 
@@ -97,7 +97,7 @@ def test_logit_bias_over_grpc(server: ServerThread) -> None:
 
 
 def test_logit_bias_from_the_python_client(server: ServerThread) -> None:
-    from clients.python import GenerationClient
+    from pagedserve.clients.python import GenerationClient
 
     with GenerationClient(server.grpc_address, timeout=30) as client:
         out = client.generate(

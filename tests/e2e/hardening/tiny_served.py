@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.tiny_models import VOCAB, make_tiny_model
+from pagedserve.benchmarks.tiny_models import VOCAB, make_tiny_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

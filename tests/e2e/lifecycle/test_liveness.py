@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.server import Liveness
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.controlplane.server import Liveness
 from tests.e2e.harness import ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

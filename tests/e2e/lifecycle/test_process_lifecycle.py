@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.python import GenerationClient
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import GenerationClient
 from tests.e2e.harness import REPO, wait_until
-from tests.tiny_models import make_tiny_model
 
 START_S = 120.0  # a cold start imports torch; two cores may be busy with other tests
 LOG_NOISE = ("Traceback", "Task was destroyed", "asynchronous generator is already running", "sys.excepthook")

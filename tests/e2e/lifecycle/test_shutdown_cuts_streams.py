@@ -38,10 +38,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from clients.python import GenerationClient, StreamChunk
-from clients.python.client import NO_RETRY
-from controlplane.http_server import HttpServer
+from pagedserve.clients.python import GenerationClient, StreamChunk
+from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+from pagedserve.controlplane.http_server import HttpServer
 from tests.e2e.harness import REPO, wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Proc, gone, http_status
 

@@ -11,16 +11,16 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import generate_latest
 
-from clients.python import AsyncGenerationClient
-from controlplane.doctor import Sample, Thresholds, diagnose, parse
-from controlplane.metrics import ControlPlaneMetrics
-from dataplane.engine.outputs import EngineStats
-from dataplane.kvcache import PrefixCacheStats
-from dataplane.server.protocol import pool_stats_to_proto
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import main
-from protos.pagedserve.v1 import dataplane_pb2
+from pagedserve.clients.python import AsyncGenerationClient
+from pagedserve.controlplane.doctor import Sample, Thresholds, diagnose, parse
+from pagedserve.controlplane.metrics import ControlPlaneMetrics
+from pagedserve.dataplane.engine.outputs import EngineStats
+from pagedserve.dataplane.kvcache import PrefixCacheStats
+from pagedserve.dataplane.server.protocol import pool_stats_to_proto
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 from tests.e2e.harness import ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 
 def test_sustained_high_usage_is_flagged_but_a_spike_is_not() -> None:
@@ -208,7 +208,7 @@ pagedserve_cpu_kv_cache_total_blocks 32
     assert parse(dp) == {"": Sample(preemptions_swap=3, preemptions_recompute=1, blocks_swapped_out=12,
                                     host_total_blocks=32)}  # fmt: skip
 
-    monkeypatch.setattr("controlplane.doctor.scrape", lambda url: parsed)
+    monkeypatch.setattr("pagedserve.controlplane.doctor.scrape", lambda url: parsed)
     assert main(["doctor", "--url", "http://cp:8000", "--samples", "1"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == [
@@ -255,8 +255,8 @@ def test_doctor_against_a_live_server(server: ServerThread, capsys: pytest.Captu
 def test_the_data_plane_exports_its_cpu_and_kernels(server: ServerThread) -> None:
     """The live data plane's exposition names its CPU, kernel build and each linear's kernel,
     and the doctor reads them (tiny layers are below the timing size: panel, untimed)."""
-    from controlplane.doctor import kernels_line
-    from kernels.cpu_ext import cpu_report
+    from pagedserve.controlplane.doctor import kernels_line
+    from pagedserve.kernels.cpu_ext import cpu_report
 
     exposition = generate_latest(server.dataplane.loop.metrics.registry).decode()
     (sample,) = parse(exposition).values()

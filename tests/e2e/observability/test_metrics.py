@@ -16,9 +16,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.python import AsyncGenerationClient
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient
 from tests.e2e.harness import ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

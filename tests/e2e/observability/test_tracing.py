@@ -24,11 +24,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from clients.python import AsyncGenerationClient
-from clients.python.client import build_request
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient
+from pagedserve.clients.python.client import build_request
 from pagedserve.common.telemetry import inject
 from tests.e2e.harness import Process, ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 EXPORTER = InMemorySpanExporter()
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from controlplane.tokenizer import Tokenizer
-from dataplane import LLM, SamplingParams
 from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
+from pagedserve.controlplane.tokenizer import Tokenizer
+from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import ServerThread, engine_config
 
 pytestmark = pytest.mark.real_model

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from tests.e2e.harness import ServerThread, engine_config, wait_until
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server: ServerThread
 
 
 def test_no_data_plane_is_503(server: ServerThread) -> None:
-    from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+    from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
     async def drain() -> None:
         import grpc

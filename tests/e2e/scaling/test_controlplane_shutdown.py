@@ -21,8 +21,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.python import AsyncGenerationClient, Completion, StreamChunk
-from clients.python.client import NO_RETRY
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
+from pagedserve.clients.python.client import NO_RETRY
 from tests.e2e.harness import (
     DataPlane,
     controlplane_process,
@@ -33,7 +34,6 @@ from tests.e2e.harness import (
     wait_idle,
     wait_until_async,
 )
-from tests.tiny_models import make_tiny_model
 
 TOKENS = 300
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dataplane.server.server import SERVICE_NAME
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.dataplane.server.server import SERVICE_NAME
 from tests.e2e.harness import ServerThread, engine_config, wait_until
-from tests.tiny_models import make_tiny_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from clients.python import AsyncGenerationClient
-from controlplane.cli import config_from_args
-from controlplane.server import start_control_plane
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import build_parser
+from pagedserve.clients.python import AsyncGenerationClient
 from pagedserve.common.tls import ClientTLS, ServerTLS
+from pagedserve.controlplane.cli import config_from_args
+from pagedserve.controlplane.server import start_control_plane
 from tests.e2e.certs import Pki
 from tests.e2e.harness import engine_config, start_dataplane
-from tests.tiny_models import make_tiny_model
 
 SERVER_NAME = "dataplane.test"
 

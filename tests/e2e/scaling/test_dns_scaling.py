@@ -21,10 +21,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.python import AsyncGenerationClient
-from clients.python.client import NO_RETRY
-from controlplane.config import ControlPlaneConfig
-from controlplane.server import ControlPlane, start_control_plane
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient
+from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.server import ControlPlane, start_control_plane
 from tests.e2e.harness import (
     DataPlane,
     Process,
@@ -35,7 +36,6 @@ from tests.e2e.harness import (
     wait_idle,
     wait_until_async,
 )
-from tests.tiny_models import make_tiny_model
 
 DNS_NAME = "pagedserve-dataplane.test.svc.cluster.local:50052"
 # Tokens per long stream: seconds of decoding, so scaling happens while they run (the tiny model

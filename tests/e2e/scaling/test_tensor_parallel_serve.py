@@ -21,12 +21,12 @@ import openai
 import pytest
 import torch
 
-from clients.python import GenerationClient
-from dataplane import LLM, SamplingParams
+from pagedserve.benchmarks.tiny_models import tiny_config
+from pagedserve.clients.python import GenerationClient
 from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
+from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Serve, generates, gone, http_status
-from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.real_model  # the default model's tokenizer
 

@@ -18,14 +18,14 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.python import GenerationClient
-from controlplane.auth import ApiKeys, load_api_keys
-from controlplane.config import ControlPlaneConfig
-from controlplane.server import start_control_plane
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import GenerationClient
 from pagedserve.common.tls import ClientTLS, ServerTLS
+from pagedserve.controlplane.auth import ApiKeys, load_api_keys
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.server import start_control_plane
 from tests.e2e.certs import Pki, make_pki
 from tests.e2e.harness import Process, ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane.config import ControlPlaneConfig
-from controlplane.dataplane_client import DataPlaneConnection
-from controlplane.prefix_index import PrefixIndex
-from dataplane.config import DataPlaneConfig
-from dataplane.server.server import build_engine_loop, create_server
+from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.common.tls import DATAPLANE_TOKEN_METADATA, read_token_file
-from protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.dataplane.config import DataPlaneConfig
+from pagedserve.dataplane.server.server import build_engine_loop, create_server
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 from tests.e2e.harness import REPO, engine_config
-from tests.tiny_models import make_tiny_model
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -139,7 +139,7 @@ def test_the_data_plane_refuses_a_stranger_without_the_token(tiny: Path) -> None
 
 
 def test_a_control_plane_with_the_token_file_joins(tiny: Path, token_file: Path) -> None:
-    from controlplane.server import start_control_plane
+    from pagedserve.controlplane.server import start_control_plane
 
     async def run() -> None:
         loop = build_engine_loop(engine_config(tiny, num_blocks=8, max_model_len=256), "dp-token")

@@ -18,8 +18,9 @@ import grpc
 import openai
 import pytest
 
-from clients.python import AsyncGenerationClient, GenerationClient
-from controlplane.auth import (
+from pagedserve.benchmarks.tiny_models import make_tiny_model
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
+from pagedserve.controlplane.auth import (
     ApiKeys,
     load_api_keys,
     load_keys,
@@ -28,10 +29,9 @@ from controlplane.auth import (
     request_tenant,
     tenant_salt,
 )
-from controlplane.config import ControlPlaneConfig
-from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.harness import ServerThread, engine_config
-from tests.tiny_models import make_tiny_model
 
 KEYS = ("alpha-1", "alpha-2", "bravo-1", "solo")
 TENANTS = (("alpha-1", "alpha"), ("alpha-2", "alpha"), ("bravo-1", "bravo"))

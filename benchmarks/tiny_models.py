@@ -1,4 +1,5 @@
-"""Tiny random-weight models of the architectures we serve, and a transformers reference.
+"""Tiny random-weight models of the architectures we serve, a transformers reference, and the
+exactness workload the engine is held to (the test suite and `gpu_check` share them).
 
 Weights are drawn with a larger init scale than the library default so that logits have
 decisive margins; exact-token comparisons then fail only on genuine numerical ties, which
@@ -8,6 +9,7 @@ relative to its top logit).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,17 @@ import torch
 
 VOCAB = 384
 TIE_TOLERANCE = 1e-4  # fp32: batched and one-at-a-time matmuls may differ in the last bits
+EXACTNESS_PROMPTS = 32
+
+
+def exactness_workload(seed: int = 0) -> list[tuple[list[int], int]]:
+    """32 prompts of mixed lengths (1..70 tokens) with their own output lengths (1..20)."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(EXACTNESS_PROMPTS):
+        length = 1 if i == 0 else rng.randint(2, 70)
+        items.append(([rng.randrange(3, VOCAB) for _ in range(length)], rng.randint(1, 20)))
+    return items
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
