@@ -17,7 +17,8 @@ field with a command-line flag becomes, in the chart:
 
 Fields the chart sets itself (the model store path, the discovery address, TLS and ports)
 are listed in CHART_MANAGED with the reason. The Grafana dashboard
-(`files/grafana-dashboard.json`) is generated here too, so its queries live in one place.
+(`files/grafana-dashboard.json`, built by helm/dashboard.py) is written here too, so its
+queries live in one place.
 Imports no torch.
 """
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python helm/generate.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from helm.dashboard import GENERATOR, dashboard  # noqa: E402
 from pagedserve.common.settings import (  # noqa: E402
     fields_with_types,
     flag_name,
@@ -49,7 +51,6 @@ from pagedserve.controlplane.config import ControlPlaneConfig  # noqa: E402
 from pagedserve.dataplane.config import EngineConfig  # noqa: E402
 
 CHART = ROOT / "helm" / "pagedserve"
-GENERATOR = "python -m helm.generate"
 
 # Settings the chart fills in itself, never from `engine` / `controlplane.settings`.
 CHART_MANAGED: dict[str, str] = {
@@ -325,189 +326,6 @@ def table_lines(block: Block) -> list[str]:
         choices = f" One of: {', '.join(f'`{c}`' for c in knob.choices)}." if knob.choices else ""
         lines.append(f"| `{block.name}.{knob.key}` | `{knob.flag}` | `{default}` | {knob.help}.{choices} |")
     return lines
-
-
-# -- Grafana dashboard ---------------------------------------------------------------------------
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-CP = 'namespace=~"$namespace", pod=~"$controlplane_pods"'
-DP = 'namespace=~"$namespace", pod=~"$dataplane_pods"'
-RATE = "[$__rate_interval]"
-
-
-def _quantiles(metric: str, selector: str, by: str = "") -> list[tuple[str, str]]:
-    group = f"{by}, le" if by else "le"
-    return [
-        (
-            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{selector}}}{RATE})))",
-            f"p{round(q * 100)}" + (f" {{{{{by}}}}}" if by else ""),
-        )
-        for q in (0.5, 0.9, 0.99)
-    ]
-
-
-def dashboard() -> dict[str, Any]:
-    """The serving signals vLLM's metrics watch, per data plane: KV usage (blocks, tokens), preemptions, prefix-cache
-    hit rate, running/waiting, TTFT/TPOT/ITL percentiles. Pods are told apart by name (the
-    chart names them `<release>-pagedserve-controlplane-*` and `...-dataplane-<n>`)."""
-    panels: list[dict[str, Any]] = []
-    y = 0
-
-    def row(title: str) -> None:
-        nonlocal y
-        panels.append(
-            {"type": "row", "title": title, "collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}}
-        )
-        y += 1
-
-    def panel(title: str, unit: str, targets: list[tuple[str, str]], x: int, w: int = 12) -> None:
-        nonlocal y
-        panels.append(
-            {
-                "type": "timeseries",
-                "title": title,
-                "datasource": DATASOURCE,
-                "gridPos": {"h": 8, "w": w, "x": x, "y": y},
-                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                "targets": [
-                    {
-                        "refId": chr(ord("A") + i),
-                        "datasource": DATASOURCE,
-                        "expr": expr,
-                        "legendFormat": legend,
-                    }
-                    for i, (expr, legend) in enumerate(targets)
-                ],
-            }
-        )
-        if x + w >= 24:
-            y += 8
-
-    row("KV cache (per data plane)")
-    panel(
-        "KV cache usage (blocks)", "percentunit", [(f"pagedserve_kv_cache_usage_perc{{{DP}}}", "{{pod}}")], 0
-    )
-    panel(
-        "KV cache usage (token slots of used blocks)",
-        "percentunit",
-        [(f"pagedserve_kv_cache_token_usage_perc{{{DP}}}", "{{pod}}")],
-        12,
-    )
-    panel(
-        "Prefix-cache hit rate (tokens)",
-        "percentunit",
-        [
-            (
-                f"sum by (pod) (rate(pagedserve_prefix_cache_hits_total{{{DP}}}{RATE}))"
-                f" / sum by (pod) (rate(pagedserve_prefix_cache_queries_total{{{DP}}}{RATE}))",
-                "{{pod}}",
-            )
-        ],
-        0,
-    )
-    panel(
-        "Preemptions",
-        "ops",
-        [(f"sum by (pod) (rate(pagedserve_num_preemptions_total{{{DP}}}{RATE}))", "{{pod}}")],
-        12,
-    )
-    row("Scheduling")
-    panel(
-        "Running and waiting requests (per data plane)",
-        "short",
-        [
-            (f"pagedserve_num_requests_running{{{DP}}}", "running {{pod}}"),
-            (f"pagedserve_num_requests_waiting{{{DP}}}", "waiting {{pod}}"),
-        ],
-        0,
-    )
-    panel(
-        "Control planes: admission queue and connected data planes",
-        "short",
-        [
-            (f"sum(pagedserve_num_requests_queued{{{CP}}})", "queued for KV budget"),
-            (f"count(max by (dataplane) (pagedserve_dataplane_up{{{CP}}}) == 1)", "data planes up"),
-        ],
-        12,
-    )
-    row("Latency (as clients see it, from the control planes)")
-    panel("Time to first token", "s", _quantiles("pagedserve_time_to_first_token_seconds", CP), 0, 8)
-    panel("Time per output token", "s", _quantiles("pagedserve_time_per_output_token_seconds", CP), 8, 8)
-    panel("Inter-token latency", "s", _quantiles("pagedserve_inter_token_latency_seconds", CP), 16, 8)
-    panel("Time in the admission queue", "s", _quantiles("pagedserve_request_queue_time_seconds", CP), 0)
-    panel(
-        "Requests and tokens",
-        "ops",
-        [
-            (
-                f"sum by (finished_reason) (rate(pagedserve_request_success_total{{{CP}}}{RATE}))",
-                "{{finished_reason}}",
-            ),
-            (f"sum by (code) (rate(pagedserve_request_failure_total{{{CP}}}{RATE}))", "failed {{code}}"),
-            (f"sum(rate(pagedserve_generation_tokens_total{{{CP}}}{RATE}))", "generated tokens/s"),
-        ],
-        12,
-    )
-    row("Latency per data plane (from arrival at the data plane)")
-    panel(
-        "Time to first token p90",
-        "s",
-        _quantiles("pagedserve_time_to_first_token_seconds", DP, by="pod")[1:2],
-        0,
-        8,
-    )
-    panel(
-        "Time per output token p90",
-        "s",
-        _quantiles("pagedserve_time_per_output_token_seconds", DP, by="pod")[1:2],
-        8,
-        8,
-    )
-    panel("Engine step p90", "s", _quantiles("pagedserve_engine_step_seconds", DP, by="pod")[1:2], 16, 8)
-
-    for i, p in enumerate(panels, start=1):
-        p["id"] = i
-    namespace_query = "label_values(pagedserve_num_requests_running, namespace)"
-    return {
-        "title": "pagedserve",
-        "uid": "pagedserve",
-        "description": f"pagedserve control and data planes. Generated by `{GENERATOR}`.",
-        "tags": ["pagedserve", "llm"],
-        "editable": True,
-        "schemaVersion": 39,
-        "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"},
-        "timezone": "browser",
-        "templating": {
-            "list": [
-                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus"},
-                {
-                    "name": "namespace",
-                    "label": "Namespace",
-                    "type": "query",
-                    "datasource": DATASOURCE,
-                    "definition": namespace_query,
-                    "query": {"query": namespace_query, "refId": "namespace"},
-                    "refresh": 2,
-                    "includeAll": True,
-                    "multi": True,
-                },
-                {
-                    "name": "controlplane_pods",
-                    "label": "Control-plane pods (regex)",
-                    "type": "textbox",
-                    "query": ".+-controlplane-.+",
-                },
-                {
-                    "name": "dataplane_pods",
-                    "label": "Data-plane pods (regex)",
-                    "type": "textbox",
-                    "query": ".+-dataplane-[0-9]+",
-                },
-            ]
-        },
-        "panels": panels,
-    }
 
 
 # -- all outputs ---------------------------------------------------------------------------------

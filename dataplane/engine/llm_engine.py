@@ -6,29 +6,27 @@ import itertools
 import time
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
+from pagedserve.dataplane.config import EngineConfig
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
-from pagedserve.dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
-from pagedserve.dataplane.kvcache.budget import (
-    GpuMemoryPlan,
-    KVCacheBudget,
-    KVCacheShape,
-    peak_activation_bytes,
-    plan_gpu_memory,
-    plan_kv_cache,
+from pagedserve.dataplane.engine.startup import (
+    eos_token_ids,
+    plan_budget,
+    plan_host_blocks,
+    plan_kv_scales,
+    resolve_max_model_len,
 )
+from pagedserve.dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
+from pagedserve.dataplane.kvcache.budget import KVCacheShape
 from pagedserve.dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
 from pagedserve.dataplane.parallel.group import threads_per_rank
 from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
-from pagedserve.dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
-from pagedserve.dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
 from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from pagedserve.dataplane.runner.model_runner import ModelRunner
 from pagedserve.dataplane.runner.sampler import SampledToken
@@ -58,9 +56,9 @@ class LLMEngine:
         model = load_model(self.model_path, config.model.dtype, config.model.device)
         self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)
         hf = model.config
-        self.max_model_len = self._resolve_max_model_len(hf)
+        self.max_model_len = resolve_max_model_len(config, hf)
         gen_cfg = getattr(model, "generation_config", None)
-        self.eos_token_ids = self._eos_ids(hf, gen_cfg)
+        self.eos_token_ids = eos_token_ids(hf, gen_cfg)
         if tp > 1:
             check_divisible(hf, tp)
             if torch.device(config.model.device).type != "cpu":
@@ -75,7 +73,7 @@ class LLMEngine:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             bytes_per_element=kv_dtype.itemsize,
         )
-        self.budget = self._plan_budget(shape, model)
+        self.budget = plan_budget(config, shape, model, self.max_model_len)
         # The same budget in 16-bit and fp32 elements: an FP8 pool holds 2x and 4x their blocks.
         blocks_16, blocks_32 = self.budget.blocks_at(2), self.budget.blocks_at(4)
         log.info(
@@ -93,11 +91,13 @@ class LLMEngine:
             summary=self.budget.describe(self.max_model_len),
         )
         self.kv_scales = (
-            self._kv_scales(model, hf.num_hidden_layers, kv_dtype) if config.cache.is_fp8 else None
+            plan_kv_scales(config, self.tokenizer, model, hf.num_hidden_layers, kv_dtype)
+            if config.cache.is_fp8
+            else None
         )
         block_size = config.cache.block_size
         self.pool = BlockPool(self.budget.num_blocks, enable_kv_events=config.cache.enable_kv_events)
-        num_host_blocks = self._plan_host_blocks(shape)
+        num_host_blocks = plan_host_blocks(config, shape, self.budget)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         if self.host_pool is None and config.scheduler.preemption_mode == "swap":
             raise ValueError(
@@ -164,152 +164,6 @@ class LLMEngine:
         self._pending_siblings: dict[str, list[Request]] = {}
         self._samples: dict[str, list[Request]] = {}
         self._grammars: CompileService | None = None
-
-    # -- set-up helpers ----------------------------------------------------------------------
-    def _resolve_max_model_len(self, hf: Any) -> int:
-        limit = int(getattr(hf, "max_position_embeddings", 0) or 0) or None
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True):
-            # Our kernels attend to the whole context; past the window the model would differ.
-            limit = min(limit, int(window)) if limit else int(window)
-        asked = self.config.scheduler.max_model_len
-        if asked is None:
-            if limit is None:
-                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-            return limit
-        if limit is not None and asked > limit:
-            raise ValueError(f"max_model_len={asked} exceeds the model's limit of {limit} tokens")
-        return asked
-
-    @staticmethod
-    def _eos_ids(hf: Any, gen_cfg: Any) -> tuple[int, ...]:
-        ids: list[int] = []
-        for source in (gen_cfg, hf):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if value is None:
-                continue
-            ids.extend(value if isinstance(value, list) else [value])
-        return tuple(dict.fromkeys(int(i) for i in ids))
-
-    def _kv_scales(self, model: Any, num_layers: int, fp8: torch.dtype) -> KVScales:
-        """An FP8 cache's per-layer scales: the scales file, else calibration, else 1.0 (warned)."""
-        cache = self.config.cache
-        if cache.kv_scales_path is not None:
-            scales = KVScales.load(cache.kv_scales_path, num_layers, cache.kv_cache_dtype)
-        elif cache.calculate_kv_scales:
-            ids = calibration_token_ids(self.tokenizer, model.config.vocab_size)
-            scales = calibrate_kv_scales(model, ids, fp8, cache.block_size)
-        else:
-            scales = KVScales.ones(num_layers)
-            log.warning(
-                "kv_scales_default_1_0",
-                message=(
-                    f"!!! kv_cache_dtype={cache.kv_cache_dtype} with K/V scales 1.0 for every layer: no "
-                    "--kv-scales-path and --no-calculate-kv-scales. Values beyond the FP8 range "
-                    "saturate and small ones lose precision; expect degraded outputs. !!!"
-                ),
-            )
-        log.info(
-            "kv_scales",
-            kv_cache_dtype=cache.kv_cache_dtype,
-            source=scales.source,
-            k_scale_range=(round(min(scales.k_scale), 6), round(max(scales.k_scale), 6)),
-            v_scale_range=(round(min(scales.v_scale), 6), round(max(scales.v_scale), 6)),
-        )
-        return scales
-
-    def _plan_budget(self, shape: KVCacheShape, model: Any) -> KVCacheBudget:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            memory = cache.num_gpu_blocks_override * shape.bytes_per_block(cache.block_size)
-            return plan_kv_cache(shape, cache.block_size, memory)
-        device = torch.device(self.config.model.device)
-        if device.type != "cuda":
-            return plan_kv_cache(shape, cache.block_size, cache.kv_cache_memory)
-        gpu, profile_fields = self._plan_gpu_memory(model, device)
-        budget = plan_kv_cache(shape, cache.block_size, gpu.kv_memory_bytes)
-        log.info("gpu_memory_planned", **gpu.log_fields(), **profile_fields, blocks=budget.num_blocks)
-        return budget
-
-    def _plan_gpu_memory(self, model: Any, device: torch.device) -> tuple[GpuMemoryPlan, dict[str, int]]:
-        """The GPU budget's terms, the activation peak measured by running the worst-case step
-        (dataplane/runner/memory_profile.py); the estimate stands in only when that step runs
-        out of memory. Also the profile's own figures, for the start-up log."""
-        cache, sched, hf = self.config.cache, self.config.scheduler, model.config
-        dtype = DTYPES[self.config.model.dtype]
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        estimate = peak_activation_bytes(
-            sched.max_num_batched_tokens,
-            hf.hidden_size,
-            hf.intermediate_size,
-            dtype.itemsize,  # activations are in the model dtype
-            sched.max_num_seqs,
-            hf.vocab_size,
-        )
-        try:
-            profile = profile_activation_peak(
-                model,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                max_num_seqs=sched.max_num_seqs,
-                max_model_len=self.max_model_len,
-                block_size=cache.block_size,
-                kv_dtype=kv_cache_torch_dtype(cache.kv_cache_dtype, dtype),
-                device=device,
-                stats=CudaMemoryStats(device),
-                attention_backend=self.config.model.attention_backend,
-            )
-        except torch.cuda.OutOfMemoryError as exc:
-            log.warning(
-                "memory_profile_out_of_memory",
-                error=str(exc).splitlines()[0],
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                max_num_seqs=sched.max_num_seqs,
-                fallback="estimated activation peak",
-            )
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(device)
-            plan = plan_gpu_memory(
-                total, cache.gpu_memory_utilization, weights, estimate, 0, free, "estimated"
-            )
-            return plan, {"activation_estimate": estimate}
-        plan = plan_gpu_memory(
-            profile.total_bytes,
-            cache.gpu_memory_utilization,
-            weights,
-            profile.activation_peak_bytes,
-            profile.non_torch_bytes,
-            profile.free_bytes,
-        )
-        fields = {
-            "activation_estimate": estimate,
-            "profile_seqs": profile.num_seqs,
-            "profile_tokens": profile.num_tokens,
-            "profile_pool": profile.profile_pool_bytes,
-        }
-        return plan, fields
-
-    def _plan_host_blocks(self, shape: KVCacheShape) -> int:
-        """Blocks of the host (swap) pool: none when preemption never swaps; else pinned by
-        num_cpu_blocks_override, else swap_space GiB, else the default (CacheConfig): 4 GiB
-        next to a GPU, the device pool's own bytes on the CPU.
-
-        Why that much on the CPU: a host pool too small for the victims of a pressure spike
-        makes auto fall back to recompute (a quarter of the device pool re-did 10 % of the
-        tokens of `pagedserve bench pressure`; the same bytes, none). Its tensors are
-        allocated with torch.empty, so only the pages swap-outs write are committed: it costs
-        address space until preemption by swap actually happens."""
-        cache = self.config.cache
-        if self.config.scheduler.preemption_mode == "recompute":
-            return 0
-        if cache.num_cpu_blocks_override is not None:
-            return cache.num_cpu_blocks_override
-        if cache.swap_space is not None:
-            memory = int(cache.swap_space * 2**30)
-        elif torch.device(self.config.model.device).type == "cuda":
-            memory = int(DEFAULT_GPU_SWAP_SPACE_GIB * 2**30)
-        else:
-            memory = self.budget.kv_memory_bytes
-        return memory // shape.bytes_per_block(cache.block_size)
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -203,14 +203,16 @@ def test_plan_gpu_memory_errors_name_the_cause() -> None:
 
 # -- the engine's GPU planning, its CUDA calls replaced by the fake --------------------------------
 def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedserve.dataplane.engine import llm_engine
+    from pagedserve.dataplane.engine import startup
 
     llm = LLM(str(tiny_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
     stats = FakeStats(total=8 * GiB, reserved=2**28, non_torch=0, non_torch_growth=2**20, step_peak=2**27)
-    monkeypatch.setattr(llm_engine, "CudaMemoryStats", lambda device: stats)
+    monkeypatch.setattr(startup, "CudaMemoryStats", lambda device: stats)
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    plan, fields = engine._plan_gpu_memory(engine.runner.model, torch.device("cpu"))
+    plan, fields = startup.plan_device_memory(
+        engine.config, engine.runner.model, torch.device("cpu"), engine.max_model_len
+    )
     assert plan.activation_source == "profiled"
     assert plan.weight_bytes == weights
     assert plan.activation_peak_bytes == 2**27
@@ -224,17 +226,19 @@ def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch:
 def test_engine_falls_back_to_the_estimate_when_the_profile_runs_out_of_memory(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagedserve.dataplane.engine import llm_engine
+    from pagedserve.dataplane.engine import startup
 
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     llm = LLM(str(tiny_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
-    monkeypatch.setattr(llm_engine, "profile_activation_peak", out_of_memory)
-    monkeypatch.setattr(llm_engine, "CudaMemoryStats", lambda device: None)
+    monkeypatch.setattr(startup, "profile_activation_peak", out_of_memory)
+    monkeypatch.setattr(startup, "CudaMemoryStats", lambda device: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (15 * GiB // 2, 8 * GiB))
-    plan, fields = engine._plan_gpu_memory(engine.runner.model, torch.device("cpu"))
+    plan, fields = startup.plan_device_memory(
+        engine.config, engine.runner.model, torch.device("cpu"), engine.max_model_len
+    )
     assert plan.activation_source == "estimated"
     assert plan.activation_peak_bytes == fields["activation_estimate"]
     assert plan.free_bytes == 15 * GiB // 2

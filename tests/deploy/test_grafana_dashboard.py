@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from helm.generate import dashboard
+from helm.dashboard import dashboard
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.dataplane.engine.outputs import EngineStats
 from pagedserve.dataplane.kvcache import PrefixCacheStats
