@@ -178,7 +178,7 @@ async def _leaves_then_next_is_placed(leave: str) -> float:
     if leave == "cancel":
         await asyncio.sleep(0.2)
         big.cancel()
-    placed, _ = await asyncio.wait_for(small, 5.0)  # nothing else ever pokes the queue
+    placed, _ = await asyncio.wait_for(small, 20.0)  # nothing else ever pokes the queue
     assert placed == "small" and pool.budget.holds("small") and not pool.budget.holds("big")
     with pytest.raises((ServiceError, asyncio.CancelledError)):
         await big
@@ -188,7 +188,9 @@ async def _leaves_then_next_is_placed(leave: str) -> float:
 @pytest.mark.parametrize("leave", ["deadline", "cancel"])
 def test_a_request_leaving_the_queue_wakes_it_so_the_next_is_placed_at_once(leave: str) -> None:
     waited = asyncio.run(_leaves_then_next_is_placed(leave))
-    assert waited < 1.0, waited  # the small one's own deadline is 30 s
+    # Woken by the leaving request, not by its own deadline (30 s): half of that tells the two
+    # apart on any machine, however loaded.
+    assert waited < 15.0, waited
 
 
 def test_the_head_refused_while_queued_is_skipped_for_the_next() -> None:

@@ -106,6 +106,35 @@ async def wait_until_async(
         await asyncio.sleep(0.01)
 
 
+class HeldEngine:
+    """A data plane's engine loop held between two steps until `release()` (or the hang guard):
+    part of a scenario that needs the engine still (a request admitted keeps its reservation,
+    nothing streams), decided by an event rather than by a sleep a loaded machine can outlast."""
+
+    def __init__(self, loop: EngineLoop, guard_s: float = 120.0) -> None:
+        self._gate = threading.Event()
+        self.entered = threading.Event()
+
+        def hold() -> None:
+            self.entered.set()
+            self._gate.wait(guard_s)
+
+        loop._post(hold)  # the loop runs posted commands in order, between steps
+
+    @property
+    def holding(self) -> bool:
+        return not self._gate.is_set()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def __enter__(self) -> HeldEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 async def wait_idle(address: str, timeout_s: float = 10.0) -> dataplane_pb2.GetStateResponse:
     """Poll until the data plane runs nothing and every block is free again (or fail)."""
     deadline = time.monotonic() + timeout_s

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
+from pagedserve.clients.python import client as client_module
 from pagedserve.clients.python.client import DEFAULT_RETRY, NO_RETRY, Completion, RetryPolicy, StreamChunk
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
 
@@ -22,6 +23,30 @@ _ids = itertools.count()
 
 def prompt(scenario: str) -> str:
     return f"{scenario}#py-{next(_ids)}"
+
+
+class Clock:
+    """The sync client's clock, with its waits recorded and skipped: a backoff moves this clock
+    forward instead of sleeping, so the waits are read, not timed (a loaded machine cannot
+    stretch them), while the calls themselves still take their real time."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+        self._skipped = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self._skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self._skipped += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake_clock = Clock()
+    monkeypatch.setattr(client_module, "time", fake_clock)
+    return fake_clock
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +83,8 @@ def test_backoff_schedule_and_retry_after_rules() -> None:
 
 
 @pytest.mark.parametrize("scenario", sorted(EXPECTED_ATTEMPTS))
-def test_sync_client_attempts(fake: FakeServer, scenario: str) -> None:
+def test_sync_client_attempts(fake: FakeServer, clock: Clock, scenario: str) -> None:
     p = prompt(scenario)
-    start = time.monotonic()
     with GenerationClient(fake.address, timeout=20) as client:
         items: list[StreamChunk | Completion] = []
         try:
@@ -69,7 +93,6 @@ def test_sync_client_attempts(fake: FakeServer, scenario: str) -> None:
             error = None
         except grpc.RpcError as exc:
             error = exc
-    elapsed = time.monotonic() - start
     assert fake.attempts(p) == EXPECTED_ATTEMPTS[scenario]
     text = "".join(i.text for i in items if isinstance(i, StreamChunk))
     if scenario in ("unavailable-twice", "exhausted-retry-after", "ok"):
@@ -78,9 +101,9 @@ def test_sync_client_attempts(fake: FakeServer, scenario: str) -> None:
         assert error is not None
     if scenario == "unavailable-always":
         assert error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[union-attr]
-        assert 0.56 <= elapsed < 5  # 0.1 + 0.2 + 0.4 s of backoff, less up to 20% jitter
+        assert len(clock.slept) == 3 and 0.56 <= sum(clock.slept) <= 0.7  # 0.1 + 0.2 + 0.4 s, less <= 20%
     if scenario == "exhausted-retry-after":
-        assert elapsed >= 0.3
+        assert clock.slept == [0.3]  # the server's retry-after, exactly
     if scenario == "broken-midstream":
         assert text == PARTIAL and error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[union-attr]
     if scenario.startswith("exhausted-") and error is not None:
@@ -102,19 +125,20 @@ def test_unary_calls_retry_too_and_no_retry_disables(fake: FakeServer) -> None:
     assert fake.attempts(p) == 1
 
 
-def test_the_deadline_covers_every_attempt(fake: FakeServer) -> None:
-    # retry-after 0.3 s does not fit in a 0.2 s deadline: one attempt, the server's error, at once.
+def test_the_deadline_covers_every_attempt(fake: FakeServer, clock: Clock) -> None:
+    # retry-after 0.3 s does not fit in a 0.2 s deadline: one attempt, the server's error, no wait.
     p = prompt("exhausted-retry-after")
-    start = time.monotonic()
     with GenerationClient(fake.address, timeout=0.2) as client, pytest.raises(grpc.RpcError) as err:
         client.generate(p)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert fake.attempts(p) == 1 and time.monotonic() - start < 0.2
-    # Backoff 0.1 + 0.2 s fits in 0.45 s, the third wait (0.4 s) does not: 3 attempts.
+    assert fake.attempts(p) == 1 and clock.slept == []
+    # Backoffs of 10 + 20 s fit in a 45 s deadline, the third (40 s) does not: 3 attempts, 2 waits.
+    # (Long waits on the skipped clock: the calls' own real time never decides the count.)
     p = prompt("unavailable-always")
-    with GenerationClient(fake.address, timeout=0.45) as client, pytest.raises(grpc.RpcError):
+    slow = RetryPolicy(initial_backoff_s=10.0, max_backoff_s=60.0, jitter=0.0)
+    with GenerationClient(fake.address, timeout=45, retry=slow) as client, pytest.raises(grpc.RpcError):
         client.generate(p)
-    assert fake.attempts(p) == 3
+    assert fake.attempts(p) == 3 and clock.slept == [10.0, 20.0]
 
 
 def test_async_client_attempts(fake: FakeServer) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +21,7 @@ from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamC
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import (
+    HeldEngine,
     controlplane_process,
     dataplane_process,
     engine_config,
@@ -243,13 +243,12 @@ def test_killed_data_plane_fails_streams_fast_and_the_other_serves(tiny: Path) -
                 states = [await get_state(p.address) for p in procs]
                 victim = next(i for i, s in enumerate(states) if s.requests)
                 procs[victim].kill()
-                killed_at = time.monotonic()
+                # Fast: the link's own end fails the stream ("went away"), not a keepalive
+                # timeout or the call's deadline, whose errors would read otherwise.
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for item in stream:
                         assert not isinstance(item, Completion)
-                elapsed = time.monotonic() - killed_at
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert elapsed < 2.0, elapsed
                 assert "went away" in (err.value.details() or "")
                 survivor = procs[1 - victim]
                 for i in range(3):
@@ -309,9 +308,9 @@ def test_request_that_streamed_nothing_is_rerouted_when_its_data_plane_dies(tiny
         cp = await start_controlplane(tiny, [d.address for d in dps])
         first = min(dps, key=lambda d: d.address)  # idle tie: the router picks the lower address
         other = dps[1 - dps.index(first)]
+        held = HeldEngine(first.loop)
         try:
-            # Part of the scenario, not a wait: its engine stalls, so nothing streams yet.
-            first.loop._post(lambda: time.sleep(1.0))
+            # Part of the scenario, not a wait: its engine is held, so nothing streams yet.
             async with AsyncGenerationClient(f"127.0.0.1:{cp.grpc_port}") as client:
                 task = asyncio.create_task(client.generate(prompt(3, 12), max_tokens=6, temperature=0.0))
                 await wait_until_async(lambda: _handles(cp), what="the request is submitted")
@@ -322,6 +321,7 @@ def test_request_that_streamed_nothing_is_rerouted_when_its_data_plane_dies(tiny
             assert other.loop.engine.kv_cache.prefix_cache_stats.requests == 1  # type: ignore[attr-defined]
             await wait_idle(other.address)
         finally:
+            held.release()
             await cp.stop()
             for d in dps:
                 await d.stop()

@@ -9,7 +9,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,18 +24,27 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
+async def _until(condition: Callable[[], bool], guard_s: float = 30.0) -> None:
+    """Yield to the loop until `condition` holds; the bound only guards against a hang."""
+    deadline = time.monotonic() + guard_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
 def test_liveness_reasons() -> None:
     async def run() -> None:
-        liveness = Liveness(stall_s=0.2)
+        # stall_s is wide, so a descheduled moment on a loaded machine is not a stall; the
+        # block below is longer than it, so the late heartbeat is certain.
+        liveness = Liveness(stall_s=1.0)
         heartbeat = asyncio.create_task(liveness.heartbeat())
         vital = asyncio.create_task(asyncio.sleep(3600))
         liveness.watch("the vital task", vital)
-        await asyncio.sleep(0)
-        assert liveness.live and liveness.problem() is None
-        time.sleep(0.3)  # the loop blocked: the heartbeat is late
+        await _until(lambda: liveness.live)
+        assert liveness.problem() is None
+        time.sleep(1.2)  # the loop blocked: the heartbeat is late
         assert "blocked" in (liveness.problem() or "")
-        await asyncio.sleep(0.05)
-        assert liveness.live  # it came back
+        await _until(lambda: liveness.live)  # the heartbeat's next beat brings it back
         vital.cancel()
         await asyncio.wait({vital})
         assert liveness.problem() == "the vital task stopped"

@@ -236,9 +236,9 @@ def test_a_data_plane_back_in_dns_returns_and_one_that_drains_too_long_is_cut(ti
                 # b leaves again and its stream outlives the drain timeout (1 s): it is cut.
                 dns.addresses = [a]
                 await wait_until_async(lambda: dispatcher.retiring == {b}, 10, "b retires again")
-                started = time.monotonic()
-                await wait_until_async(lambda: b not in dispatcher.connections, 10, "b's link closes")
-                assert 0.5 < time.monotonic() - started < 5.0
+                # Cut by the drain timeout (the stream's error says so below), not by its end:
+                # its 300 tokens take 6 s or more at 20 ms a step.
+                await wait_until_async(lambda: b not in dispatcher.connections, 30, "b's link closes")
                 assert link_b.closing
                 results = await asyncio.gather(*streams, return_exceptions=True)
                 cut = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
