@@ -19,6 +19,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+"""The most stop token ids one request may name: the scheduler checks every sampled token
+against them, per sample and step, so an unbounded list (millions are legal JSON) would hold
+the engine thread for everyone; the model's own end-of-sequence ids come on top."""
 MIN_SAMPLING_TEMPERATURE = 0.01
 """A sampled request's lowest temperature: a positive temperature below it samples at it (as
 vLLM does). Dividing logits by a tinier one (1e-45 is a valid float32) overflows them to
@@ -112,6 +116,10 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple):
             raise InvalidField("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         stop_ids = tuple(self.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidField(
+                "stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}"
+            )
         if any(not _is_int(t) or t < 0 for t in stop_ids):
             shown = repr(self.stop_token_ids) if len(stop_ids) <= 8 else f"{list(stop_ids[:8])!r}..."
             raise InvalidField("stop_token_ids", f"must be non-negative integers, got {shown}")

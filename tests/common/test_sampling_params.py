@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 def test_defaults() -> None:
@@ -127,3 +127,9 @@ def test_a_tiny_positive_temperature_or_repetition_penalty_is_applied_as_the_min
     g.manual_seed(1)
     tokens = sample(logits, [p, p], [g, None], [([1, 2, 3], [4]), ([5], [])])
     assert all(0 <= t.token_id < 64 for t in tokens)
+
+
+def test_stop_token_ids_are_bounded() -> None:
+    assert SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).stop_token_ids[-1] == 1023
+    with pytest.raises(ValueError, match=r"^stop_token_ids must hold at most 1024 token ids, got 2000000$"):
+        SamplingParams(stop_token_ids=[7] * 2_000_000)

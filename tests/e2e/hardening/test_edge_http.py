@@ -107,7 +107,9 @@ def test_seed_2_pow_63_and_2_pow_64_are_400_naming_seed(http: Http, seed: int) -
     [
         ([-1], "stop_token_ids must be non-negative integers, got (-1,)"),
         ([2**32], f"stop_token_ids must be at most {2**32 - 1}"),
+        ([7] * 200_000, "stop_token_ids must hold at most 1024 token ids, got 200000"),
     ],
+    ids=["minus-1", "2-pow-32", "too-many"],
 )
 def test_stop_token_ids_minus_1_and_2_pow_32_are_400_naming_stop_token_ids(
     http: Http, ids: list[int], message: str
