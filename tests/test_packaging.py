@@ -3,6 +3,8 @@ package reads at run time (the C++ kernel sources and headers, the benchmark dat
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,11 +15,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tracked_copy(destination: Path) -> Path:
+    """The checkout's tracked files (links kept as links) copied to `destination`: the build
+    writes its build/ and egg-info beside the sources, which must not land in the checkout."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True)
+    for name in listed.stdout.splitlines():
+        source, target = ROOT / name, destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
+    return destination
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    # The wheel `pip install .` installs, built from this checkout with the build backend that is
-    # already installed (no network, no isolated build environment).
+    source = tracked_copy(tmp_path_factory.mktemp("source"))
+    # The wheel `pip install .` installs, built from the tracked files with the build backend
+    # that is already installed (no network, no isolated build environment).
     subprocess.run(
         [
             sys.executable,
@@ -29,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
