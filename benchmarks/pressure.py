@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve.benchmarks.common import default_model, load_note, phase, warn_if_busy
-from pagedserve.benchmarks.prefix_caching import percentile
+from pagedserve.benchmarks.prefix_caching_run import percentile
 from pagedserve.benchmarks.report import Report, fmt_pct
 from pagedserve.benchmarks.traces import load_trace
 from pagedserve.common.settings import parse_bytes

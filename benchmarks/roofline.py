@@ -41,8 +41,8 @@ CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Step(Protocol):
-    """What the roofline reads of an engine step (pagedserve.benchmarks.throughput.StepRecord is one).
-    A protocol rather than an import: throughput imports this module."""
+    """What the roofline reads of an engine step (pagedserve.benchmarks.throughput_engine.StepRecord is one).
+    A protocol rather than an import: throughput_engine imports this module."""
 
     @property
     def kind(self) -> str: ...  # "decode" | "prefill" | "mixed" | "unknown"

@@ -50,7 +50,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         WorkloadSpec(
             "customer-service",
             "32 customer-service conversations, 127 turns, one shared 620-token system prompt "
-            "(workloads.customer_service_dialogues)",
+            "(dialogues.customer_service_dialogues)",
             256,
         ),
         WorkloadSpec(
@@ -157,7 +157,8 @@ def record_trace(
     `limit` keeps only the first requests (conversations for customer-service) and
     `max_tokens` overrides the workload's cap: both for quick checks.
     """
-    from pagedserve.benchmarks.workloads import chat_prompts, customer_service_dialogues, long_context_prompts
+    from pagedserve.benchmarks.dialogues import customer_service_dialogues
+    from pagedserve.benchmarks.workloads import chat_prompts, long_context_prompts
     from pagedserve.dataplane import SamplingParams
 
     spec = WORKLOADS[workload]

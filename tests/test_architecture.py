@@ -287,3 +287,17 @@ def test_no_import_cycles_between_packages() -> None:
 )
 def test_find_cycle(graph: dict[str, set[str]], cycle: list[str] | None) -> None:
     assert find_cycle(graph) == cycle
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_hand_written_module_over_500_lines() -> None:
+    # Small modules: a file past this has seams to split along (generated protobuf code aside).
+    helm = {m: p for m, p in EVERY_MODULE.items() if m.split(".")[0] == "helm"}
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in sorted({*MODULES.values(), *helm.values()})
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert long == []

@@ -20,14 +20,13 @@ from pagedserve.benchmarks.gpu_check import (
     TIME_BUDGET_S,
     Step,
     check_step_arguments,
-    compare_greedy,
-    exactness_ok,
     memory_plans,
     parse_args,
     plan,
     summarize,
     wheels_needed,
 )
+from pagedserve.benchmarks.gpu_steps import compare_greedy, exactness_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST_COLLECT = (sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider")

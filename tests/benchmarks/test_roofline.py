@@ -234,7 +234,7 @@ def test_kv_element_size_scales_the_kv_reads() -> None:
 
 # -- context tokens from the scheduler's real output ---------------------------------------------
 def test_classify_sums_context_and_pairs_of_a_real_schedule() -> None:
-    from pagedserve.benchmarks.throughput import Scheduled, _classify
+    from pagedserve.benchmarks.throughput_engine import Scheduled, _classify
     from pagedserve.common.sampling_params import SamplingParams
     from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
     from pagedserve.dataplane.scheduler import Request, Scheduler

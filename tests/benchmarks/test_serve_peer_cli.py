@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks import serve, serve_peers
+from pagedserve.benchmarks import serve, serve_peers, serve_peers_report
 from pagedserve.benchmarks.serve_load import Outcome, summarize, tokens_in_choice
 from pagedserve.cli import main
 
@@ -146,13 +146,13 @@ def test_the_kernel_choice_is_read_from_our_servers_log(tmp_path: Path) -> None:
         "event": "cpu_kernels_selected",
     }
     log.write_text("starting\n" + "[dataplane] " + json.dumps(event) + "\n")
-    selection = serve_peers.kernels_selected(log)
+    selection = serve_peers_report.kernels_selected(log)
     assert [(c["in_features"], c["out_features"], c["choice"]) for c in selection] == [
         ("576", "960", "panel")
     ]
-    assert serve_peers.kernels_selected(tmp_path / "missing.log") == []
+    assert serve_peers_report.kernels_selected(tmp_path / "missing.log") == []
     log.write_text('{"event": "dataplane_serving"}\n')
-    assert serve_peers.kernels_selected(log) == []
+    assert serve_peers_report.kernels_selected(log) == []
 
 
 def test_tokens_are_counted_in_both_servers_stream_formats() -> None:
@@ -207,7 +207,7 @@ def test_the_side_by_side_table_and_ratios_from_two_fake_runs() -> None:
     ours, peer = fake_runs()
     a = summarize(ours, wall=1.0, ttft_slo_ms=2000.0, tpot_slo_ms=1000.0)
     b = summarize(peer, wall=2.0, ttft_slo_ms=2000.0, tpot_slo_ms=1000.0)
-    header, rows = serve_peers.side_by_side(["pagedserve serve", "vLLM serve"], [a, b])
+    header, rows = serve_peers_report.side_by_side(["pagedserve serve", "vLLM serve"], [a, b])
     assert header == ["metric", "pagedserve serve", "vLLM serve", "pagedserve serve / vLLM serve"]
     table = {row[0]: row[1:] for row in rows}
     assert table["completed"] == ["2/2", "2/3", "-"]
@@ -218,9 +218,9 @@ def test_the_side_by_side_table_and_ratios_from_two_fake_runs() -> None:
     assert table["ITL p50 ms"] == ["100.0", "200.0", "0.50x"]
     assert table["TPOT p50 ms"] == ["125.0", "250.0", "0.50x"]
     assert table["E2E p50 ms"] == ["400", "800", "0.50x"]
-    assert serve_peers.ratios(a, b)["output tok/s"] == pytest.approx(5 / 3)
-    assert serve_peers.same_text(ours, peer) == 1  # request 1's texts differ; 2 failed on the peer
-    header, rows = serve_peers.side_by_side(["pagedserve serve"], [a])  # --launch alone
+    assert serve_peers_report.ratios(a, b)["output tok/s"] == pytest.approx(5 / 3)
+    assert serve_peers_report.same_text(ours, peer) == 1  # request 1's texts differ; 2 failed on the peer
+    header, rows = serve_peers_report.side_by_side(["pagedserve serve"], [a])  # --launch alone
     assert header == ["metric", "pagedserve serve"] and rows[2] == ["output tok/s", "5.0"]
 
 

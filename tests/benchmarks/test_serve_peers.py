@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from pagedserve.benchmarks import serve, serve_peers
+from pagedserve.benchmarks import serve, serve_peers, serve_peers_report
 from pagedserve.benchmarks.report import Report
 from pagedserve.benchmarks.serve_load import Outcome, summarize
-from pagedserve.benchmarks.serve_peers import ServedRun
+from pagedserve.benchmarks.serve_peers_report import ServedRun
 from pagedserve.benchmarks.server_process import ServerSpec
 from pagedserve.cli import main
 
@@ -98,15 +98,17 @@ def test_repeats_defaults_to_one_and_is_refused_before_any_server_starts(
 
 def test_text_changed_counts_requests_not_identical_to_round_1() -> None:
     same = outcomes(OUR_TIMES, ("abc", "de"))
-    assert serve_peers.text_changed([same, outcomes(OUR_TIMES, ("abc", "de"))]) == 0
-    assert serve_peers.text_changed([same, same, outcomes(OUR_TIMES, ("abc", "dX"))]) == 1
-    assert serve_peers.text_changed([same, outcomes(OUR_TIMES, (None, "de"))]) == 1  # failed later
-    assert serve_peers.text_changed([outcomes(OUR_TIMES, (None, "de")), same]) == 1  # failed in round 1
-    assert serve_peers.text_changed([same, outcomes(OUR_TIMES, ("x", "y"))]) == 2
+    assert serve_peers_report.text_changed([same, outcomes(OUR_TIMES, ("abc", "de"))]) == 0
+    assert serve_peers_report.text_changed([same, same, outcomes(OUR_TIMES, ("abc", "dX"))]) == 1
+    assert serve_peers_report.text_changed([same, outcomes(OUR_TIMES, (None, "de"))]) == 1  # failed later
+    assert (
+        serve_peers_report.text_changed([outcomes(OUR_TIMES, (None, "de")), same]) == 1
+    )  # failed in round 1
+    assert serve_peers_report.text_changed([same, outcomes(OUR_TIMES, ("x", "y"))]) == 2
 
 
 def test_rounds_report_takes_each_ratio_and_the_median_round() -> None:
-    rep = serve_peers.rounds_report(three_rounds())
+    rep = serve_peers_report.rounds_report(three_rounds())
     ratios = [f["ratio"] for f in rep["rounds"]]
     assert ratios == [pytest.approx(1.25), pytest.approx(0.5), pytest.approx(1.2)]
     first = rep["rounds"][0]
@@ -124,21 +126,21 @@ def test_rounds_report_takes_each_ratio_and_the_median_round() -> None:
 def test_an_even_count_quotes_the_mean_of_the_middle_ratios_but_shows_a_round_that_ran() -> None:
     # Ratios 1.0, 2.0, 0.5, 1.5: median 1.25; the table shows the lower middle one, round 1's 1.0.
     rounds = [pair(1.0, 1.0), pair(0.5, 1.0), pair(1.0, 0.5), pair(1.0, 1.5)]
-    rep = serve_peers.rounds_report(rounds)
+    rep = serve_peers_report.rounds_report(rounds)
     assert rep["median_ratio"] == pytest.approx(1.25) and rep["median_round"] == 1
     # Below the goal: ratios 1.0 and 1.05 (4.0 / 3.81) of two rounds, median 1.025.
-    rep = serve_peers.rounds_report([pair(1.0, 1.0), pair(1.25, 1.3125)])
+    rep = serve_peers_report.rounds_report([pair(1.0, 1.0), pair(1.25, 1.3125)])
     assert rep["median_ratio"] == pytest.approx(1.025) and rep["median_ratio_meets_goal"] is False
     assert rep["median_round"] == 1
 
 
 def test_without_a_peer_rounds_rank_by_our_tok_s() -> None:
     rounds = [[served(OURS, wall, OUR_TIMES, ("abc", "de"))] for wall in (0.5, 1.0, 0.625)]  # 10, 5, 8 tok/s
-    rep = serve_peers.rounds_report(rounds)
+    rep = serve_peers_report.rounds_report(rounds)
     assert rep["median_round"] == 3 and rep["median_ratio"] is None
     assert rep["median_ratio_meets_goal"] is None and rep["our_text_changed"] == 0
     assert rep["rounds"][1]["peer_output_tok_s"] is None and rep["rounds"][1]["ratio"] is None
-    header, rows, notes = serve_peers.rounds_table([OURS], rep, 2)
+    header, rows, notes = serve_peers_report.rounds_table([OURS], rep, 2)
     assert header == ["round", "pagedserve serve tok/s", "pagedserve serve ITL p50 ms"]
     assert rows == [
         ["1", "10.0", "100.0"],
@@ -152,7 +154,9 @@ def test_without_a_peer_rounds_rank_by_our_tok_s() -> None:
 
 
 def test_the_rounds_table_lists_each_round_then_the_median_and_the_goal() -> None:
-    header, rows, notes = serve_peers.rounds_table([OURS, PEER], serve_peers.rounds_report(three_rounds()), 2)
+    header, rows, notes = serve_peers_report.rounds_table(
+        [OURS, PEER], serve_peers_report.rounds_report(three_rounds()), 2
+    )
     assert header == [
         "round",
         "pagedserve serve tok/s",
@@ -179,7 +183,7 @@ def test_the_side_by_side_table_is_the_median_round_and_the_json_gains_the_round
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     report = Report("serve", None, ["test"])
-    result = serve_peers._report(report_args(), report, Path("/models/m"), "2 prompts", three_rounds())
+    result = serve_peers_report._report(report_args(), report, Path("/models/m"), "2 prompts", three_rounds())
     main_table, rounds_table = report.tables
     table = {row[0]: row[1:] for row in main_table["rows"]}
     assert table["output tok/s"] == ["10.0", "8.3", "1.20x"]  # round 3, not round 1 (1.25x)
@@ -199,7 +203,9 @@ def test_the_side_by_side_table_is_the_median_round_and_the_json_gains_the_round
 
 def test_one_round_reports_as_before_without_rounds() -> None:
     report = Report("serve", None, ["test"])
-    result = serve_peers._report(report_args(), report, Path("/models/m"), "2 prompts", [pair(0.5, 0.625)])
+    result = serve_peers_report._report(
+        report_args(), report, Path("/models/m"), "2 prompts", [pair(0.5, 0.625)]
+    )
     (table,) = report.tables
     assert table["title"] == "served over the OpenAI API, 16 streams"
     assert table["notes"][0] == "output tok/s pagedserve serve / vLLM serve: 1.25x, goal >= 1.1x met"
