@@ -139,7 +139,8 @@ def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
 
     copy = tmp_path / "src"
     for area in ("pagedserve", "controlplane", "dataplane", "kernels", "clients", "protos", "benchmarks"):
-        shutil.copytree(REPO / area, copy / area, ignore=shutil.ignore_patterns("__pycache__"))
+        # symlinks=True: pagedserve/<area> stay links to the copied areas (the edit below is seen)
+        shutil.copytree(REPO / area, copy / area, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     config_py = copy / "dataplane" / "config.py"
     anchor = '    max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)\n'
     text = config_py.read_text()

@@ -137,10 +137,10 @@ def test_fp8_scales_file_round_trip(tiny: dict[str, Any], tmp_path: Path) -> Non
 
 
 def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedserve.dataplane.engine.llm_engine as llm_engine
+    import pagedserve.dataplane.engine.startup as startup
 
     warnings: list[tuple[str, dict[str, Any]]] = []
-    real = llm_engine.log
+    real = startup.log
 
     class Recorder:
         def warning(self, event: str, **kw: Any) -> None:
@@ -149,7 +149,7 @@ def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: py
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-    monkeypatch.setattr(llm_engine, "log", Recorder())
+    monkeypatch.setattr(startup, "log", Recorder())
     path, _ = tiny["llama"]
     engine = LLM(str(path), kv_cache_dtype="fp8_e4m3", calculate_kv_scales=False, max_model_len=256).engine
     assert engine.kv_scales is not None and set(engine.kv_scales.k_scale) == {1.0}
