@@ -16,7 +16,11 @@ Order and supervision:
    orchestrator to restart the whole.
 4. The child dies with `serve` (Linux `PR_SET_PDEATHSIG`, `--exit-with-parent`), even when
    `serve` is SIGKILLed.
-5. SIGINT/SIGTERM: the control plane drains for `--shutdown-grace` while the child serves,
+5. The link between the two planes is authenticated, loopback included: without a
+   `--dataplane-token-file`, `serve` makes a random token for this start (a 0600 file, removed
+   when `serve` exits) and hands it to both planes, so no other local process can submit to the
+   data plane past `--api-key` and admission, or drain it.
+6. SIGINT/SIGTERM: the control plane drains for `--shutdown-grace` while the child serves,
    cuts the streams still open, then the child is stopped (SIGTERM; SIGKILL if it still runs
    shortly before the deadline): `serve` and its child are gone within the grace +
    `STOP_MARGIN_S` (2 s) of the signal, whatever the clients do. A second signal cuts at once
@@ -35,9 +39,12 @@ import asyncio
 import codecs
 import contextlib
 import os
+import secrets
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,11 +122,34 @@ def child_command(config: DataPlaneConfig) -> list[str]:
     return [sys.executable, "-m", "pagedserve", "dataplane", "--config-json", settings.to_json(config)]
 
 
+LINK_TOKEN_BYTES = 32
+
+
+@contextlib.contextmanager
+def link_token(args: argparse.Namespace) -> Iterator[None]:
+    """The planes' shared token while `serve` runs: the operator's `--dataplane-token-file`, else
+    one made for this start (random, in a file only this user reads, removed on the way out)."""
+    if args.dataplane_token_file is not None:
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="pagedserve-link-", suffix=".token")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(secrets.token_hex(LINK_TOKEN_BYTES))
+        args.dataplane_token_file = path
+        yield
+    finally:
+        args.dataplane_token_file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 @cli_command
 def cmd_serve(args: argparse.Namespace) -> int:
-    child = dataplane_config(args)  # engine settings are checked before anything starts
-    supervision = settings.from_arguments(SupervisionConfig, args)
-    return asyncio.run(_serve(args, child, supervision))
+    with link_token(args):
+        child = dataplane_config(args)  # engine settings are checked before anything starts
+        supervision = settings.from_arguments(SupervisionConfig, args)
+        return asyncio.run(_serve(args, child, supervision))
 
 
 async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: SupervisionConfig) -> int:

@@ -9,6 +9,7 @@ line, no traceback). Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,10 +21,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 from tests.e2e.harness import REPO, wait_until
 
 START_S = 120.0  # a cold start imports torch; two cores may be busy with other tests
@@ -202,15 +205,44 @@ def test_a_killed_data_plane_is_restarted_and_serves_again(serving: Serve) -> No
     assert not any(noise in serving.stderr for noise in LOG_NOISE), serving.stderr[-3000:]
 
 
+def child_config(pid: int) -> dict[str, object]:
+    """The data-plane child's settings, read from its command line (`--config-json`)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    config: dict[str, object] = json.loads(argv[argv.index(b"--config-json") + 1])
+    return config
+
+
+def test_the_link_between_the_planes_needs_this_starts_token_even_on_loopback(serving: Serve) -> None:
+    child = serving.child_pids()[-1]  # the one running now (an earlier test may have killed one)
+    config = child_config(child)
+    token_file = Path(str(config["dataplane_token_file"]))
+    assert token_file.stat().st_mode & 0o777 == 0o600  # only this user reads it
+    address = f"{config['host']}:{config['port']}"
+    with grpc.insecure_channel(address) as channel:
+        stub = dataplane_pb2_grpc.DataPlaneServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as drain:
+            stub.Drain(dataplane_pb2.DrainRequest(), timeout=30)
+        assert drain.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        with pytest.raises(grpc.RpcError) as connect:
+            list(stub.Connect(iter([dataplane_pb2.ConnectRequest()]), timeout=30))
+        assert connect.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    # The stray calls changed nothing: the control plane's own link carries the token.
+    assert generates(serving.grpc_address)
+    assert http_status(f"{serving.http_url}/health") == 200
+
+
 def test_serve_exits_non_zero_when_its_data_plane_keeps_dying(tiny: Path, tmp_path: Path) -> None:
     srv = Serve(tiny, tmp_path, "fragile", "--dataplane-max-restarts", "0")
     try:
         srv.wait_serving()
         (child,) = srv.child_pids()
+        token_file = Path(str(child_config(child)["dataplane_token_file"]))
+        assert token_file.exists()
         os.kill(child, signal.SIGKILL)
         assert srv.exit_code(timeout_s=30) == 1
         assert_one_line_error(srv, "giving up")
         assert len(srv.child_pids()) == 1  # no restart was tried
+        assert not token_file.exists()  # this start's link token goes with it
     finally:
         srv.cleanup()
 
