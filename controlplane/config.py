@@ -74,6 +74,12 @@ class ControlPlaneConfig:
         flag="--shutdown-grace",
         minimum=0,
     )
+    http_header_timeout_s: float = setting(
+        10.0,
+        "seconds an HTTP client has to send a request's head before its connection is closed (slowloris)",
+        flag="--http-header-timeout",
+        exclusive_minimum=0,
+    )
     max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
     queue_timeout_s: float = setting(
         60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0

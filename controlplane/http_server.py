@@ -25,6 +25,7 @@ from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
+from pagedserve.controlplane.http_head_timeout import HeadTimeoutProtocol
 from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
 from pagedserve.controlplane.openai.routes import OpenAIRoutes
 from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
@@ -186,7 +187,14 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None = None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        tls: ServerTLS | None = None,
+        header_timeout_s: float = HeadTimeoutProtocol.head_timeout_s,
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if tls is None:
             self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -200,7 +208,14 @@ class HttpServer:
         ssl: dict[str, Any] = (
             {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
         )
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **ssl)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            http=HeadTimeoutProtocol.with_timeout(header_timeout_s),
+            **ssl,
+        )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -246,7 +246,7 @@ async def start_control_plane(
         app = create_app(frontend, keys)
         app.state.liveness = liveness
         try:
-            http = HttpServer(app, host, http_port, config.tls)
+            http = HttpServer(app, host, http_port, config.tls, config.http_header_timeout_s)
         except OSError as exc:
             await server.stop(None)
             raise bind_error(host, http_port, exc, "--http-port") from None

@@ -124,6 +124,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--shutdown-grace=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "httpHeaderTimeoutS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--http-header-timeout=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "maxQueueLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-queue-len=%d" (int64 $v) | toJson }}
