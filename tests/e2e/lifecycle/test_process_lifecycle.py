@@ -275,7 +275,10 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(
     try:
         proc.wait_for(marker, timeout_s=60)
         os.killpg(proc.proc.pid, signal.SIGINT)
-        assert proc.exit_code(timeout_s=20) == 130
+        # 130, or ended by SIGINT itself, which a shell reports as the same status 130: about
+        # one `dataplane` run in ten handled the KeyboardInterrupt (its server stopped, atexit
+        # ran) and then died of SIGINT during the interpreter's finalization.
+        assert proc.exit_code(timeout_s=20) in (130, -signal.SIGINT)
         assert "listening on" not in proc.stdout  # it was interrupted while loading
         assert not any(noise in proc.stderr for noise in LOG_NOISE), proc.stderr
         for child in proc.child_pids():
