@@ -23,9 +23,10 @@ log = get_logger(__name__)
 
 
 class HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, each request head due within `head_timeout_s` (see module doc)."""
+    """uvicorn's h11 protocol, each request head due within `head_timeout_s` (see module doc).
+    Built through `with_timeout`: the seconds come from the settings (`--http-header-timeout`)."""
 
-    head_timeout_s: float = 10.0
+    head_timeout_s: float
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

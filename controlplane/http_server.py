@@ -192,8 +192,8 @@ class HttpServer:
         app: FastAPI,
         host: str,
         port: int,
-        tls: ServerTLS | None = None,
-        header_timeout_s: float = HeadTimeoutProtocol.head_timeout_s,
+        tls: ServerTLS | None,
+        header_timeout_s: float,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if tls is None:

@@ -126,27 +126,27 @@ LINK_TOKEN_BYTES = 32
 
 
 @contextlib.contextmanager
-def link_token(args: argparse.Namespace) -> Iterator[None]:
-    """The planes' shared token while `serve` runs: the operator's `--dataplane-token-file`, else
-    one made for this start (random, in a file only this user reads, removed on the way out)."""
-    if args.dataplane_token_file is not None:
-        yield
+def link_token(token_file: str | None) -> Iterator[str]:
+    """The planes' shared token file while `serve` runs: the operator's `--dataplane-token-file`,
+    else one made for this start (random, in a file only this user reads, removed on the way out)."""
+    if token_file is not None:
+        yield token_file
         return
     fd, path = tempfile.mkstemp(prefix="pagedserve-link-", suffix=".token")  # mode 0600
     try:
         with os.fdopen(fd, "w") as file:
             file.write(secrets.token_hex(LINK_TOKEN_BYTES))
-        args.dataplane_token_file = path
-        yield
+        yield path
     finally:
-        args.dataplane_token_file = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
 @cli_command
 def cmd_serve(args: argparse.Namespace) -> int:
-    with link_token(args):
+    with link_token(args.dataplane_token_file) as token_file:
+        # Both planes read the token file from the arguments: the child's config and the control plane's.
+        args = argparse.Namespace(**{**vars(args), "dataplane_token_file": token_file})
         child = dataplane_config(args)  # engine settings are checked before anything starts
         supervision = settings.from_arguments(SupervisionConfig, args)
         return asyncio.run(_serve(args, child, supervision))

@@ -265,7 +265,7 @@ def test_the_http_stop_closes_a_response_whose_client_reads_nothing() -> None:
         async def endless_route() -> StreamingResponse:
             return StreamingResponse(endless())
 
-        http = HttpServer(app, "127.0.0.1", 0)
+        http = HttpServer(app, "127.0.0.1", 0, None, header_timeout_s=10.0)
         await http.start()
         client = socket.create_connection(("127.0.0.1", http.port))
         try:
