@@ -8,7 +8,9 @@ thread-safe callable; the servicer's puts into an asyncio queue). So a slow clie
 stalls a step, and a step never waits on the network.
 
 What the loop drives and reports: engine_api.py. Streams and their outboxes: streams.py.
-Requests, their samples and their typed ids: groups.py.
+Requests, their samples and their typed ids: groups.py. Deadlines (a submit's `timeout_ms`):
+deadlines.py; before every step the requests past theirs are dropped through the abort path
+and refused DEADLINE_EXCEEDED, after whatever tokens they had streamed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from concurrent.futures import Future
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import sampling_params_from_proto
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.dataplane.request import Request
+from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.server.deadlines import Deadlines
 from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
 from pagedserve.dataplane.server.metrics import DataPlaneMetrics, kernel_info
@@ -44,6 +47,7 @@ class EngineLoop:
         self._groups = GroupTable()
         # Submitted requests whose structured-output grammar is compiling (not yet in the engine).
         self._compiling: dict[StreamRequestKey, dataplane_pb2.SubmitCommand] = {}
+        self._deadlines: Deadlines[StreamRequestKey] = Deadlines()
         self._kv_event_seq = 0
         self._pending_events: list[dataplane_pb2.KVEvent] = []
         self._stats_dirty = False
@@ -98,7 +102,9 @@ class EngineLoop:
         self._post(lambda: self._on_disconnect(stream_id))
 
     def submit(self, stream_id: str, command: dataplane_pb2.SubmitCommand) -> None:
-        self._post(lambda: self._on_submit(stream_id, command))
+        # A deadline counts from the arrival here, not from when the loop gets to the command.
+        received = time.monotonic()
+        self._post(lambda: self._on_submit(stream_id, command, received))
 
     def abort(self, stream_id: str, request_id: str) -> None:
         self._post(lambda: self._on_abort(StreamRequestKey(stream_id, request_id), notify=True))
@@ -127,6 +133,7 @@ class EngineLoop:
                 self._apply_commands(block=not busy)
                 if self._stopped.is_set():
                     break
+                self._expire()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._flush()
@@ -147,7 +154,7 @@ class EngineLoop:
 
     def _apply_commands(self, block: bool) -> None:
         try:
-            command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=self._idle_wait_s()) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -209,6 +216,7 @@ class EngineLoop:
     def _forget(self, group: Group) -> None:
         group.end_spans()
         self._groups.remove(group)
+        self._deadlines.discard(group.key)
 
     def _flush(self) -> None:
         """Send each stream what this iteration produced for it, plus stats and KV events."""
@@ -234,12 +242,13 @@ class EngineLoop:
             return
         for key in [k for k in self._compiling if k.stream_id == stream_id]:
             del self._compiling[key]
+            self._deadlines.discard(key)
         orphans = self._groups.of_stream(stream_id)
         for key in orphans:
             self._on_abort(key, notify=False)
         log.info("stream_closed", stream_id=stream_id, aborted=len(orphans), streams=len(self._streams))
 
-    def _on_submit(self, stream_id: str, command: dataplane_pb2.SubmitCommand) -> None:
+    def _on_submit(self, stream_id: str, command: dataplane_pb2.SubmitCommand, received: float) -> None:
         if stream_id not in self._streams:
             return
         key = StreamRequestKey(stream_id, command.request_id)
@@ -259,6 +268,8 @@ class EngineLoop:
             grammars = self.engine.grammars() if constraint is not None else None
         except ValueError as exc:  # bad params (or structured outputs without a tokenizer)
             return reject("INVALID_ARGUMENT", str(exc))
+        if command.timeout_ms:  # (set from here on: a grammar's compile time counts too)
+            self._deadlines.add(key, received + command.timeout_ms / 1000)
         if constraint is None or grammars is None:
             return self._admit(key, command, params, None)
         # Structured output: the grammar compiles off this thread (other requests keep
@@ -292,6 +303,7 @@ class EngineLoop:
         if key.stream_id not in self._streams:
             return
         if error is not None or grammar is None:
+            self._deadlines.discard(key)
             self._reject(key, "INVALID_ARGUMENT", str(error))
             self._stats_dirty = True
             return
@@ -313,6 +325,7 @@ class EngineLoop:
                 grammar=grammar,
             )
         except ValueError as exc:  # a request the scheduler can never run
+            self._deadlines.discard(key)
             self._reject(key, "INVALID_ARGUMENT", str(exc))
             return
         group = Group.open(
@@ -328,6 +341,7 @@ class EngineLoop:
 
     def _on_abort(self, key: StreamRequestKey, notify: bool) -> None:
         if self._compiling.pop(key, None) is not None:
+            self._deadlines.discard(key)
             self._num_aborted += 1  # never admitted: no samples to report
             return
         group = self._groups.get(key)
@@ -360,6 +374,45 @@ class EngineLoop:
             self._forget(group)
             self.engine.release(group.engine_id)
         self._stats_dirty = True
+
+    def _expire(self) -> None:
+        """Drop every request past its deadline, before the next step schedules it again."""
+        for key in self._deadlines.expired(time.monotonic()):
+            self._on_deadline(key)
+
+    def _on_deadline(self, key: StreamRequestKey) -> None:
+        """`key`'s deadline passed: abort it wherever it is (its blocks freed as on a cancel) and
+        refuse it DEADLINE_EXCEEDED, which reaches the client after the tokens it already has."""
+        generated = 0
+        if self._compiling.pop(key, None) is not None:
+            state = "compiling"
+        else:
+            group = self._groups.get(key)
+            if group is None:
+                return
+            states = {r.status for r in group.samples if not r.status.finished}
+            state = next(
+                (s.value for s in (RequestStatus.RUNNING, RequestStatus.SWAPPED) if s in states), "waiting"
+            )
+            generated = sum(r.num_output_tokens for r in group.samples)
+            self.engine.abort_request(group.engine_id)
+            self._forget(group)
+        self._num_aborted += 1
+        self.metrics.deadline_exceeded(state)
+        log.info("request_deadline_exceeded", request_id=key.request_id, state=state, generated=generated)
+        self._reject(
+            key,
+            "DEADLINE_EXCEEDED",
+            f"the request's deadline passed while it was {state} on the data plane, after "
+            f"{generated} generated token(s); it was dropped",
+        )
+        self._stats_dirty = True
+
+    def _idle_wait_s(self) -> float:
+        """How long an idle loop may wait for a command: until the soonest deadline at most
+        (a request whose grammar compiles is dropped at its deadline, not at the next command)."""
+        soonest = self._deadlines.next_deadline()
+        return _IDLE_WAIT_S if soonest is None else min(_IDLE_WAIT_S, max(0.0, soonest - time.monotonic()))
 
     def _on_drain(self) -> None:
         self._draining = True

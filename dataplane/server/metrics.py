@@ -167,6 +167,14 @@ class DataPlaneMetrics:
             "the batch went on).",
             registry=self.registry,
         )
+        self.deadline_drops = Counter(
+            PREFIX + "deadline_exceeded_requests",
+            "Requests dropped because their deadline (the client's time left) passed, by where "
+            "they were: compiling (their grammar), waiting, running or swapped (also counted in "
+            "num_aborted_requests).",
+            ["state"],
+            registry=self.registry,
+        )
         self.grammar_wait = Histogram(
             PREFIX + "structured_output_compile_seconds",
             "Time from a constrained request's arrival until its grammar was ready (compiled, or "
@@ -177,6 +185,9 @@ class DataPlaneMetrics:
 
     def faulted(self) -> None:
         self.request_faults.inc()
+
+    def deadline_exceeded(self, state: str) -> None:
+        self.deadline_drops.labels(state=state).inc()
 
     def constrained_request(self, kind: str) -> None:
         self.constrained.labels(kind=kind).inc()

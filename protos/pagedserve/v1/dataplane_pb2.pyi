@@ -74,9 +74,18 @@ class SubmitCommand(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique within the stream."""
     cache_salt: _builtins.str
+    timeout_ms: _builtins.int
+    """The request's deadline, in milliseconds from its arrival at the data plane; 0: none. Past
+    it the data plane drops the request wherever it is (compiling its grammar, waiting,
+    running or swapped out), frees its blocks and answers SubmitRejected DEADLINE_EXCEEDED
+    after the tokens already streamed. Relative rather than an instant: the two planes may
+    run on hosts whose clocks disagree, and a time left does not depend on either clock.
+    The control plane sends what is left of the client's deadline when it submits.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -93,10 +102,11 @@ class SubmitCommand(_message.Message):
         sampling_params: _common_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -258,7 +268,10 @@ class SubmitRejected(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     code: _builtins.str
-    """A grpc status code name: "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED" or "UNAVAILABLE" (draining)."""
+    """A grpc status code name: "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE" (draining),
+    "INTERNAL" (its own work in a step failed) or "DEADLINE_EXCEEDED" (SubmitCommand.timeout_ms
+    passed; it may come after the request's first tokens, which stand).
+    """
     message: _builtins.str
     def __init__(
         self,
@@ -309,8 +322,8 @@ class PoolStats(_message.Message):
     num_preemptions: _builtins.int
     draining: _builtins.bool
     num_aborted_requests: _builtins.int
-    """Requests aborted before they finished (client cancel, stop string, stream closed). One
-    sample's abort (AbortCommand.index) is not counted: the request goes on.
+    """Requests aborted before they finished (client cancel, stop string, stream closed, deadline).
+    One sample's abort (AbortCommand.index) is not counted: the request goes on.
     """
     num_preemptions_swap: _builtins.int
     """Preemptions by mode, cumulative (they sum to num_preemptions): swap copied the victim's
