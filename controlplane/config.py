@@ -42,9 +42,12 @@ class ControlPlaneConfig:
     most `dataplane_drain_timeout_s`), then the link closes.
 
     Admission: at most `max_queue_len` requests wait for KV budget, each at most
-    `queue_timeout_s` (or its gRPC deadline, if sooner). A request reserves the blocks its
+    `queue_timeout_s` (or its deadline, if sooner). A request reserves the blocks its
     prompt needs (minus those the chosen data plane already caches) plus
     `decode_reserve_blocks` for its first generated tokens.
+
+    Deadline: the soonest of the call's gRPC deadline, the HTTP body's `timeout` and
+    `request_timeout_s`; the data plane drops a request past it (controlplane/deadlines.py).
 
     Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, new requests are refused UNAVAILABLE,
     and running ones have `shutdown_grace_s` to finish before the process exits.
@@ -83,6 +86,14 @@ class ControlPlaneConfig:
     max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
     queue_timeout_s: float = setting(
         60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0
+    )
+    request_timeout_s: float | None = setting(
+        None,
+        "seconds a request may take in all, queue included, before it ends with DEADLINE_EXCEEDED "
+        "(HTTP 504) and the data plane drops it, freeing its blocks (default: none; a gRPC deadline "
+        "or an HTTP body's `timeout` that is sooner applies instead)",
+        flag="--request-timeout",
+        exclusive_minimum=0,
     )
     decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt", minimum=0)
     routing: RoutingWeights = field(default_factory=RoutingWeights)

@@ -29,7 +29,8 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
 from pagedserve.controlplane.admission import AdmissionQueue
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost
+from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost, RequestEvent
+from pagedserve.controlplane.deadlines import timeout_ms
 from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
@@ -41,6 +42,11 @@ log = get_logger(__name__)
 _tracer = tracer(__name__)
 
 _RETIRE_POLL_S = 0.05
+# A data plane drops a request at its deadline (SubmitCommand.timeout_ms) and says so. Should it
+# not (a step that hangs, a data plane that predates the field), the control plane ends the
+# call itself this long after the deadline: longer than a step, so the data plane's answer,
+# which says where the request was, normally comes first.
+DEADLINE_GRACE_S = 5.0
 _SHUTTING_DOWN = "the control plane is shutting down; retry the request"
 
 PromptHashes = Callable[[int, str], list[bytes]]
@@ -394,6 +400,7 @@ class Dispatcher:
                 )
             finally:
                 span.end()
+            command.timeout_ms = timeout_ms(request.deadline)  # what is left of it now, per attempt
             try:
                 handle = link.submit(command)
             except RuntimeError as exc:  # the link broke between placement and submit
@@ -405,7 +412,7 @@ class Dispatcher:
             done = False
             try:
                 while not done:
-                    event = await handle.events.get()
+                    event = await _next_event(handle.events, request.deadline)
                     # Checked on every event, not only on the cut's `Lost`: the events queued
                     # before it (a slow consumer's backlog) are not streamed any more.
                     self._check_cut()
@@ -429,6 +436,19 @@ class Dispatcher:
                     link.abort(request.request_id)  # cancelled, closed early or failed: free its blocks
             if done:
                 return
+
+
+async def _next_event(events: asyncio.Queue[RequestEvent], deadline: float | None) -> RequestEvent:
+    """The link's next event for a request; DEADLINE_EXCEEDED once `deadline` is
+    DEADLINE_GRACE_S past with none."""
+    if deadline is None or not events.empty():
+        return await events.get()
+    try:
+        return await asyncio.wait_for(events.get(), deadline + DEADLINE_GRACE_S - time.monotonic())
+    except TimeoutError:
+        raise ServiceError(
+            "DEADLINE_EXCEEDED", "the request's deadline passed and its data plane did not end it"
+        ) from None
 
 
 def _moved(decision: frozenset[str] | Refusal) -> frozenset[str]:

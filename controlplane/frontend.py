@@ -24,10 +24,12 @@ from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
 from pagedserve.controlplane.auth import request_tenant, tenant_salt
+from pagedserve.controlplane.deadlines import request_deadline
 from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
 from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
 from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
+from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.request import GenerationRequest, new_request_id
 from pagedserve.controlplane.tokenizer import Tokenizer
@@ -116,16 +118,19 @@ class Frontend:
         metrics: ControlPlaneMetrics | None = None,
         served_model_names: tuple[str, ...] = (),
         tool_call_parser: str = "auto",
+        request_timeout_s: float | None = None,
     ) -> None:
         """`served_model_names` (vLLM's --served-model-name): the names clients may use; the
         first is the one responses report. Default: the model's own name. `tool_call_parser`:
-        the format the model writes tool calls in (`auto`: read from its chat template)."""
+        the format the model writes tool calls in (`auto`: read from its chat template).
+        `request_timeout_s`: the server's default deadline (controlplane/deadlines.py)."""
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names or (model_name,)
         self.model_name = self.served_model_names[0]
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
         self.tool_call_format = resolve_parser(tool_call_parser, tokenizer.chat_template)
+        self.request_timeout_s = request_timeout_s
 
     # -- validation -----------------------------------------------------------------------------
     def check_model(self, model: str | None, field_name: str = "model") -> None:
@@ -269,6 +274,7 @@ class Frontend:
         request_id: str | None = None,
         cache_salt: str | None = None,
         deadline: float | None = None,
+        timeout_s: float | None = None,
         field_prefix: str = "sampling_params.",
         field_names: Mapping[str, str] | None = None,
         request_id_field: str = "request_id",
@@ -285,13 +291,15 @@ class Frontend:
         and what its wire field holds, before anything is converted or built for it (the
         per-sample state is made only for a validated `n`). `request_id` is the client's
         label (`request_id_field` names where it came from); the request is keyed by a fresh
-        server id.
+        server id. Its deadline: the soonest of `deadline` (the call's), the client's `timeout_s`
+        and the server's default.
         """
         names = field_names or {}
 
         def field(name: str) -> str:
             return f"{field_prefix}{names.get(name, name)}"
 
+        due = request_deadline(deadline, timeout_s, self.request_timeout_s)
         if request_id is not None:
             check_text(request_id, request_id_field, MAX_NAME_CHARS)
         if cache_salt is not None:
@@ -334,7 +342,9 @@ class Frontend:
             sampling_params=params,
             stop=tuple(stop),
             cache_salt=salt,
-            deadline=deadline,
+            deadline=None if due is None else due.at,
+            deadline_source="" if due is None else due.source,
+            deadline_param=None if due is None else due.param,
             client_request_id=request_id or "",
             constraint_field=field(params.constraint.kind) if params.constraint is not None else "",
         )
@@ -388,7 +398,7 @@ class Frontend:
                     )
                 yield event
         except ServiceError as exc:
-            exc = _named_constraint_error(gen, exc)
+            exc = named_error(gen, exc)
             self.record_failure(exc)
             span.set_status(Status(StatusCode.ERROR, exc.code))
             log.info(
@@ -478,20 +488,3 @@ class Frontend:
                 yield done
                 if all(x.done for x in completions):
                     return  # leaving the `aclosing` block aborts what still runs on the data plane
-
-
-def _named_constraint_error(gen: GenerationRequest, exc: ServiceError) -> ServiceError:
-    """A data plane's refusal of a constraint ("json_schema could not be compiled: ...") with
-    the constraint named as the client named it (e.g. "response_format.json_schema.schema ...")."""
-    constraint = gen.sampling_params.constraint
-    if (
-        constraint is None
-        or exc.code != "INVALID_ARGUMENT"
-        or not exc.message.startswith(constraint.kind + " ")
-    ):
-        return exc
-    named = ServiceError(
-        exc.code, gen.constraint_field + exc.message[len(constraint.kind) :], param=gen.constraint_field
-    )
-    named.counted = exc.counted
-    return named

@@ -34,7 +34,9 @@ class GenerationRequest:
     sampling_params: SamplingParams
     stop: tuple[str, ...] = ()  # matched here on the detokenized text; never sent to a data plane
     cache_salt: str | None = None
-    deadline: float | None = None  # time.monotonic() value
+    deadline: float | None = None  # time.monotonic() value: the soonest source (controlplane/deadlines.py)
+    deadline_source: str = ""  # what set it, as an error names it ("timeout of 2 s")
+    deadline_param: str | None = None  # the request field that set it, if one did
     client_request_id: str = ""  # the client's label (echoed in responses); "" = none given
     # Where the client set the structured-output constraint (e.g. "response_format.json_schema.schema"):
     # a data plane's refusal to compile it ("json_schema could not be compiled ...") is reported so.

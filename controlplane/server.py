@@ -238,6 +238,7 @@ async def start_control_plane(
         config.model,
         served_model_names=config.served_model_names,
         tool_call_parser=config.tool_call_parser,
+        request_timeout_s=config.request_timeout_s,
     )
     server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
     liveness = Liveness()

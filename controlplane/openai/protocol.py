@@ -96,6 +96,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # Seconds the server may spend on the request, queue included (controlplane/deadlines.py):
+    # past it the response is 504 (a stream ends with the tokens so far, then the error).
+    # The OpenAI client's own `timeout` option stays client-side: send this in `extra_body`.
+    timeout: float | None = None
 
     @property
     def num_choices(self) -> int:

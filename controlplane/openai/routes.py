@@ -155,6 +155,7 @@ class OpenAIRoutes:
                 stop,
                 request_id=label if label is None or len(prompts) == 1 else f"{label}-{i}",
                 cache_salt=body.cache_salt,
+                timeout_s=body.timeout,
                 field_prefix="",
                 field_names=field_names,
                 request_id_field="x-request-id",

@@ -136,6 +136,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--queue-timeout=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "requestTimeoutS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--request-timeout=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "decodeReserveBlocks" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--decode-reserve-blocks=%d" (int64 $v) | toJson }}
