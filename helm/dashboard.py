@@ -86,9 +86,16 @@ def dashboard() -> dict[str, Any]:
         0,
     )
     panel(
-        "Preemptions",
+        "Preemptions and deadline drops",
         "ops",
-        [(f"sum by (pod) (rate(pagedserve_num_preemptions_total{{{DP}}}{RATE}))", "{{pod}}")],
+        [
+            (f"sum by (pod) (rate(pagedserve_num_preemptions_total{{{DP}}}{RATE}))", "preempted {{pod}}"),
+            # Requests the scheduler dropped at their deadline (work nobody would read).
+            (
+                f"sum by (pod) (rate(pagedserve_deadline_exceeded_requests_total{{{DP}}}{RATE}))",
+                "past deadline {{pod}}",
+            ),
+        ],
         12,
     )
     row("Scheduling")
