@@ -56,6 +56,7 @@ _SOURCES = tuple(
         "linear.cpp",
         "linear_bf16.cpp",
         "decoder_block.cpp",
+        "linear_quant.cpp",
     )
 )
 # Included by the sources; their contents are part of the build's name like the sources'.
@@ -127,6 +128,10 @@ class CpuKernels:
     # this build computes it with AVX-512 BF16 dot products (x rounded to bf16)
     panel_linear_bf16: Callable[..., None]
     bf16_dot_products: bool
+    # kernels/cpu/linear_quant.cpp: quant_panel_linear(out, x, values, scales, mins, bias),
+    # float32 x/out/scales/mins/bias, values int8 (8-bit) or uint8 (4-bit) packed by
+    # pagedserve.kernels.quant.pack_quant_panels, mins and bias empty for none
+    quant_panel_linear: Callable[..., None]
     isa: str
     library_path: str
     cflags: tuple[str, ...]
@@ -474,6 +479,7 @@ def _build(isa: str, verbose: bool) -> CpuKernels:
                 panel_width=int(ops.panel_width.default()),
                 panel_linear_bf16=ops.panel_linear_bf16.default,
                 bf16_dot_products=bool(ops.bf16_dot_products.default()),
+                quant_panel_linear=ops.quant_panel_linear.default,
                 isa=isa,
                 library_path=library,
                 cflags=tuple(cflags),

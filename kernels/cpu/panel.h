@@ -32,29 +32,12 @@ constexpr int64_t kChunkRows = 96;
 // above), on the default model's layers with their weights read from memory.
 constexpr int64_t kPrefetchSteps = 32;
 
-// One output element's value is acc (the in-order FMA chain over k) + bias; `accumulate`
-// adds it to what out holds (out + (acc + bias), the order of `out += linear(x)`).
+// A register tile's epilogue: adds the bias, then writes (or with `accumulate` adds to) the
+// tile's rows of out; `cols` < kPanel for the last panel of an output. Shared by the fp32 and
+// the quantized (linear_quant.cpp) panel tiles.
 template <int R>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias, float* out,
-                 int64_t ldo, int64_t cols, bool accumulate) {
-  vnat acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = splat_nat(0.0f);
-    acc1[r] = splat_nat(0.0f);
-  }
-  for (int64_t k = 0; k < k_len; ++k) {
-    const float* b = panel + k * kPanel;
-    __builtin_prefetch(b + kPrefetchSteps * kPanel, 0, 1);
-    if constexpr (kPanel * sizeof(float) > 64) __builtin_prefetch(b + kPrefetchSteps * kPanel + 16, 0, 1);
-    const vnat b0 = load_nat(b);
-    const vnat b1 = load_nat(b + kNW);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const vnat a = splat_nat(x[r * ldx + k]);
-      acc0[r] = acc0[r] + a * b0;  // contracted to one FMA (-ffp-contract=fast, GCC's default)
-      acc1[r] = acc1[r] + a * b1;
-    }
-  }
+inline void finish_tile(vnat (&acc0)[R], vnat (&acc1)[R], const float* bias, float* out, int64_t ldo, int64_t cols,
+                        bool accumulate) {
   if (bias != nullptr) {
     float padded[kPanel] = {};
     std::copy(bias, bias + cols, padded);
@@ -79,6 +62,32 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len,
       for (int64_t c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
     }
   }
+}
+
+// One output element's value is acc (the in-order FMA chain over k) + bias; `accumulate`
+// adds it to what out holds (out + (acc + bias), the order of `out += linear(x)`).
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, const float* bias, float* out,
+                 int64_t ldo, int64_t cols, bool accumulate) {
+  vnat acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = splat_nat(0.0f);
+    acc1[r] = splat_nat(0.0f);
+  }
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* b = panel + k * kPanel;
+    __builtin_prefetch(b + kPrefetchSteps * kPanel, 0, 1);
+    if constexpr (kPanel * sizeof(float) > 64) __builtin_prefetch(b + kPrefetchSteps * kPanel + 16, 0, 1);
+    const vnat b0 = load_nat(b);
+    const vnat b1 = load_nat(b + kNW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vnat a = splat_nat(x[r * ldx + k]);
+      acc0[r] = acc0[r] + a * b0;  // contracted to one FMA (-ffp-contract=fast, GCC's default)
+      acc1[r] = acc1[r] + a * b1;
+    }
+  }
+  finish_tile<R>(acc0, acc1, bias, out, ldo, cols, accumulate);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool);

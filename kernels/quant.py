@@ -1,0 +1,176 @@
+"""Quantized linear weights kept quantized in memory, for the C++ op in kernels/cpu/linear_quant.cpp.
+
+One form serves every format we load (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: kernels/gguf_blocks.py;
+`--quantization int8`: `quantize_int8`): a weight [out, in] is integer values, one per weight,
+and per (output row, group of `group` inputs) a float32 scale and, for the asymmetric
+formats, a float32 min:
+
+    weight[o, i] = values[o, i] * scales[o, i // group] (+ mins[o, i // group])
+
+`dequantize` computes exactly that in float32 (the product first, then the min: one rounding
+each, and the product is exact for every format with a min, so it equals the fused
+multiply-add the kernel uses). `pack_quant_panels` reorders a weight once, at load, into the
+column panels of the build's ISA (the fp32 panels' order, kernels/linear.py), 4-bit values two
+to a byte; `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
+`panel_linear` over the de-quantized weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.linear import NO_BIAS, PANEL_WIDTHS
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight [out, in] as integer values with per-group scales (and mins)."""
+
+    values: torch.Tensor  # [out, in]: int8 (8-bit, signed) or uint8 (4-bit, 0 .. 15)
+    scales: torch.Tensor  # [out, in // group] float32
+    mins: torch.Tensor | None  # [out, in // group] float32, or None (symmetric)
+    group: int  # inputs per scale
+    kind: str  # the source format, for logs: "Q4_1", "Q8_0", "int8", ...
+
+    def __post_init__(self) -> None:
+        out_features, in_features = self.values.shape
+        if self.values.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"{self.kind}: values must be int8 or uint8, got {self.values.dtype}")
+        if self.group <= 0 or in_features % self.group:
+            raise ValueError(f"{self.kind}: group {self.group} does not divide in_features {in_features}")
+        expected = (out_features, in_features // self.group)
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is not None and (tuple(t.shape) != expected or t.dtype != torch.float32):
+                raise ValueError(
+                    f"{self.kind}: {name} must be float32 {expected}, got {tuple(t.shape)} {t.dtype}"
+                )
+        if self.values.dtype == torch.uint8 and self.mins is None:
+            raise ValueError(f"{self.kind}: 4-bit values (0 .. 15) need mins")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == torch.uint8 else 8
+
+    @property
+    def out_features(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.values.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] (the reference the kernel equals)."""
+        scales = self.scales.repeat_interleave(self.group, dim=1)
+        weight = self.values.to(torch.float32) * scales
+        if self.mins is not None:
+            weight = weight + self.mins.repeat_interleave(self.group, dim=1)
+        return weight
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The weight of the output rows `index` (a permutation, a shard's slice)."""
+        return QuantizedWeight(
+            self.values[index].contiguous(),
+            self.scales[index].contiguous(),
+            None if self.mins is None else self.mins[index].contiguous(),
+            self.group,
+            self.kind,
+        )
+
+    @staticmethod
+    def concat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """The weights' output rows stacked (fused projections); they must share a form."""
+        first = weights[0]
+        forms = {(w.values.dtype, w.group, w.mins is None, w.in_features) for w in weights}
+        if len(forms) != 1:
+            raise ValueError(f"cannot stack quantized weights of different forms: {sorted(map(str, forms))}")
+        kinds = sorted({w.kind for w in weights})
+        return QuantizedWeight(
+            torch.cat([w.values for w in weights]),
+            torch.cat([w.scales for w in weights]),
+            None if first.mins is None else torch.cat([w.mins for w in weights if w.mins is not None]),
+            first.group,
+            "+".join(kinds),
+        )
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 per output row and `group` inputs (None: the whole row, per channel):
+    scale = max |w| / 127, value = round(w / scale)."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_int8 needs a 2-D weight, got {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    group = in_features if group is None else group
+    if in_features % group:
+        raise ValueError(f"quantize_int8: group {group} does not divide in_features {in_features}")
+    blocks = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
+    scales = blocks.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    values = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(
+        values.reshape(out_features, in_features), scales.contiguous(), None, group, "int8"
+    )
+
+
+def quantize_4bit(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    """Asymmetric 4-bit per `group` inputs (the Q4_1 form): min = the group's min, scale =
+    (max - min) / 15, both rounded to float16 as Q4_1 stores them (so value * scale is exact
+    in float32, the kernel's condition for a min), value = round((w - min) / scale). For tests
+    and test data."""
+    out_features, in_features = weight.shape
+    blocks = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
+    lo = blocks.amin(dim=-1).to(torch.float16).to(torch.float32)
+    scales = ((blocks.amax(dim=-1) - lo) / 15.0).to(torch.float16).to(torch.float32)
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    values = torch.round((blocks - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight(values.reshape(out_features, in_features), scales, lo.contiguous(), group, "4bit")
+
+
+@dataclass(frozen=True)
+class QuantPanels:
+    """A QuantizedWeight in the column panels of one ISA build (kernels/cpu/linear_quant.cpp)."""
+
+    values: torch.Tensor  # int8 [P, in, W] or uint8 [P, in, W // 2]
+    scales: torch.Tensor  # float32 [P, in // group, W]
+    mins: torch.Tensor  # float32 [P, in // group, W], or empty
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.mins))
+
+
+def _panels(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[out, cols] -> [ceil(out / width), cols, width], zero-padded output rows."""
+    out_features, cols = t.shape
+    panels = -(-out_features // width)
+    padded = t.new_zeros(panels * width, cols)
+    padded[:out_features] = t
+    return padded.view(panels, width, cols).transpose(1, 2).contiguous()
+
+
+def pack_quant_panels(weight: QuantizedWeight, width: int) -> QuantPanels:
+    """Reorder `weight` into panels of `width` output columns (the build's panel_width)."""
+    if width not in PANEL_WIDTHS:
+        raise ValueError(f"pack_quant_panels: width must be one of {PANEL_WIDTHS}, got {width}")
+    values = _panels(weight.values, width)
+    if weight.bits == 4:
+        half = width // 2
+        values = values[..., :half] | (values[..., half:] << 4)
+    mins = NO_BIAS if weight.mins is None else _panels(weight.mins, width)
+    return QuantPanels(values.contiguous(), _panels(weight.scales, width), mins, weight.out_features)
+
+
+def quant_panel_linear(
+    ops: CpuKernels, x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] float32 (last dim contiguous) @ the weight.T (+ bias) -> [rows, out]."""
+    out = x.new_empty(x.shape[0], panels.out_features)
+    ops.quant_panel_linear(
+        out, x, panels.values, panels.scales, panels.mins, NO_BIAS if bias is None else bias
+    )
+    return out

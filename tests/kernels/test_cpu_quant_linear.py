@@ -1,0 +1,141 @@
+"""Quantized weights kept quantized: the GGUF block decoders (kernels/gguf_blocks.py) against the
+`gguf` package's de-quantizers, and the C++ quant_panel_linear (kernels/cpu/linear_quant.cpp)
+against panel_linear over the de-quantized weight, on every ISA build this CPU runs.
+
+The kernel promises bit-identical results to the fp32 panel kernel on the de-quantized
+weight (value * scale + min rounds once, as the reference does: see the C++ source), so
+every comparison is torch.equal. Formats gguf cannot quantize (Q4_K, Q6_K) are tested on
+random blocks with finite float16 scales.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.gguf_blocks import BLOCKS, UnsupportedTensorType, decode_blocks
+from pagedserve.kernels.linear import pack_panels, panel_linear
+from pagedserve.kernels.quant import (
+    QuantizedWeight,
+    pack_quant_panels,
+    quant_panel_linear,
+    quantize_4bit,
+    quantize_int8,
+)
+
+
+def gguf_tensor(type_name: str, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """Raw GGUF bytes [out_features, bytes per row] of a random weight in `type_name`."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        weight = rng.standard_normal((out_features, in_features), dtype=np.float32) * 0.05
+        return quants.quantize(weight, qtype)
+    block_bytes, block_weights = BLOCKS[type_name]
+    blocks = rng.integers(0, 256, (out_features * in_features // block_weights, block_bytes), dtype=np.uint8)
+    d = (rng.random((blocks.shape[0], 2), dtype=np.float32) * 0.01).astype(np.float16).view(np.uint8)
+    if type_name == "Q4_K":
+        blocks[:, 0:4] = d.reshape(-1, 4)  # d and dmin
+    else:  # Q6_K: d is the block's last field
+        blocks[:, 208:210] = d[:, :2]
+    return blocks.reshape(out_features, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+def test_decoded_blocks_dequantize_to_ggufs_floats_exactly(type_name: str) -> None:
+    out_features, in_features = 24, 512
+    raw = gguf_tensor(type_name, out_features, in_features, seed=1)
+    weight = decode_blocks("blk.0.ffn_up.weight", type_name, raw, out_features, in_features)
+    expected = quants.dequantize(raw, GGMLQuantizationType[type_name])
+    assert weight.kind == type_name and weight.bits == (4 if type_name.startswith("Q4") else 8)
+    assert weight.group == (16 if type_name == "Q6_K" else 32)
+    assert torch.equal(
+        weight.dequantize(), torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32))
+    )
+
+
+def test_an_unsupported_type_is_refused_naming_the_tensor() -> None:
+    with pytest.raises(UnsupportedTensorType, match=r"'blk.3.attn_q.weight' is Q5_K; supported .*Q4_1"):
+        decode_blocks("blk.3.attn_q.weight", "Q5_K", np.zeros((4, 176), np.uint8), 4, 256)
+
+
+def test_a_short_tensor_is_refused_with_its_sizes() -> None:
+    raw = gguf_tensor("Q4_1", 4, 64, seed=2)
+    with pytest.raises(ValueError, match=r"'output.weight': 140 bytes, but 4 x 64 Q4_1 needs 160"):
+        decode_blocks("output.weight", "Q4_1", raw.reshape(-1)[:140], 4, 64)
+
+
+@pytest.mark.parametrize("width", [32, 16, 8])
+def test_4bit_panels_pack_two_columns_per_byte(width: int) -> None:
+    values = torch.randint(0, 16, (2 * width + 3, 64), dtype=torch.uint8)
+    scales = torch.rand(values.shape[0], 2)
+    weight = QuantizedWeight(values, scales, torch.zeros_like(scales), 32, "4bit")
+    panels = pack_quant_panels(weight, width)
+    assert panels.values.shape == (3, 64, width // 2) and panels.values.dtype == torch.uint8
+    half = width // 2
+    for p in range(3):
+        for j in range(half):
+            for col, got in (
+                (p * width + j, panels.values[p, :, j] & 15),
+                (p * width + j + half, panels.values[p, :, j] >> 4),
+            ):
+                expected = values[col] if col < values.shape[0] else torch.zeros(64, dtype=torch.uint8)
+                assert torch.equal(got, expected)
+    assert torch.equal(panels.scales[2, :, 3:], torch.zeros(2, width - 3))  # padding columns weigh 0
+
+
+def weights(out_features: int, in_features: int) -> list[QuantizedWeight]:
+    """Every form the kernel serves: each GGUF format, int8 per channel and per group, 4-bit."""
+    gen = torch.Generator().manual_seed(out_features * 7 + in_features)
+    dense = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    forms = [quantize_int8(dense), quantize_int8(dense, 32), quantize_4bit(dense, 32)]
+    for type_name, (_, block_weights) in sorted(BLOCKS.items()):
+        if in_features % block_weights == 0:
+            raw = gguf_tensor(type_name, out_features, in_features, seed=out_features)
+            forms.append(decode_blocks("w", type_name, raw, out_features, in_features))
+    return forms
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(100, 512), (576, 256), (40, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 13, 34])
+def test_quant_linear_equals_the_fp32_panels_on_the_dequantized_weight(
+    ext: CpuKernels, out_features: int, in_features: int, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for weight in weights(out_features, in_features):
+        panels = pack_quant_panels(weight, ext.panel_width)
+        fp32 = pack_panels(weight.dequantize(), ext.panel_width)
+        for b in (None, bias):
+            got = quant_panel_linear(ext, x, panels, b)
+            assert torch.equal(got, panel_linear(ext, x, fp32, out_features, b)), (
+                weight.kind,
+                weight.group,
+                b is None,
+            )
+        # and close to float64 math on the de-quantized weight
+        expected = x.double() @ weight.dequantize().double().T
+        torch.testing.assert_close(got.double() - bias.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch(ext: CpuKernels) -> None:
+    weight = weights(96, 256)[-1]
+    panels = pack_quant_panels(weight, ext.panel_width)
+    x = torch.randn(40, 256)
+    batched = quant_panel_linear(ext, x, panels)
+    for i in (0, 17, 39):
+        assert torch.equal(quant_panel_linear(ext, x[i : i + 1], panels)[0], batched[i])
+
+
+def test_the_op_refuses_4bit_values_without_mins(ext: CpuKernels) -> None:
+    weight = quantize_4bit(torch.randn(32, 64))
+    panels = pack_quant_panels(weight, ext.panel_width)
+    out = torch.empty(2, 32)
+    with pytest.raises(RuntimeError, match=r"4-bit values .* need mins"):
+        ext.quant_panel_linear(
+            out, torch.randn(2, 64), panels.values, panels.scales, torch.empty(0), torch.empty(0)
+        )
