@@ -62,6 +62,11 @@ class Request:
     While preempted by swap (status SWAPPED) the request holds no device blocks: its
     `host_block_table` lists the host-pool blocks its KV was copied into, one per block of
     its computed tokens, and `num_computed_tokens` is kept; swapping back in empties it.
+
+    `priority` orders the scheduler's queues (lower first, vLLM's semantics; 0 by default).
+    The scheduler keeps `queued_at`, when the request last entered its waiting or swapped queue
+    (None while it runs), and `waited_s`, its time queued before that: its aging
+    (dataplane/scheduler/priority.py) counts queued time only.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -91,6 +97,9 @@ class Request:
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.priority = priority
+        self.queued_at: float | None = None
+        self.waited_s = 0.0
         # Filled by the engine when the sampling params ask for logprobs (or best_of ranking).
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []

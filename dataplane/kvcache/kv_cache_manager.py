@@ -250,6 +250,16 @@ class KVCacheManager:
             self._record_admission(request, num_hit_tokens)
         return new_ids
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks of `request` beyond those its first `num_tokens` tokens need: blocks
+        `allocate_slots` gave it for a step it was then taken out of (a priority preemption),
+        never written, never cached."""
+        keep = self.num_blocks_for(num_tokens)
+        tail = request.block_table[keep:]
+        if tail:
+            self.pool.free(reversed(tail))
+            del request.block_table[keep:]
+
     def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return

@@ -30,18 +30,38 @@ first, before the step's forward and before the next `schedule()`.
 A request joining the batch (new, or resumed after preemption) first takes the cached
 blocks that start its tokens and computes only the rest; the blocks each step fills are
 cached when the step's output comes back, once their KV is written.
+
+Priorities (dataplane/scheduler/priority.py): with requests of different `priority`, the
+running list and both queues are ordered by effective priority (lower first, aging included)
+before each step, so the victims above come from the worst end, a waiting request of a
+strictly better priority joins ahead of swapped-out work, and the next request to join may
+preempt running ones of a strictly worse priority (a priority preemption, counted apart).
+A waiting request joins in the step that preempted for it (the victims' swap-outs are copied
+before the forward that writes its blocks); a swapped-out one resumes the step after, so that
+swap-outs and swap-ins still never meet. All priorities equal: nothing of this applies.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.common import admission_rules
 from pagedserve.dataplane.config import PREEMPTION_MODES
 from pagedserve.dataplane.kvcache import KVCacheManager, cdiv
 from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.scheduler.priority import (
+    PRIORITY_AGING_S,
+    Priorities,
+    blocks_to_join,
+    dequeue,
+    enqueue,
+    mixed,
+    sole_blocks,
+)
 
 # The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
 # one way between the pools costs about a quarter of recomputing it (a PCIe copy against a
@@ -89,7 +109,8 @@ class SchedulerOutput:
 class Scheduler:
     """`preemption_mode` and `watermark` as in SchedulerConfig (dataplane/config.py); swapping
     needs the KV cache manager's host pool. The cost model's two constants are arguments so
-    tests and benchmarks can move the balance."""
+    tests and benchmarks can move the balance. `priority_aging_s`: seconds of queueing per
+    step of aging (0: none); `clock` reads the time aging counts (tests pass their own)."""
 
     def __init__(
         self,
@@ -102,6 +123,8 @@ class Scheduler:
         watermark: float = 0.0,
         swap_cost_per_token: float = SWAP_COST_PER_TOKEN,
         swap_overhead_tokens: float = SWAP_OVERHEAD_TOKENS,
+        priority_aging_s: float = PRIORITY_AGING_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
@@ -109,6 +132,7 @@ class Scheduler:
             raise ValueError("preemption_mode='swap' needs a host pool (swap_space > 0)")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        Priorities(priority_aging_s, 0.0)  # (checks it)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -117,6 +141,8 @@ class Scheduler:
         self.watermark_blocks = math.ceil(watermark * kv_cache.num_total_blocks)
         self.swap_cost_per_token = swap_cost_per_token
         self.swap_overhead_tokens = swap_overhead_tokens
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
@@ -127,6 +153,7 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
+        self.num_priority_preemptions = 0  # (also counted in num_preemptions and by mode)
 
     # -- submission --------------------------------------------------------------------------
     def max_total_tokens(self, request: Request) -> int:
@@ -149,12 +176,18 @@ class Scheduler:
         if refused is not None:
             raise ValueError(refused)
         request.status = RequestStatus.WAITING
+        enqueue(request, self.clock())
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock()
+        ranks = Priorities(self.priority_aging_s, now) if mixed(self.requests.values()) else None
+        if ranks is not None:
+            for queue in (self.running, self.swapped, self.waiting):
+                ranks.order(queue)
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -162,7 +195,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
-                self._preempt(victim, out)
+                self._preempt(victim, out, now)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -175,37 +208,68 @@ class Scheduler:
         # step (and keeps a step's swap-outs and swap-ins apart).
         if out.preempted:
             return out
-        # Swapped-out requests resume first, at the head of the queue in admission order.
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.swapped[0]
+        self._join(out, budget, now, ranks)
+        return out
+
+    def _join(self, out: SchedulerOutput, budget: int, now: float, ranks: Priorities | None) -> None:
+        """Resume swapped-out requests, then admit waiting ones (new arrivals and requests
+        preempted by recompute), in queue order, while blocks, the budget and `max_num_seqs`
+        allow; the first that cannot join stops the rest (a large request at the head is not
+        starved by smaller ones behind it). With priorities, one that cannot join may preempt
+        worse-priority running requests (`_preempt_for`), and then nothing else joins."""
+        while budget > 0:
+            request = self._next_to_join(ranks)
+            if request is None:
+                return
+            joined = (
+                self._join_one(request, budget, now, out) if len(self.running) < self.max_num_seqs else None
+            )
+            if joined is None:
+                if ranks is not None:
+                    self._preempt_for(request, budget, now, ranks, out)
+                return
+            budget -= joined
+
+    def _next_to_join(self, ranks: Priorities | None) -> Request | None:
+        """The head of the swapped queue (swapped-out work resumes first: it holds host blocks
+        and its progress), unless the waiting head has a strictly better effective priority."""
+        if self.swapped:
+            head = self.swapped[0]
+            if (
+                self.waiting
+                and ranks is not None
+                and ranks.effective(self.waiting[0]) < ranks.effective(head)
+            ):
+                return self.waiting[0]
+            return head
+        return self.waiting[0] if self.waiting else None
+
+    def _join_one(self, request: Request, budget: int, now: float, out: SchedulerOutput) -> int | None:
+        """Swap `request` in or admit it, scheduling up to `budget` of its tokens; the tokens
+        scheduled, or None, changing nothing, when the device pool cannot spare its blocks."""
+        if request.status is RequestStatus.SWAPPED:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             pairs = self.kv_cache.swap_in(request, num_new, reserve=self._reserve())
             if pairs is None:
-                break
-            self.swapped.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+                return None
+            _take(self.swapped, request)
             out.swapped_in.append(request)
             out.swap_in.extend(pairs)
             self.num_blocks_swapped_in += len(pairs)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-        # New arrivals (and requests preempted by recompute) wait behind swapped-out work.
-        while not self.swapped and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        else:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             allocated = self.kv_cache.allocate_slots(
                 request, num_new, new_computed_blocks=hit_blocks, reserve=self._reserve()
             )
             if allocated is None:
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-        return out
+                return None
+            _take(self.waiting, request)
+        dequeue(request, now)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        return num_new
 
     def _reserve(self) -> int:
         """Free device blocks an admission or a resume must leave: the watermark, unless
@@ -236,11 +300,12 @@ class Scheduler:
             return True
         return self.swap_cost(request) < self.recompute_cost(request)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         pairs = self.kv_cache.swap_out(request) if self.preempts_by_swap(request) else None
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)
+        enqueue(request, now)
         if pairs is not None:
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
@@ -254,6 +319,51 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.num_recompute_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _preempt_for(
+        self, request: Request, budget: int, now: float, ranks: Priorities, out: SchedulerOutput
+    ) -> None:
+        """`request`, next to join, lacks blocks or a batch slot: preempt the running requests
+        it outranks, worst effective priority first (the most recently admitted among equals),
+        until it fits; then a waiting one joins in this step, a swapped-out one in the next.
+        Nothing is preempted when even all of them would not make room: evicting then would
+        slow them down for nobody."""
+        victims = ranks.victims(request, self.running)
+        if not victims:
+            return
+        freed = sum(sole_blocks(self.kv_cache, v) for v in victims)
+        reserve = self.watermark_blocks if len(victims) < len(self.running) else 0
+        if (
+            self.kv_cache.pool.num_free_blocks + freed
+            < blocks_to_join(self.kv_cache, request, budget) + reserve
+        ):
+            return
+        for victim in victims:
+            self._unschedule(victim, out)
+            self.running.remove(victim)
+            self._preempt(victim, out, now)
+            self.num_priority_preemptions += 1
+            if len(self.running) >= self.max_num_seqs:
+                continue
+            if request.status is RequestStatus.SWAPPED:
+                if (
+                    blocks_to_join(self.kv_cache, request, budget) + self._reserve()
+                    <= self.kv_cache.pool.num_free_blocks
+                ):
+                    return
+            elif self._join_one(request, budget, now, out) is not None:
+                return
+
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> None:
+        """Take the running `request` out of this step's plan, if it is in it, and give back
+        the blocks allocated for the step's tokens: they will never be written, and a swap
+        moves only the blocks of its computed tokens. (Its tokens stay off the budget: the
+        step then simply batches fewer.)"""
+        for i, item in enumerate(out.scheduled):
+            if item.request is request:
+                del out.scheduled[i]
+                self.kv_cache.trim(request, request.num_computed_tokens)
+                return
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, and retire finished requests.
@@ -367,3 +477,16 @@ class Scheduler:
         assert {r.request_id: r for r in queued} == self.requests, "queues and requests disagree"
         assert len(self.running) <= self.max_num_seqs
         assert self.num_preemptions == self.num_swap_preemptions + self.num_recompute_preemptions
+        assert self.num_priority_preemptions <= self.num_preemptions
+        for r in [*self.waiting, *self.swapped]:
+            assert r.queued_at is not None, f"queued {r} has no queue time"
+        for r in self.running:
+            assert r.queued_at is None, f"running {r} still counts queue time"
+
+
+def _take(queue: deque[Request], request: Request) -> None:
+    """Remove `request` from `queue`: its head, unless a preemption put a victim before it."""
+    if queue[0] is request:
+        queue.popleft()
+    else:
+        queue.remove(request)
