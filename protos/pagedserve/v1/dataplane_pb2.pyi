@@ -75,6 +75,7 @@ class SubmitCommand(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique within the stream."""
     cache_salt: _builtins.str
@@ -85,6 +86,13 @@ class SubmitCommand(_message.Message):
     after the tokens already streamed. Relative rather than an instant: the two planes may
     run on hosts whose clocks disagree, and a time left does not depend on either clock.
     The control plane sends what is left of the client's deadline when it submits.
+    """
+    priority: _builtins.int
+    """Scheduling priority: lower runs earlier (vLLM's semantics); 0, the default, for all
+    requests schedules first come, first served. In [-1000000, 1000000], else the submit is
+    rejected INVALID_ARGUMENT. A waiting request may preempt running ones of a strictly worse
+    priority (swap or recompute, as the data plane's preemption_mode says); queued time ages
+    a request's effective priority so that none starves (docs/operations.md).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -103,10 +111,11 @@ class SubmitCommand(_message.Message):
         cache_salt: _builtins.str = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout_ms: _builtins.int = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

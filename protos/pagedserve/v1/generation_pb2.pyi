@@ -254,6 +254,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; the server assigns one when empty. Echoed in every response. At most 256 characters."""
     model: _builtins.str
@@ -262,6 +263,12 @@ class GenerateRequest(_message.Message):
     """Plain text, tokenized by the server (no chat template)."""
     cache_salt: _builtins.str
     """Requests with different salts never share prefix-cache blocks."""
+    priority: _builtins.int
+    """Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+    [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+    running requests of a strictly worse priority; time spent queued improves a request's
+    effective priority by one per second, so a low priority waits longer but never for ever.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Token ids, used as they are."""
@@ -284,10 +291,11 @@ class GenerateRequest(_message.Message):
         chat: Global___ChatMessages | None = ...,
         sampling_params: _common_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "sampling_params", b"sampling_params", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling_params", b"sampling_params", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling_params", b"sampling_params", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015

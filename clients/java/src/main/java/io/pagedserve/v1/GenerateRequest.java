@@ -422,6 +422,24 @@ private static final long serialVersionUID = 0L;
     }
   }
 
+  public static final int PRIORITY_FIELD_NUMBER = 8;
+  private int priority_ = 0;
+  /**
+   * <pre>
+   * Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+   * [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+   * running requests of a strictly worse priority; time spent queued improves a request's
+   * effective priority by one per second, so a low priority waits longer but never for ever.
+   * </pre>
+   *
+   * <code>int32 priority = 8;</code>
+   * @return The priority.
+   */
+  @java.lang.Override
+  public int getPriority() {
+    return priority_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -457,6 +475,9 @@ private static final long serialVersionUID = 0L;
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(cacheSalt_)) {
       com.google.protobuf.GeneratedMessageV3.writeString(output, 7, cacheSalt_);
     }
+    if (priority_ != 0) {
+      output.writeInt32(8, priority_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -490,6 +511,10 @@ private static final long serialVersionUID = 0L;
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(cacheSalt_)) {
       size += com.google.protobuf.GeneratedMessageV3.computeStringSize(7, cacheSalt_);
     }
+    if (priority_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(8, priority_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -516,6 +541,8 @@ private static final long serialVersionUID = 0L;
     }
     if (!getCacheSalt()
         .equals(other.getCacheSalt())) return false;
+    if (getPriority()
+        != other.getPriority()) return false;
     if (!getPromptCase().equals(other.getPromptCase())) return false;
     switch (promptCase_) {
       case 3:
@@ -554,6 +581,8 @@ private static final long serialVersionUID = 0L;
     }
     hash = (37 * hash) + CACHE_SALT_FIELD_NUMBER;
     hash = (53 * hash) + getCacheSalt().hashCode();
+    hash = (37 * hash) + PRIORITY_FIELD_NUMBER;
+    hash = (53 * hash) + getPriority();
     switch (promptCase_) {
       case 3:
         hash = (37 * hash) + TEXT_FIELD_NUMBER;
@@ -717,6 +746,7 @@ private static final long serialVersionUID = 0L;
         samplingParamsBuilder_ = null;
       }
       cacheSalt_ = "";
+      priority_ = 0;
       promptCase_ = 0;
       prompt_ = null;
       return this;
@@ -766,6 +796,9 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000040) != 0)) {
         result.cacheSalt_ = cacheSalt_;
+      }
+      if (((from_bitField0_ & 0x00000080) != 0)) {
+        result.priority_ = priority_;
       }
     }
 
@@ -843,6 +876,9 @@ private static final long serialVersionUID = 0L;
         cacheSalt_ = other.cacheSalt_;
         bitField0_ |= 0x00000040;
         onChanged();
+      }
+      if (other.getPriority() != 0) {
+        setPriority(other.getPriority());
       }
       switch (other.getPromptCase()) {
         case TEXT: {
@@ -931,6 +967,11 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000040;
               break;
             } // case 58
+            case 64: {
+              priority_ = input.readInt32();
+              bitField0_ |= 0x00000080;
+              break;
+            } // case 64
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1863,6 +1904,59 @@ private static final long serialVersionUID = 0L;
       checkByteStringIsUtf8(value);
       cacheSalt_ = value;
       bitField0_ |= 0x00000040;
+      onChanged();
+      return this;
+    }
+
+    private int priority_ ;
+    /**
+     * <pre>
+     * Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+     * [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+     * running requests of a strictly worse priority; time spent queued improves a request's
+     * effective priority by one per second, so a low priority waits longer but never for ever.
+     * </pre>
+     *
+     * <code>int32 priority = 8;</code>
+     * @return The priority.
+     */
+    @java.lang.Override
+    public int getPriority() {
+      return priority_;
+    }
+    /**
+     * <pre>
+     * Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+     * [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+     * running requests of a strictly worse priority; time spent queued improves a request's
+     * effective priority by one per second, so a low priority waits longer but never for ever.
+     * </pre>
+     *
+     * <code>int32 priority = 8;</code>
+     * @param value The priority to set.
+     * @return This builder for chaining.
+     */
+    public Builder setPriority(int value) {
+      
+      priority_ = value;
+      bitField0_ |= 0x00000080;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+     * [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+     * running requests of a strictly worse priority; time spent queued improves a request's
+     * effective priority by one per second, so a low priority waits longer but never for ever.
+     * </pre>
+     *
+     * <code>int32 priority = 8;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearPriority() {
+      bitField0_ = (bitField0_ & ~0x00000080);
+      priority_ = 0;
       onChanged();
       return this;
     }

@@ -177,5 +177,18 @@ public interface GenerateRequestOrBuilder extends
   com.google.protobuf.ByteString
       getCacheSaltBytes();
 
+  /**
+   * <pre>
+   * Scheduling priority, vLLM's field: lower is served earlier; default 0. In
+   * [-1000000, 1000000] (else INVALID_ARGUMENT naming `priority`). A request may preempt
+   * running requests of a strictly worse priority; time spent queued improves a request's
+   * effective priority by one per second, so a low priority waits longer but never for ever.
+   * </pre>
+   *
+   * <code>int32 priority = 8;</code>
+   * @return The priority.
+   */
+  int getPriority();
+
   public io.pagedserve.v1.GenerateRequest.PromptCase getPromptCase();
 }
