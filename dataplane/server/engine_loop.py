@@ -22,13 +22,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from pagedserve.common.log import get_logger
+from pagedserve.common.priority import priority_refusal
 from pagedserve.common.protocol import sampling_params_from_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.request import Request, RequestStatus
 from pagedserve.dataplane.server.deadlines import Deadlines
 from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
-from pagedserve.dataplane.server.metrics import DataPlaneMetrics, kernel_info
+from pagedserve.dataplane.server.metrics import DataPlaneMetrics, kernel_info, priority_preemptions
 from pagedserve.dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
 from pagedserve.dataplane.server.streams import Sink, StreamMux
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
@@ -66,7 +67,11 @@ class EngineLoop:
             "enable_prefix_caching": str(identity.enable_prefix_caching).lower(),
         }
         self.metrics = DataPlaneMetrics(
-            engine.stats, cache_info, lambda: self._num_aborted, kernel_info(engine)
+            engine.stats,
+            cache_info,
+            lambda: self._num_aborted,
+            kernel_info(engine),
+            priority_preemptions(engine),
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -268,6 +273,9 @@ class EngineLoop:
             grammars = self.engine.grammars() if constraint is not None else None
         except ValueError as exc:  # bad params (or structured outputs without a tokenizer)
             return reject("INVALID_ARGUMENT", str(exc))
+        refused = priority_refusal(command.priority)
+        if refused is not None:
+            return reject("INVALID_ARGUMENT", refused)
         if command.timeout_ms:  # (set from here on: a grammar's compile time counts too)
             self._deadlines.add(key, received + command.timeout_ms / 1000)
         if constraint is None or grammars is None:
@@ -328,10 +336,13 @@ class EngineLoop:
             self._deadlines.discard(key)
             self._reject(key, "INVALID_ARGUMENT", str(exc))
             return
+        samples = self.engine.samples_of(primary.request_id)
+        for sample in samples:  # (read when the scheduler next orders its queues: none has run yet)
+            sample.priority = command.priority
         group = Group.open(
             key,
             primary.request_id,
-            self.engine.samples_of(primary.request_id),
+            samples,
             wants_logprobs=params.logprobs is not None,
             trace_context=command.trace_context,
             dataplane_id=self.identity.dataplane_id,

@@ -38,6 +38,17 @@ def kernel_info(engine: Any) -> dict[str, str] | None:
     }
 
 
+def priority_preemptions(engine: Any) -> Callable[[], int]:
+    """Reads the engine's scheduler's count of priority preemptions (0 for an engine without
+    one, such as a test's fake). Read from the scheduler, not EngineStats, which has no field
+    for it yet."""
+
+    def read() -> int:
+        return int(getattr(getattr(engine, "scheduler", None), "num_priority_preemptions", 0))
+
+    return read
+
+
 class _EngineCollector(Collector):
     """Scrape-time view of the pool, the scheduler and the prefix cache."""
 
@@ -47,11 +58,13 @@ class _EngineCollector(Collector):
         info: dict[str, str],
         aborted: Callable[[], int],
         kernel_info: dict[str, str] | None = None,
+        priority_preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.read_stats = stats
         self.info = info
         self.aborted = aborted
         self.kernel_info = kernel_info
+        self.priority_preemptions = priority_preemptions
 
     def collect(self) -> Iterator[Any]:
         stats = self.read_stats()
@@ -98,6 +111,12 @@ class _EngineCollector(Collector):
         by_mode.add_metric(["recompute"], stats.num_preemptions_recompute)
         yield by_mode
         yield counter(
+            "num_priority_preemptions",
+            "Requests preempted to make room for a waiting request of a strictly better priority "
+            "(also counted in num_preemptions and by mode).",
+            self.priority_preemptions(),
+        )
+        yield counter(
             "kv_blocks_swapped_out",
             "KV blocks copied from the device pool to the host pool.",
             stats.blocks_swapped_out,
@@ -140,9 +159,12 @@ class DataPlaneMetrics:
         cache_info: dict[str, str],
         aborted: Callable[[], int],
         kernel_info: dict[str, str] | None = None,
+        priority_preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, cache_info, aborted, kernel_info))
+        self.registry.register(
+            _EngineCollector(stats, cache_info, aborted, kernel_info, priority_preemptions)
+        )
         self.requests = RequestMetrics(self.registry, "Arrival at the data plane")
         self.step = Histogram(
             PREFIX + "engine_step_seconds",
