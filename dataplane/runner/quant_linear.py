@@ -1,0 +1,143 @@
+"""Linear layers and embeddings whose weights stay quantized in memory (GGUF models).
+
+A GGUF model's loader (gguf_loader.py) puts a `QuantLinear` where the checkpoint's linear
+weight is quantized, and a `QuantEmbedding` for a quantized token embedding. Both hold a
+pagedserve.kernels.quant.QuantizedWeight (values, per-group scales and mins). At load,
+`pack_linears` (cpu_linear.py) turns each QuantLinear into a `QuantPanelLinear`: the weight
+reordered once into the C++ kernel's column panels (kernels/cpu/linear_quant.cpp), which
+de-quantizes it in registers as it multiplies, so a decode step reads 4 or 8 bits per weight
+instead of 32. Its result is bit-identical to the fp32 panels on the de-quantized weight.
+
+Without the C++ kernels a QuantLinear de-quantizes its weight on every call (correct, slow;
+logged at load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quant_panel_linear
+
+
+def _register(module: nn.Module, prefix: str, weight: QuantizedWeight) -> None:
+    """The weight's tensors as non-persistent buffers: counted by `buffers()` (memory
+    accounting) and moved with the module."""
+    module.register_buffer(f"{prefix}_values", weight.values, persistent=False)
+    module.register_buffer(f"{prefix}_scales", weight.scales, persistent=False)
+    if weight.mins is not None:
+        module.register_buffer(f"{prefix}_mins", weight.mins, persistent=False)
+
+
+class QuantLinear(nn.Module):
+    """x @ weight.T + bias with `weight` a QuantizedWeight [out, in]."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        _register(self, "weight", weight)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+        )
+
+    @staticmethod
+    def concat(linears: Sequence[QuantLinear]) -> QuantLinear:
+        """One layer whose output is the layers' outputs side by side (fused q/k/v, gate/up)."""
+        weight = QuantizedWeight.concat([lin.weight_q for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else torch.zeros(lin.out_features)
+                    for b, lin in zip(biases, linears, strict=True)
+                ]
+            )
+        return QuantLinear(weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_q.dequantize().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        return f"in_features={self.in_features}, out_features={self.out_features}, {w.kind} ({w.bits}-bit, group {w.group})"
+
+
+class QuantPanelLinear(nn.Module):
+    """A QuantLinear packed into the C++ kernel's column panels (the build's ISA)."""
+
+    def __init__(self, linear: QuantLinear, ops: CpuKernels) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.kind = linear.weight_q.kind
+        self._ops = ops
+        self._panels = pack_quant_panels(linear.weight_q, ops.panel_width)
+        self.register_buffer("panel_values", self._panels.values, persistent=False)
+        self.register_buffer("panel_scales", self._panels.scales, persistent=False)
+        self.register_buffer("panel_mins", self._panels.mins, persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]; the op needs a contiguous last dim
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        bias = None if self.bias is None else self.bias.detach()
+        return quant_panel_linear(self._ops, flat, self._panels, bias).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels={self.kind}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding rows de-quantized as they are looked up (a step touches few rows)."""
+
+    def __init__(self, weight: QuantizedWeight, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.num_embeddings = weight.out_features
+        self.embedding_dim = weight.in_features
+        self.padding_idx = padding_idx
+        _register(self, "weight", weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_q.rows(input_ids.reshape(-1)).dequantize()
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        return f"{self.num_embeddings}, {self.embedding_dim}, {w.kind} ({w.bits}-bit)"
+
+
+def pack_quant_linears(model: nn.Module, ops: CpuKernels | None) -> int:
+    """Replace every QuantLinear of `model` by a QuantPanelLinear (with `ops`); returns how
+    many were replaced (0 without the C++ kernels: the layers then de-quantize per call)."""
+    if ops is None:
+        return 0
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantPanelLinear(linear, ops))
+    return len(targets)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights as they sit in memory (parameters and buffers: the
+    packed and quantized ones are buffers), each tensor counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

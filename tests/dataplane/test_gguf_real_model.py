@@ -1,0 +1,104 @@
+"""The default model's own Q4_1 GGUF file (`SmolLM2-135M-Instruct-Q4_1`, pulled by `make pull`),
+served quantized, against the same file de-quantized to fp32 by transformers
+(`SmolLM2-135M-Instruct`).
+
+No activation is quantized: every weight the quantized model multiplies by equals the fp32
+model's bit for bit (checked), and the quantized kernel equals the fp32 panel kernel on the
+de-quantized weight bit for bit (tests/kernels/test_cpu_quant_linear.py). What remains is the
+order of accumulation where the fp32 engine runs a layer half as one fused op or a shape on
+oneDNN: logits then differ by float32 rounding only, bounded here by 1e-3 on the first
+token's log-probabilities, and greedy tokens may part only at a numerical tie.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagedserve.benchmarks.tiny_models import TIE_TOLERANCE
+from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
+from pagedserve.common.models.gguf_folder import gguf_weights_file
+from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.runner.gguf_loader import load_gguf_model
+from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
+
+pytestmark = pytest.mark.real_model
+
+QUANTIZED = f"{DEFAULT_MODEL}-Q4_1"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "What does a compiler do?",
+    "Give me a synonym for happy.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+    "Explain gravity in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a cat.",
+]
+
+
+def test_the_quantized_weights_are_the_fp32_models_weights_exactly() -> None:
+    folder = resolve_model_path(QUANTIZED)
+    gguf = gguf_weights_file(folder)
+    assert gguf is not None and gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model = load_gguf_model(folder, gguf, "sdpa")
+    reference = load_file(resolve_model_path(DEFAULT_MODEL) / "model.safetensors")
+    kinds: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and name != "lm_head":  # lm_head: tied
+            kinds[module.weight_q.kind] = kinds.get(module.weight_q.kind, 0) + 1
+            assert torch.equal(module.weight_q.dequantize(), reference[name + ".weight"]), name
+    assert kinds == {"Q4_1": 210, "Q8_0": 1}  # 30 layers x 7 linears, and the embedding
+    assert (
+        isinstance(model.lm_head, QuantLinear) and model.lm_head.weight_q is model.model.embed_tokens.weight_q
+    )
+
+
+def test_greedy_chat_tokens_equal_the_fp32_engines() -> None:
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for name in (QUANTIZED, DEFAULT_MODEL):
+        llm = LLM(name, kv_cache_memory=128 << 20)
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        runs[name] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    ties = 0
+    for i, (got, want) in enumerate(zip(runs[QUANTIZED], runs[DEFAULT_MODEL], strict=True)):
+        first_got, first_want = got.outputs[0].top_logprobs[0], want.outputs[0].top_logprobs[0]
+        assert [t for t, _ in first_got] == [t for t, _ in first_want]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(first_got, first_want, strict=True)) < 1e-3
+        if got.token_ids == want.token_ids:
+            continue
+        pos = next(j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)) if a != b)
+        (_, best), (_, runner_up) = want.outputs[0].top_logprobs[pos][:2]
+        assert best - runner_up < TIE_TOLERANCE * 10, f"prompt {i} parts at token {pos} without a tie"
+        ties += 1
+    assert ties <= 1
+
+
+def test_a_gguf_path_is_served_through_a_folder_made_once(tmp_path: Path) -> None:
+    source = gguf_weights_file(resolve_model_path(QUANTIZED))
+    assert source is not None
+    copy = tmp_path / "smol.gguf"
+    copy.symlink_to(source)
+    store = tmp_path / "store"
+    folder = resolve_model_path(str(copy), store)
+    linked = gguf_weights_file(folder)
+    assert folder.parent == store / ".gguf" and linked is not None and linked.resolve() == source.resolve()
+    assert resolve_model_path(str(copy), store) == folder  # reused, not made again
+    llm = LLM(str(copy), model_home=str(store), kv_cache_memory=64 << 20)
+    reference = LLM(QUANTIZED, kv_cache_memory=64 << 20)
+    prompt = reference.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+    assert llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]) == prompt
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    assert (
+        llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        == reference.generate([prompt], params, use_tqdm=False)[0].token_ids
+    )
