@@ -1,8 +1,9 @@
-"""Admission: a bounded FIFO of requests waiting for KV budget, with deadlines. No torch.
+"""Admission: a bounded queue of requests waiting for KV budget, with deadlines. No torch.
 
-A request is placed at once when nobody is waiting and some data plane's budget covers it;
-otherwise it queues (first come, first served: a large request at the head is not starved
-by smaller ones behind it). `poke()` retries the queue whenever budgets change (a data plane
+A request is placed at once when nobody of its priority or better is waiting and some data
+plane's budget covers it; otherwise it queues, ordered by priority (lower first) and then
+first come, first served: a large request at the head is not starved by smaller ones behind
+it, and with one priority for all the queue is a plain FIFO. `poke()` retries the queue whenever budgets change (a data plane
 reported, a request finished) and whenever a request leaves it unplaced (deadline, cancel, a
 client that went away), so the next one is examined at once rather than at its own deadline.
 A full queue refuses with RESOURCE_EXHAUSTED and a retry hint; a request still waiting at its
@@ -31,6 +32,7 @@ Place = Callable[[], T | None]
 class _Waiter(Generic[T]):
     place: Place[T]
     future: asyncio.Future[T]
+    priority: int = 0
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -46,9 +48,11 @@ class AdmissionQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def admit(self, place: Place[T], timeout_s: float | None = None) -> tuple[T, float]:
+    async def admit(
+        self, place: Place[T], timeout_s: float | None = None, priority: int = 0
+    ) -> tuple[T, float]:
         """A placement and the seconds spent queueing; raises ServiceError when refused."""
-        if not self._waiting:
+        if not self._waiting or priority < self._waiting[0].priority:
             placed = place()
             if placed is not None:
                 return placed, 0.0
@@ -61,8 +65,12 @@ class AdmissionQueue(Generic[T]):
                 f"admission queue is full ({self.max_queue_len} requests waiting for KV blocks); retry in ~{hint:g}s",
                 retry_after_s=hint,
             )
-        waiter: _Waiter[T] = _Waiter(place, asyncio.get_running_loop().create_future())
-        self._waiting.append(waiter)
+        waiter: _Waiter[T] = _Waiter(place, asyncio.get_running_loop().create_future(), priority)
+        # Behind every waiter of its priority or better (a plain append when all are equal).
+        at = len(self._waiting)
+        while at and self._waiting[at - 1].priority > priority:
+            at -= 1
+        self._waiting.insert(at, waiter)
         limit = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
         admitted = False
         try:

@@ -319,6 +319,7 @@ class Dispatcher:
                     num_running=link.stats.num_running,
                     num_waiting=link.stats.num_waiting,
                     in_flight=len(link.handles),
+                    worst_priority=max((h.priority for h in link.handles.values()), default=None),
                 )
             )
         return out
@@ -386,7 +387,7 @@ class Dispatcher:
             span = _tracer.start_span("pagedserve.admission", context=parent)
             try:
                 reservation, waited = await self.admission.admit(
-                    functools.partial(self._place, request, exclude, hashes), remaining
+                    functools.partial(self._place, request, exclude, hashes), remaining, request.priority
                 )
                 link = reservation.connection
                 span.set_attributes(

@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 
 from pagedserve.common.admission_rules import beyond_context
 from pagedserve.common.log import get_logger
+from pagedserve.common.priority import PRIORITY_FIELD, priority_refusal
 from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
@@ -275,6 +276,7 @@ class Frontend:
         cache_salt: str | None = None,
         deadline: float | None = None,
         timeout_s: float | None = None,
+        priority: int | None = None,
         field_prefix: str = "sampling_params.",
         field_names: Mapping[str, str] | None = None,
         request_id_field: str = "request_id",
@@ -292,7 +294,7 @@ class Frontend:
         per-sample state is made only for a validated `n`). `request_id` is the client's
         label (`request_id_field` names where it came from); the request is keyed by a fresh
         server id. Its deadline: the soonest of `deadline` (the call's), the client's `timeout_s`
-        and the server's default.
+        and the server's default. `priority`: lower is scheduled earlier (None: 0).
         """
         names = field_names or {}
 
@@ -304,6 +306,9 @@ class Frontend:
             check_text(request_id, request_id_field, MAX_NAME_CHARS)
         if cache_salt is not None:
             check_text(cache_salt, "cache_salt", MAX_NAME_CHARS)
+        refused = None if priority is None else priority_refusal(priority)
+        if refused is not None:
+            raise invalid_argument(refused, PRIORITY_FIELD)
         # The authenticated tenant (API keys on) namespaces the salt: no tenant can ever share
         # another's cached blocks, whatever salt it sends.
         salt = tenant_salt(request_tenant(), cache_salt)
@@ -347,6 +352,7 @@ class Frontend:
             deadline_param=None if due is None else due.param,
             client_request_id=request_id or "",
             constraint_field=field(params.constraint.kind) if params.constraint is not None else "",
+            priority=priority or 0,
         )
 
     # -- the stream -----------------------------------------------------------------------------

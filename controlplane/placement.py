@@ -40,6 +40,7 @@ class LinkSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     in_flight: int = 0  # this replica's requests not yet finished there
+    worst_priority: int | None = None  # the largest priority among those; None: none in flight
 
     @property
     def available_blocks(self) -> int:
@@ -86,7 +87,9 @@ def plan_placement(
     `reservation_refusal`) is skipped; if every one is, the request is refused
     with the reason of the roomiest (longest context, then largest pool), which for a uniform
     fleet is everyone's reason. Among the rest the router picks the best that has the blocks
-    now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample.
+    now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample. Priorities: a
+    data plane where this replica runs a request of a strictly worse priority counts as having
+    them too, since its scheduler preempts that work for this request (or queues it first).
     """
     usable = [s for s in links if s.healthy and not s.draining and s.address not in exclude]
     if not usable:
@@ -118,6 +121,7 @@ def plan_placement(
                 num_waiting=s.num_waiting,
                 in_flight=s.in_flight,
                 max_num_seqs=s.max_num_seqs,
+                preempts=s.worst_priority is not None and request.priority < s.worst_priority,
             )
         )
     if not candidates:

@@ -41,6 +41,7 @@ class GenerationRequest:
     # Where the client set the structured-output constraint (e.g. "response_format.json_schema.schema"):
     # a data plane's refusal to compile it ("json_schema could not be compiled ...") is reported so.
     constraint_field: str = ""
+    priority: int = 0  # lower is scheduled earlier (vLLM's semantics); pagedserve/common/priority.py
 
     @property
     def label(self) -> str:
@@ -68,4 +69,5 @@ class GenerationRequest:
             sampling_params=sampling_params_to_proto(self.sampling_params),
             cache_salt=self.cache_salt or "",
             trace_context=dict(trace_context or {}),
+            priority=self.priority,
         )

@@ -36,10 +36,11 @@ class Candidate:
     num_waiting: int
     in_flight: int  # this replica's requests not yet finished there
     max_num_seqs: int
+    preempts: bool = False  # it runs work of a worse priority than the request's: room for it
 
     @property
     def fits(self) -> bool:
-        return self.need_blocks <= self.available_blocks
+        return self.need_blocks <= self.available_blocks or self.preempts
 
 
 def score(c: Candidate, weights: RoutingWeights) -> float:

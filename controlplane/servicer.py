@@ -69,6 +69,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             request.sampling_params.stop,
             request_id=request.request_id or None,
             cache_salt=request.cache_salt or None,
+            priority=request.priority,
             deadline=None if remaining is None else start + remaining,
         )
         if forced is not None:  # a compile refusal names the tools, not sampling_params

@@ -170,6 +170,7 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     request_id: str = "",
     cache_salt: str = "",
+    priority: int = 0,
     model: str = "",
     json_schema: JsonSchema | None = None,
     json_object: bool = False,
@@ -183,6 +184,8 @@ def build_request(
     """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
     `tools`, `tool_choice` and `parallel_tool_calls` (chat prompts only) as the module says.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
+    `priority` (vLLM's): lower is scheduled earlier, default 0, in [-1000000, 1000000]; it may
+    preempt running requests of a strictly worse priority.
 
     At most one constraint (structured outputs; two raise ValueError naming both):
     `json_schema` (a dict, its JSON text, or a pydantic model class: its `model_json_schema()`),
@@ -208,7 +211,7 @@ def build_request(
         if value is not None:
             setattr(params, name, value)
     request = generation_pb2.GenerateRequest(
-        request_id=request_id, model=model, sampling_params=params, cache_salt=cache_salt
+        request_id=request_id, model=model, sampling_params=params, cache_salt=cache_salt, priority=priority
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API we accept (pydantic), and the parameters we refuse.
 
 The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`cache_salt`) are honoured, so `extra_body={...}` from the official client works; `model` may
+`cache_salt`, `priority`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
 `pagedserve.controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
@@ -100,6 +100,9 @@ class _SamplingFields(BaseModel):
     # past it the response is 504 (a stream ends with the tokens so far, then the error).
     # The OpenAI client's own `timeout` option stays client-side: send this in `extra_body`.
     timeout: float | None = None
+    # vLLM's scheduling priority: lower is served earlier, default 0, in [-1e6, 1e6] (checked by
+    # `Frontend.validate`); it may preempt running requests of a strictly worse priority.
+    priority: int | None = None
 
     @property
     def num_choices(self) -> int:

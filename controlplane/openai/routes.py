@@ -156,6 +156,7 @@ class OpenAIRoutes:
                 request_id=label if label is None or len(prompts) == 1 else f"{label}-{i}",
                 cache_salt=body.cache_salt,
                 timeout_s=body.timeout,
+                priority=body.priority,
                 field_prefix="",
                 field_names=field_names,
                 request_id_field="x-request-id",

@@ -13,7 +13,13 @@ import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
-from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.dataplane.scheduler import (
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 from pagedserve.dataplane.scheduler.priority import Priorities, mixed
 
 
@@ -247,12 +253,14 @@ def test_a_better_waiting_request_joins_ahead_of_swapped_out_work() -> None:
         step(s)
     assert s.swapped
     s.add_request(make_request("urgent", 4, 2, priority=0))
-    for steps in range(1, 4):  # a step whose running requests preempt admits no one: the next
+    joined_in: list[ScheduledRequest] = []
+    steps = 0
+    while not joined_in:  # a step whose running requests preempt admits no one: the next one does
         out, _ = step(s)
-        assert not out.swapped_in
-        if "urgent" in [i.request.request_id for i in out.scheduled]:
-            break
-    assert steps <= 2 and s.swapped
+        steps += 1
+        assert not out.swapped_in and steps <= 2
+        joined_in = [i for i in out.scheduled if i.request.request_id == "urgent"]
+    assert s.swapped  # it went ahead of the swapped-out streams
     outputs: dict[str, list[int]] = {}
     drain(s, outputs, clock)
     for r in streams:
