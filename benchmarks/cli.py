@@ -73,6 +73,10 @@ SCRIPTS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.structured",
         "structured outputs: constrained vs unconstrained tok/s on the same prompts, compile p50/p99, mask share",
     ),
+    "quantized": (
+        "pagedserve.benchmarks.quantized",
+        "GGUF served quantized: tok/s single-stream and batched vs our fp32 engine and llama.cpp, agreement, weight bytes",
+    ),
     "attention-kernels": (
         "pagedserve.benchmarks.attention_kernels",
         "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",

@@ -46,6 +46,7 @@ class PeerVenv:
     probe: str
     size_note: str
     uninstall: tuple[str, ...] = ()
+    with_torch: bool = True  # our torch pin first (a peer that needs no torch skips it)
 
     @property
     def directory(self) -> Path:
@@ -69,7 +70,7 @@ class PeerVenv:
         print(f"building the {self.name} venv in {directory} (once; {self.size_note})", file=sys.stderr)
         directory.parent.mkdir(parents=True, exist_ok=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(directory)
-        pip("install", "--quiet", TORCH_PIN, *self.install)
+        pip("install", "--quiet", *((TORCH_PIN,) if self.with_torch else ()), *self.install)
         if self.uninstall:
             pip("uninstall", "--quiet", "-y", *self.uninstall)
         probe = subprocess.run(
