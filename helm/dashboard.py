@@ -90,6 +90,11 @@ def dashboard() -> dict[str, Any]:
         "ops",
         [
             (f"sum by (pod) (rate(pagedserve_num_preemptions_total{{{DP}}}{RATE}))", "preempted {{pod}}"),
+            # Of those, the ones evicted for a waiting request of a strictly better priority.
+            (
+                f"sum by (pod) (rate(pagedserve_num_priority_preemptions_total{{{DP}}}{RATE}))",
+                "for priority {{pod}}",
+            ),
             # Requests the scheduler dropped at their deadline (work nobody would read).
             (
                 f"sum by (pod) (rate(pagedserve_deadline_exceeded_requests_total{{{DP}}}{RATE}))",
