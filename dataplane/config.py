@@ -26,6 +26,8 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 CPU_LINEAR_MODES = ("auto", "panel", "onednn")
 # What the panel kernel holds an fp32 CPU model's linear weights in.
 CPU_WEIGHT_DTYPES = ("float32", "bfloat16")
+# Quantize a float checkpoint's linear weights at load (dataplane/runner/quant_linear.py).
+QUANTIZATIONS = ("int8",)
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # swap_space left unset next to a GPU: 4 GiB of host memory, vLLM's `--swap-space` default.
@@ -187,7 +189,7 @@ class ModelConfig:
     path on the CPU. "triton" on the CPU needs TRITON_INTERPRET=1 (tests only).
     """
 
-    model: str = setting(DEFAULT_MODEL, "store name or local Hugging Face folder")
+    model: str = setting(DEFAULT_MODEL, "store name, local Hugging Face folder or .gguf file")
     model_home: str | None = setting(None, MODEL_HOME_HELP)
     dtype: str = setting("float32", "weights and activations dtype", choices=MODEL_DTYPES)
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, ...)")
@@ -218,8 +220,21 @@ class ModelConfig:
         choices=CPU_WEIGHT_DTYPES,
     )
 
+    quantization: str | None = setting(
+        None,
+        "quantize the linear weights at load: int8 (per output channel, symmetric; CPU, float32 "
+        "activations); a GGUF model's weights stay as its file has them (default: none, the "
+        "checkpoint's own weights)",
+        choices=QUANTIZATIONS,
+    )
+
     def __post_init__(self) -> None:
         check_bounds(self)
+        # (Its dtype and device are checked where the model loads, as a GGUF model's are.)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}"
+            )
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(
                 f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}"

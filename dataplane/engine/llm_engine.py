@@ -30,6 +30,7 @@ from pagedserve.dataplane.parallel.group import threads_per_rank
 from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
 from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from pagedserve.dataplane.runner.model_runner import ModelRunner
+from pagedserve.dataplane.runner.quant_linear import quantize_linears
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.kernels import kv_cache_torch_dtype
@@ -53,13 +54,29 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.startup = StartupPhases(log)
         self.model_path = resolve_model_path(config.model.model, config.model.model_home)
-        if tp > 1 and gguf_weights_file(self.model_path) is not None:
+        quantized = "a GGUF model" if gguf_weights_file(self.model_path) is not None else None
+        if quantized and config.model.quantization:
             raise ValueError(
-                f"tensor_parallel_size {tp}: a GGUF model ({config.model.model}) runs on one rank so far "
-                "(its quantized weights are not split); use tensor_parallel_size 1"
+                f"quantization {config.model.quantization}: {config.model.model} is a GGUF model, "
+                "quantized already (its weights are served as its file has them)"
+            )
+        quantized = quantized or (
+            f"quantization {config.model.quantization}" if config.model.quantization else None
+        )
+        if tp > 1 and quantized:
+            raise ValueError(
+                f"tensor_parallel_size {tp}: {quantized} runs on one rank so far (quantized weights "
+                "are not split); use tensor_parallel_size 1"
             )
         self.tokenizer = load_tokenizer(self.model_path)
         model = load_model(self.model_path, config.model.dtype, config.model.device)
+        if config.model.quantization:
+            if config.model.dtype != "float32" or torch.device(config.model.device).type != "cpu":
+                raise ValueError(
+                    f"quantization {config.model.quantization} runs on the CPU with float32 activations: "
+                    f"dtype float32 and device cpu, not {config.model.dtype} on {config.model.device}"
+                )
+            quantize_linears(model, config.model.quantization)
         self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)
         hf = model.config
         self.max_model_len = resolve_max_model_len(config, hf)

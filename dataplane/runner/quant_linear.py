@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.cpu_ext import CpuKernels
-from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quant_panel_linear
+from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quant_panel_linear, quantize_int8
 
 
 def _register(module: nn.Module, prefix: str, weight: QuantizedWeight) -> None:
@@ -114,6 +114,20 @@ class QuantEmbedding(nn.Module):
     def extra_repr(self) -> str:
         w = self.weight_q
         return f"{self.num_embeddings}, {self.embedding_dim}, {w.kind} ({w.bits}-bit)"
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace every float nn.Linear of `model` by a QuantLinear of its weight quantized by
+    `method` ("int8": per output channel, symmetric); returns how many were replaced."""
+    if method != "int8":
+        raise ValueError(f"unknown quantization {method!r}")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        bias = None if linear.bias is None else linear.bias.detach()
+        setattr(parent, child, QuantLinear(quantize_int8(linear.weight.detach()), bias))
+    return len(targets)
 
 
 def pack_quant_linears(model: nn.Module, ops: CpuKernels | None) -> int:

@@ -38,6 +38,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--cpu-weight-dtype=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "quantization" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--quantization=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "blockSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--block-size=%d" (int64 $v) | toJson }}
