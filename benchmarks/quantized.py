@@ -60,12 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="SmolLM2-135M-Instruct-Q4_1", help="a GGUF store name or .gguf path"
     )
     parser.add_argument("--fp32-model", default="SmolLM2-135M-Instruct", help="the same weights in fp32")
-    parser.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"], help="peers to run as well (default: none, ours only)")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=["llama.cpp"],
+        help="peers to run as well (default: none, ours only)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="threads for every engine")
     parser.add_argument("--prompts", type=int, default=16, help="prompts of the batched run")
     parser.add_argument("--single-tokens", type=int, default=128, help="new tokens of the single stream")
     parser.add_argument("--batch-tokens", type=int, default=64, help="new tokens per prompt, batched run")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: none, print only)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the figures here (default: none, print only)"
+    )
     return parser
 
 
