@@ -18,22 +18,12 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file, save_file
 
+from pagedserve.benchmarks.gguf_write import gguf_name
 from pagedserve.benchmarks.tiny_models import exactness_workload, make_tiny_model
 from pagedserve.common.models.gguf_folder import GgufError, check_gguf, gguf_model_folder
 from pagedserve.dataplane import LLM, SamplingParams
-from pagedserve.dataplane.runner.gguf_loader import TENSOR_NAMES, load_gguf_model, rotary_row_order
+from pagedserve.dataplane.runner.gguf_loader import load_gguf_model, rotary_row_order
 from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
-
-HF_TO_GGUF = {hf: gguf for gguf, hf in TENSOR_NAMES.items()}
-
-
-def gguf_name(hf_name: str) -> str:
-    module, _, kind = hf_name.rpartition(".")
-    parts = module.split(".")
-    if len(parts) > 2 and parts[1] == "layers":
-        key = ".".join([*parts[:2], "{i}", *parts[3:]])
-        return HF_TO_GGUF[key].replace("{i}", parts[2]) + "." + kind
-    return HF_TO_GGUF[module] + "." + kind
 
 
 def write_gguf(hf_folder: Path, dst: Path, arch: str, qtype: str) -> Path:

@@ -102,3 +102,26 @@ def test_a_gguf_path_is_served_through_a_folder_made_once(tmp_path: Path) -> Non
         llm.generate([prompt], params, use_tqdm=False)[0].token_ids
         == reference.generate([prompt], params, use_tqdm=False)[0].token_ids
     )
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_perplexity_of_a_requantized_file_is_within_1_percent_of_fp32(type_name: str, tmp_path: Path) -> None:
+    """A GGUF file made from the fp32 model's weights (Q4_K: ffn_down; the 576-input rows are not
+    whole 256-weight super-blocks and stay Q8_0, as llama.cpp falls back too), served quantized."""
+    from pagedserve.benchmarks.gguf_quality import engine_perplexity
+    from pagedserve.benchmarks.gguf_write import write_gguf_like
+    from pagedserve.benchmarks.workloads import PASSAGES_FILE
+    from pagedserve.dataplane.runner.model_loader import load_tokenizer
+
+    fp32 = resolve_model_path(DEFAULT_MODEL)
+    template = gguf_weights_file(resolve_model_path(QUANTIZED))
+    assert template is not None
+    path = write_gguf_like(
+        template, load_file(fp32 / "model.safetensors"), tmp_path / f"{type_name}.gguf", type_name
+    )
+    tokenizer = load_tokenizer(fp32)
+    assert tokenizer is not None
+    ids = tokenizer.encode(PASSAGES_FILE.read_text(), add_special_tokens=False)[:512]
+    base = engine_perplexity(DEFAULT_MODEL, ids, 256)
+    quantized = engine_perplexity(str(path), ids, 256)
+    assert abs(quantized / base - 1) < 0.01, (quantized, base)
