@@ -30,7 +30,7 @@ from pagedserve.dataplane.parallel.group import threads_per_rank
 from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
 from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
 from pagedserve.dataplane.runner.model_runner import ModelRunner
-from pagedserve.dataplane.runner.quant_linear import quantize_linears
+from pagedserve.dataplane.runner.quant_linear import quantize_linears, weight_bytes
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.kernels import kv_cache_torch_dtype
@@ -180,7 +180,8 @@ class LLMEngine:
                 self.parallel.shutdown()
             raise
         # The runner builds (once per machine) or loads the C++ kernels and times the linears.
-        self.startup.done("kernels")
+        # The weights as they sit in memory once packed (quantized ones: values, scales, mins).
+        self.startup.done("kernels", weight_bytes=weight_bytes(self.runner.model))
         self._ids = itertools.count()
         # Parallel sampling: siblings of a primary request wait here until the primary has
         # computed the prompt, then join and reuse its cached full blocks (ref counts rise).
