@@ -32,6 +32,7 @@ from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.placement import NO_DATAPLANE
+from pagedserve.controlplane.refusals import RefusalLog
 from pagedserve.controlplane.request import GenerationRequest, new_request_id
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.controlplane.tools.definitions import NO_TOOLS, ToolUse
@@ -130,6 +131,7 @@ class Frontend:
         self.served_model_names = served_model_names or (model_name,)
         self.model_name = self.served_model_names[0]
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
+        self.refusals = RefusalLog()
         self.tool_call_format = resolve_parser(tool_call_parser, tokenizer.chat_template)
         self.request_timeout_s = request_timeout_s
 
@@ -405,25 +407,19 @@ class Frontend:
                 yield event
         except ServiceError as exc:
             exc = named_error(gen, exc)
-            self.record_failure(exc)
+            self.record_failure(exc, gen.label)
             span.set_status(Status(StatusCode.ERROR, exc.code))
-            log.info(
-                "request_failed",
-                request_id=gen.label,
-                internal_request_id=gen.request_id,
-                code=exc.code,
-                reason=exc.message,
-                **ids,
-            )
             raise exc from None
         finally:
             span.end()
 
-    def record_failure(self, exc: ServiceError) -> None:
-        """Count a refused or failed request once, whichever layer saw it first."""
+    def record_failure(self, exc: ServiceError, request_id: str | None = None) -> None:
+        """Count and log a refused or failed request once, whichever layer saw it first (the
+        log rate-limited by reason: a burst of refusals is a few lines, the count exact)."""
         if not exc.counted:
             exc.counted = True
             self.metrics.failure(exc.code)
+            self.refusals.note(exc, request_id)
 
     async def _stream(
         self, gen: GenerationRequest, start: float, trace_context: Mapping[str, str]

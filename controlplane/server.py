@@ -41,6 +41,7 @@ from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_server import HttpServer, create_app
+from pagedserve.controlplane.refusals import PUBLIC_SERVER_OPTIONS
 from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import generation_pb2
@@ -188,7 +189,8 @@ async def _start_grpc(
     if keys is not None:
         reject = lambda: frontend.metrics.failure("UNAUTHENTICATED")  # noqa: E731
         interceptors.append(GrpcAuthInterceptor(keys, on_reject=reject))
-    server = grpc.aio.server(interceptors=interceptors, options=[NO_REUSEPORT])
+    # No call dropped by grpc-core's backlog limits: admission refuses them, with a hint.
+    server = grpc.aio.server(interceptors=interceptors, options=[*PUBLIC_SERVER_OPTIONS, NO_REUSEPORT])
     port = add_port(server, address, tls.credentials() if tls else None, flag="--grpc-port")
     add_generation_service(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()

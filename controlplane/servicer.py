@@ -165,7 +165,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 async def abort_with(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
     if exc.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:g}"),))
-    log.info("request_refused", code=exc.code, reason=exc.message)
     await context.abort(grpc.StatusCode[exc.code], exc.message)
 
 
@@ -178,15 +177,15 @@ _MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
 }
 
 
-async def _parse(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Any:
+async def _parse(
+    frontend: Frontend, raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext
+) -> Any:
     try:
         return request_type.FromString(raw)
     except DecodeError:
-        log.info("request_refused", code="INVALID_ARGUMENT", reason="undecodable payload")
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the request is not a valid {request_type.DESCRIPTOR.full_name} message",
-        )
+        exc = invalid_argument(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message")
+        frontend.record_failure(exc)
+        await abort_with(context, exc)
 
 
 def _request_label(request: Any) -> str:
@@ -216,7 +215,7 @@ def _unary(
     request_type: type[Message],
 ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        request = await _parse(raw, request_type, context)
+        request = await _parse(frontend, raw, request_type, context)
         try:
             return await method(request, context)
         except grpc.aio.AbortError:
@@ -234,7 +233,7 @@ def _streaming(
     request_type: type[Message],
 ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        request = await _parse(raw, request_type, context)
+        request = await _parse(frontend, raw, request_type, context)
         try:
             async for response in method(request, context):
                 yield response
