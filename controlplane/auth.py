@@ -25,6 +25,14 @@ from typing import Any
 import grpc
 
 from pagedserve.common.tls import deny_like, metadata_values
+from pagedserve.controlplane.tenants import (
+    DEFAULT_TENANT,
+    EVERY_TENANT,
+    TenantPolicy,
+    json_settings,
+    merge_settings,
+    settings_line,
+)
 
 PROTECTED_GRPC_PREFIX = "/pagedserve.v1.GenerationService/"
 # With keys configured, every HTTP path but these needs one (the OpenAI API, /openapi.json, ...).
@@ -78,6 +86,15 @@ def authenticated_as(tenant: str) -> Iterator[None]:
             _tenant.reset(token)
 
 
+def tenant_names(api_keys: Iterable[str], api_key_tenants: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """Every tenant a request can be served as: those of the keys (a named one, else the
+    key's own), or DEFAULT_TENANT alone without keys. Bounded by the keys file: no client
+    can add one (metrics label by these)."""
+    named = dict(api_key_tenants)
+    names = [named.get(key) or own_tenant(key) for key in api_keys]
+    return tuple(dict.fromkeys(names)) or (DEFAULT_TENANT,)
+
+
 def http_path_needs_key(path: str) -> bool:
     """With keys configured, whether an HTTP request for `path` must carry one."""
     return path not in PUBLIC_HTTP_PATHS
@@ -99,12 +116,24 @@ def _check_key(key: object, where: str) -> str:
     return key
 
 
-def _json_entries(data: Any, where: str) -> list[tuple[str, str | None]]:
+def _json_entries(
+    data: Any, where: str, settings: list[tuple[str, TenantPolicy, str]]
+) -> list[tuple[str, str | None]]:
     entries: list[tuple[str, str | None]] = []
     if isinstance(data, dict):  # {"tenant-a": ["key1", "key2"], "tenant-b": "key3"}
         for tenant, keys in data.items():
-            _check_tenant(tenant, where)
-            listed = [keys] if isinstance(keys, str) else keys if isinstance(keys, list) else [None]
+            if isinstance(keys, dict):  # {"tenant-a": {"keys": [...], "weight": 2}} (tenants.py)
+                if tenant != EVERY_TENANT:
+                    _check_tenant(tenant, where)
+                listed, policy = json_settings(tenant, keys, where)
+                settings.append((tenant, policy, f"{where}, tenant {tenant}"))
+                if tenant == EVERY_TENANT:
+                    if listed:
+                        raise ValueError(f"api keys: {where}: {EVERY_TENANT!r} takes settings, not keys")
+                    continue
+            else:
+                _check_tenant(tenant, where)
+                listed = [keys] if isinstance(keys, str) else keys if isinstance(keys, list) else [None]
             entries += [(_check_key(key, f"{where}, tenant {tenant}"), tenant) for key in listed]
     elif isinstance(data, list):  # ["key1", {"key": "key2", "tenant": "tenant-a"}]
         for i, item in enumerate(data):
@@ -125,19 +154,29 @@ def read_keys_file(path: str | Path) -> list[tuple[str, str | None]]:
 
     Lines: `key` (a tenant of its own, the old format) or `tenant: key`; blank lines and `#`
     comments are ignored. Or JSON: `{"tenant-a": ["key1", "key2"], "tenant-b": "key3"}`, or a
-    list of keys and `{"key": ..., "tenant": ...}` objects.
+    list of keys and `{"key": ..., "tenant": ...}` objects. Tenant settings lines and objects
+    (controlplane/tenants.py) are read by `read_keys_and_settings`.
     """
+    return read_keys_and_settings(path)[0]
+
+
+def read_keys_and_settings(
+    path: str | Path,
+) -> tuple[list[tuple[str, str | None]], tuple[tuple[str, TenantPolicy], ...]]:
+    """A keys file's keys (as `read_keys_file`) and its tenants' settings (tenants.py)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"api keys: no such file {path}")
     text = file.read_text()
+    settings: list[tuple[str, TenantPolicy, str]] = []
     if text.lstrip().startswith(("{", "[")):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"api keys: {path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
-        return _json_entries(data, str(path))
-    entries: list[tuple[str, str | None]] = []
+        entries = _json_entries(data, str(path), settings)
+        return entries, merge_settings(settings)
+    entries = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -146,9 +185,22 @@ def read_keys_file(path: str | Path) -> list[tuple[str, str | None]]:
         match = _TENANT_LINE.fullmatch(line)
         if match:
             entries.append((_check_key(match["key"], where), _check_tenant(match["tenant"], where)))
+            continue
+        tenant_settings = settings_line(line, where)
+        if tenant_settings is not None:
+            tenant, policy = tenant_settings
+            if tenant != EVERY_TENANT:
+                _check_tenant(tenant, where)
+            settings.append((tenant, policy, where))
         else:
             entries.append((_check_key(line, where), None))
-    return entries
+    return entries, merge_settings(settings)
+
+
+def load_tenant_settings(key_file: str | Path | None) -> tuple[tuple[str, TenantPolicy], ...]:
+    """The tenants' settings of a keys file (none without one); what ControlPlaneConfig's
+    `tenant_settings` holds."""
+    return () if key_file is None else read_keys_and_settings(key_file)[1]
 
 
 def load_keys(

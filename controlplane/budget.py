@@ -47,6 +47,12 @@ class BlockBudget:
     def holds(self, request_id: str) -> bool:
         return request_id in self._reserved
 
+    @property
+    def num_reserved(self) -> int:
+        """Requests placed here that the data plane has not yet reported on: queued there or
+        prefilling (a reservation ends at the request's first token, end or rejection)."""
+        return len(self._reserved)
+
     def clear(self) -> None:
         self._reserved.clear()
         self._reserved_total = 0

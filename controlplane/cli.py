@@ -39,7 +39,9 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         help="file of API keys: one per line, as `key` (a tenant of its own) or `tenant: key`, "
-        'or JSON {"tenant": ["key", ...]}; a tenant never hits another tenant\'s prefix cache '
+        'or JSON {"tenant": ["key", ...]}; a tenant never hits another tenant\'s prefix cache; '
+        "lines `tenant weight=W max_concurrency=N tokens_per_minute=T` set a tenant's fair share "
+        "and limits (`*` for all; docs/operations.md, Tenants) "
         "(default: none; with neither this nor --api-key, no authentication)",
     )
     s.add_argument(
@@ -95,7 +97,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
     """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
     (e.g. the data plane `serve` started) replace fields before validation."""
     from pagedserve.common.tls import ClientTLS, server_tls
-    from pagedserve.controlplane.auth import load_keys
+    from pagedserve.controlplane.auth import load_keys, load_tenant_settings
 
     dataplane_tls = None
     server_name = getattr(args, "dataplane_tls_server_name", None)
@@ -110,6 +112,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
         raise ValueError("--dataplane-tls-server-name needs TLS to the data planes (--dataplane-tls-ca-file)")
     values = {**vars(args), **overrides}
     values["api_keys"], values["api_key_tenants"] = load_keys(args.api_key, args.api_key_file)
+    values["tenant_settings"] = load_tenant_settings(args.api_key_file)
     values["tls"] = server_tls(args.tls_cert_file, args.tls_key_file)
     values["dataplane_tls"] = dataplane_tls
     return settings.from_arguments(ControlPlaneConfig, values)

@@ -8,6 +8,7 @@ from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
+from pagedserve.controlplane.tenants import TenantPolicy, check_settings
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
 
@@ -96,6 +97,14 @@ class ControlPlaneConfig:
         exclusive_minimum=0,
     )
     decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt", minimum=0)
+    tenant_dispatch_pending: int = setting(
+        8,
+        "with two or more tenants: a data plane is sent a new request only while fewer than this "
+        "many of this replica's requests there still wait for their first token; the rest wait "
+        "here, where tenants take turns (0: no cap, the data plane's first-come-first-served "
+        "queue holds them)",
+        minimum=0,
+    )
     routing: RoutingWeights = field(default_factory=RoutingWeights)
     reconnect_backoff_s: float = setting(0.2, "first reconnect delay to a lost data plane", cli=False)
     reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
@@ -120,6 +129,8 @@ class ControlPlaneConfig:
     # (key, tenant) for the keys a keys file names a tenant for; every other key is a tenant
     # of its own. A tenant is part of its requests' cache salt (controlplane/auth.py).
     api_key_tenants: tuple[tuple[str, str], ...] = ()
+    # (tenant or "*", policy): weights and limits from the keys file (controlplane/tenants.py).
+    tenant_settings: tuple[tuple[str, TenantPolicy], ...] = ()
     tls: ServerTLS | None = None  # the public gRPC and HTTP ports
     dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)
 
@@ -140,6 +151,7 @@ class ControlPlaneConfig:
         unknown = sorted({key for key, _ in self.api_key_tenants} - set(self.api_keys))
         if unknown:
             raise ValueError(f"api_key_tenants: {len(unknown)} key(s) not in api_keys")
+        check_settings(self.tenant_settings, self.api_key_tenants)
         if self.dataplane_token_file is not None:
             read_token_file(self.dataplane_token_file)  # a missing or empty file fails at start-up
 

@@ -28,6 +28,7 @@ from pagedserve.common.block_hash import first_block_extra_keys, hash_request_bl
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
 from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.auth import tenant_names
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost, RequestEvent
 from pagedserve.controlplane.deadlines import timeout_ms
@@ -36,6 +37,8 @@ from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
 from pagedserve.controlplane.prefix_index import PrefixIndex
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.tenant_limits import TenantLimits
+from pagedserve.controlplane.tenants import policies as tenant_policies
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
@@ -93,8 +96,20 @@ class Dispatcher:
         self.resolver = resolver
         self.index = PrefixIndex()
         self.connections: dict[str, DataPlaneConnection] = {}
+        # Tenants (controlplane/tenants.py): their weights order the admission queue, their
+        # limits refuse a request before it queues, and with two or more of them a data plane
+        # gets new requests only while few of ours wait there for a first token
+        # (`tenant_dispatch_pending`): the rest wait here, where tenants take turns.
+        names = tenant_names(config.api_keys, config.api_key_tenants)
+        policies = tenant_policies(names, config.tenant_settings)
+        self.tenants = TenantLimits(policies)
+        pending = config.tenant_dispatch_pending
+        self._pending_limit = pending if pending and len(names) > 1 else None
         self.admission: AdmissionQueue[Reservation] = AdmissionQueue(
-            config.max_queue_len, config.queue_timeout_s, release=self._release_reservation
+            config.max_queue_len,
+            config.queue_timeout_s,
+            release=self._release_reservation,
+            weights={t: p.weight for t, p in policies.items()},
         )
         self._discovery: asyncio.Task[None] | None = None
         self._retiring: dict[str, asyncio.Task[None]] = {}  # address -> its drain-then-close task
@@ -320,6 +335,8 @@ class Dispatcher:
                     num_waiting=link.stats.num_waiting,
                     in_flight=len(link.handles),
                     worst_priority=max((h.priority for h in link.handles.values()), default=None),
+                    pending=link.budget.num_reserved,
+                    pending_limit=self._pending_limit,
                 )
             )
         return out
@@ -362,13 +379,19 @@ class Dispatcher:
         `trace_context`: the W3C context of the request's span (the data plane's spans join it)."""
         if not self._accepting:
             raise ServiceError("UNAVAILABLE", _SHUTTING_DOWN)
+        # RESOURCE_EXHAUSTED past the tenant's limits; released however the request ends.
+        lease = self.tenants.acquire(request.tenant, request.num_prompt_tokens, request.max_total_tokens)
         self._in_progress += 1
         self._finished.clear()
         try:
             async with contextlib.aclosing(self._generate(request, trace_context)) as events:
                 async for event in events:  # (closing this generator closes that one: abort)
+                    if isinstance(event, dataplane_pb2.TokenDelta):
+                        lease.generated += len(event.token_ids)
                     yield event
         finally:
+            self.tenants.release(lease)
+            self.admission.finished(request.request_id, lease.unused)
             self._in_progress -= 1
             if self._in_progress == 0:
                 self._finished.set()
@@ -387,7 +410,12 @@ class Dispatcher:
             span = _tracer.start_span("pagedserve.admission", context=parent)
             try:
                 reservation, waited = await self.admission.admit(
-                    functools.partial(self._place, request, exclude, hashes), remaining, request.priority
+                    functools.partial(self._place, request, exclude, hashes),
+                    remaining,
+                    request.priority,
+                    request.tenant,
+                    0 if exclude else request.max_total_tokens,  # (a retry is not charged again)
+                    request.request_id,
                 )
                 link = reservation.connection
                 span.set_attributes(

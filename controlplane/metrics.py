@@ -175,11 +175,62 @@ class _DataPlaneCollector(Collector):
         yield info
 
 
+class _TenantCollector(Collector):
+    """Per tenant: the admission queue, requests in progress, tokens admitted, refusals. The
+    `tenant` label takes only the keys file's tenants (or `default` without keys)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+
+    def collect(self) -> Iterator[Any]:
+        limits, admission = self.dispatcher.tenants, self.dispatcher.admission
+        tenants = sorted(limits.policies)
+        waiting, running = admission.waiting(), limits.in_progress
+        families = [
+            (
+                GaugeMetricFamily,
+                "tenant_requests_queued",
+                "Requests in the admission queue, by tenant.",
+                waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "tenant_requests_in_progress",
+                "Requests queued or generating, by tenant (what max_concurrency limits).",
+                running,
+            ),
+            (
+                CounterMetricFamily,
+                "tenant_admitted_tokens",
+                "Tokens admitted (prompt + max_tokens × n), by tenant: what its fair share is charged.",
+                admission.admitted_tokens,
+            ),
+        ]
+        for kind, name, doc, values in families:
+            metric = kind(PREFIX + name, doc, labels=["tenant"])
+            for tenant in tenants:
+                metric.add_metric([tenant], values.get(tenant, 0))
+            yield metric
+        refused = CounterMetricFamily(
+            PREFIX + "tenant_refusals",
+            "Requests refused RESOURCE_EXHAUSTED, by tenant and limit "
+            "(max_concurrency, tokens_per_minute, queue_full).",
+            labels=["tenant", "limit"],
+        )
+        for tenant in tenants:
+            for limit in ("max_concurrency", "tokens_per_minute"):
+                refused.add_metric([tenant, limit], limits.refused.get((tenant, limit), 0))
+            refused.add_metric([tenant, "queue_full"], admission.refused.get(tenant, 0))
+        yield refused
+
+
 class ControlPlaneMetrics:
     def __init__(self, dispatcher: Any | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         if dispatcher is not None:
             self.registry.register(_DataPlaneCollector(dispatcher))
+            if hasattr(dispatcher, "tenants"):  # (tests' stand-ins may have no tenants)
+                self.registry.register(_TenantCollector(dispatcher))
         r = self.registry
         self.requests = RequestMetrics(r, "Request received")
         self.generation_tokens = self.requests.generation_tokens

@@ -41,6 +41,8 @@ class LinkSnapshot:
     num_waiting: int = 0
     in_flight: int = 0  # this replica's requests not yet finished there
     worst_priority: int | None = None  # the largest priority among those; None: none in flight
+    pending: int = 0  # of those, the ones without a first token yet (queued there, or prefilling)
+    pending_limit: int | None = None  # no new request while `pending` is this many (None: no cap)
 
     @property
     def available_blocks(self) -> int:
@@ -90,6 +92,9 @@ def plan_placement(
     now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample. Priorities: a
     data plane where this replica runs a request of a strictly worse priority counts as having
     them too, since its scheduler preempts that work for this request (or queues it first).
+    Tenants: a data plane where `pending_limit` of this replica's requests still wait for a
+    first token has no room either: the rest wait in the admission queue, where tenants take
+    turns, rather than in the data plane's first-come-first-served one.
     """
     usable = [s for s in links if s.healthy and not s.draining and s.address not in exclude]
     if not usable:
@@ -122,6 +127,8 @@ def plan_placement(
                 in_flight=s.in_flight,
                 max_num_seqs=s.max_num_seqs,
                 preempts=s.worst_priority is not None and request.priority < s.worst_priority,
+                pending=s.pending,
+                pending_limit=s.pending_limit,
             )
         )
     if not candidates:

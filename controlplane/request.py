@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.common.protocol import sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.controlplane.auth import request_tenant
+from pagedserve.controlplane.tenants import DEFAULT_TENANT
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
@@ -42,6 +44,9 @@ class GenerationRequest:
     # a data plane's refusal to compile it ("json_schema could not be compiled ...") is reported so.
     constraint_field: str = ""
     priority: int = 0  # lower is scheduled earlier (vLLM's semantics); pagedserve/common/priority.py
+    # Whose request it is (its fair share and limits: controlplane/tenants.py): the key's tenant
+    # of the call it is validated in, DEFAULT_TENANT without API keys.
+    tenant: str = field(default_factory=lambda: request_tenant() or DEFAULT_TENANT)
 
     @property
     def label(self) -> str:
@@ -59,6 +64,11 @@ class GenerationRequest:
     @property
     def num_samples(self) -> int:
         return self.sampling_params.num_samples
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The tokens it may take: prompt + max_tokens × n (what tenants are charged)."""
+        return self.num_prompt_tokens + self.max_tokens * self.num_samples
 
     def to_proto(self, trace_context: Mapping[str, str] | None = None) -> dataplane_pb2.SubmitCommand:
         """The submit command for a data plane; `trace_context` is the W3C context of the

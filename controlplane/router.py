@@ -37,10 +37,18 @@ class Candidate:
     in_flight: int  # this replica's requests not yet finished there
     max_num_seqs: int
     preempts: bool = False  # it runs work of a worse priority than the request's: room for it
+    # With several tenants, no new request while `pending_limit` of this replica's requests
+    # there have no first token yet: the rest wait in the control plane's fair queue rather
+    # than in the data plane's first-come-first-served one (None: no cap).
+    pending: int = 0
+    pending_limit: int | None = None
 
     @property
     def fits(self) -> bool:
-        return self.need_blocks <= self.available_blocks or self.preempts
+        if self.preempts:
+            return True
+        capped = self.pending_limit is not None and self.pending >= self.pending_limit
+        return self.need_blocks <= self.available_blocks and not capped
 
 
 def score(c: Candidate, weights: RoutingWeights) -> float:

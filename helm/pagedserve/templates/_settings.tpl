@@ -148,6 +148,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--decode-reserve-blocks=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "tenantDispatchPending" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--tenant-dispatch-pending=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- $v = index $s "prefixWeight" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--routing-prefix-weight=%v" $v | toJson }}
