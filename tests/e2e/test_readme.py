@@ -220,6 +220,14 @@ COMPONENTS = (
         r"quantized|GGUF|int8",
         lambda: "--quantization" in _parser_facts()[1] or bool({"int8", "gguf"} & _parser_facts()[2]),
     ),
+    # Built once the quantized kernel multiplies in integers (VNNI's vpdpbusd, or vpmaddubsw).
+    Component(
+        "integer dot products",
+        r"integer\s+dot\s+products",
+        lambda: any(
+            op in (REPO / "kernels/cpu/linear_quant.cpp").read_text() for op in ("dpbusd", "maddubs")
+        ),
+    ),
 )
 
 
@@ -349,6 +357,12 @@ SHELL = (
     ),
     Shell("pagedserve models list", True, "reads the store"),
     Shell("pagedserve serve [", False, "a synopsis ([optional] flags); the fixture runs `pagedserve serve`"),
+    Shell(
+        "pagedserve serve --",
+        False,
+        "a long-running server on the default ports; tests/e2e/grpc/test_serve_gguf.py serves the Q4_1 file, "
+        "tests/dataplane/test_int8_quantization.py and test_gguf_models.py cover int8 and GGUF paths",
+    ),
     *(
         Shell(
             f"build/{lang}/bin/pagedserve-generate ",
