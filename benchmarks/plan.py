@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,27 @@ from pagedserve.dataplane.kvcache.budget import (
 )
 
 GiB = 2**30
+# Bytes per weight of the quantized formats as the engine holds them in memory (packed panels:
+# the values, plus a float32 scale, and a min for the asymmetric ones, per group of inputs;
+# docs/quantization.md). Their activations are float32.
+QUANTIZED_WEIGHT_BYTES: dict[str, float] = {
+    "q8_0": 1 + 4 / 32,
+    "q6_k": 1 + 4 / 16,
+    "q4_0": 0.5 + 8 / 32,
+    "q4_1": 0.5 + 8 / 32,
+    "q4_k": 0.5 + 8 / 32,
+    "int8": 1.0,  # plus one scale per output row
+}
+
+
+def bytes_per_weight(weight_dtype: str) -> float:
+    """In-memory bytes per weight of a float dtype or a quantized format."""
+    return QUANTIZED_WEIGHT_BYTES.get(weight_dtype) or KV_DTYPE_BYTES[weight_dtype]
+
+
+def activation_bytes_per_element(weight_dtype: str) -> int:
+    """Activations run in the weights' float dtype, or float32 for a quantized format."""
+    return 4 if weight_dtype in QUANTIZED_WEIGHT_BYTES else KV_DTYPE_BYTES[weight_dtype]
 
 
 @dataclass(frozen=True)
@@ -189,12 +211,12 @@ def plan(
     With tensor parallelism each GPU holds 1/tp of the weights and of the KV heads; the
     activation estimate is kept whole on every GPU (conservative)."""
     tp = tensor_parallel_size
-    weight_bytes = cdiv(model.num_parameters * KV_DTYPE_BYTES[weight_dtype], tp)
+    weight_bytes = cdiv(math.ceil(model.num_parameters * bytes_per_weight(weight_dtype)), tp)
     activations = peak_activation_bytes(
         max_num_batched_tokens,
         model.hidden_size,
         model.intermediate_size,
-        KV_DTYPE_BYTES[weight_dtype],
+        activation_bytes_per_element(weight_dtype),
         max_num_seqs,
         model.vocab_size,
     )
@@ -238,7 +260,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="GPUs per model (default: the fewest of 1, 2, 4, 8 that leave room for a KV cache)",
     )
-    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"], help="weights")
+    p.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float32", "float16", "bfloat16", *QUANTIZED_WEIGHT_BYTES],
+        help="weights: a float dtype, or a quantized format as the engine holds it (GGUF types, int8)",
+    )
     p.add_argument(
         "--kv-dtypes",
         nargs="+",

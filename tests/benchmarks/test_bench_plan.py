@@ -81,3 +81,18 @@ def test_local_hf_config_folder(tmp_path: Path) -> None:
     assert m.num_parameters == BUILTIN_MODELS["SmolLM2-135M"].num_parameters == 134_515_008
     with pytest.raises(FileNotFoundError, match="built-in model"):
         resolve_model(str(tmp_path / "missing"))
+
+
+def test_quantized_weights_count_their_packed_bytes_and_free_kv_memory() -> None:
+    m = BUILTIN_MODELS["LLaMA-13B"]
+    fp16 = plan(m, 80, "float16", weight_dtype="float16", max_model_len=2048)
+    q4 = plan(m, 80, "float16", weight_dtype="q4_1", max_model_len=2048)
+    # 0.5 byte per value + an fp32 scale and min per 32 weights: 0.75 bytes per weight
+    assert q4.weight_bytes == -(-m.num_parameters * 3 // 4)
+    assert q4.weight_bytes * 8 == fp16.weight_bytes * 3
+    # activations in fp32 (twice fp16's), the rest of the freed weight memory goes to the KV pool
+    assert q4.activation_bytes > fp16.activation_bytes
+    assert q4.kv_memory_bytes - fp16.kv_memory_bytes == (fp16.weight_bytes - q4.weight_bytes) - (
+        q4.activation_bytes - fp16.activation_bytes
+    )
+    assert plan(m, 80, "float16", weight_dtype="q8_0").weight_bytes == -(-m.num_parameters * 9 // 8)
