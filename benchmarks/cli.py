@@ -55,6 +55,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.grpc_overhead",
         "the offline workload through `pagedserve serve` vs the offline engine: tok/s ratio, added latency",
     ),
+    "tenants": (
+        "pagedserve.benchmarks.tenants",
+        "per-tenant fairness: tenant a floods, tenant b's TTFT vs a's throughput (a alone, a floods + b, a = b)",
+    ),
     "step-profile": (
         "pagedserve.benchmarks.step_profile",
         "one decode and one prefill step profiled by op class, fused vs transformers' layers, plus an A/B",

@@ -388,6 +388,8 @@ class Dispatcher:
                 async for event in events:  # (closing this generator closes that one: abort)
                     if isinstance(event, dataplane_pb2.TokenDelta):
                         lease.generated += len(event.token_ids)
+                    elif isinstance(event, Admitted):
+                        lease.admitted = True
                     yield event
         finally:
             self.tenants.release(lease)

@@ -32,11 +32,15 @@ class Lease:
     prompt_tokens: int
     started: float
     generated: int = 0  # tokens streamed so far (every sample)
+    admitted: bool = False  # it left the admission queue for a data plane
     released: bool = False
 
     @property
     def unused(self) -> int:
-        """Tokens charged but not generated (the refund at the end)."""
+        """Tokens charged but not generated (the refund at the end): all of them for a
+        request refused or ended before any data plane took it."""
+        if not self.admitted:
+            return self.charged
         return max(0, self.charged - self.prompt_tokens - self.generated)
 
 

@@ -63,7 +63,7 @@ def test_tokens_per_minute_is_a_bucket_with_an_exact_hint_and_refunds() -> None:
     assert refused.value.retry_after_s == 10.0  # (200 - 100) / 10 tokens a second
     assert "tokens_per_minute 600" in refused.value.message and "counts 200 tokens" in refused.value.message
     assert limits.refused[("a", "tokens_per_minute")] == 1
-    lease.generated = 100  # of the 400 it might have generated: 300 come back
+    lease.admitted, lease.generated = True, 100  # of the 400 it might have generated: 300 come back
     limits.release(lease)
     limits.acquire("a", 50, 400)  # 100 + 300 = 400 in the bucket
     clock.now += 6.0
@@ -71,6 +71,13 @@ def test_tokens_per_minute_is_a_bucket_with_an_exact_hint_and_refunds() -> None:
         limits.acquire("a", 50, 100)  # 60 refilled
     clock.now += 4.0
     limits.acquire("a", 50, 100)
+
+
+def test_a_request_never_admitted_gives_all_its_tokens_back() -> None:
+    limits = TenantLimits({"a": TenantPolicy(tokens_per_minute=600)}, Clock())
+    lease = limits.acquire("a", prompt_tokens=100, charged=600)
+    limits.release(lease)  # refused by a full queue, or past its deadline while queued
+    limits.acquire("a", 100, 600)  # the bucket is full again
 
 
 def test_a_request_larger_than_the_bucket_goes_when_the_bucket_is_full() -> None:

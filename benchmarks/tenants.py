@@ -1,0 +1,209 @@
+"""`pagedserve bench tenants`: per-tenant fairness under a flood, on a launched `pagedserve serve`.
+
+Two tenants with equal weights (a keys file with `a: KEY` and `b: KEY`), three rounds on the
+same server, each after the previous one has drained:
+
+- `a alone`: tenant a sends `--flood` requests at once;
+- `a floods, b`: a sends `--flood` at once, `--b-delay` seconds later b sends `--victim`;
+- `a = b`: a and b send `--victim` each, at once (b's reference time to first token).
+
+Per round and tenant: requests, p50/p90 time to first token (from each request's send) and
+output tokens/s (from the tenant's first send to its last token). What the issue asks:
+b's p50 TTFT under the flood ≤ 2× its p50 in `a = b`, and a's tokens/s under the flood
+≥ 0.9× `a alone`. `--compare-fifo` runs the rounds again with `--tenant-dispatch-pending 0`
+(every request goes straight to the data plane, whose queue is first come, first served).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.serve_load import percentile
+
+KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="tiny", help="a model name or folder; `tiny`: a random-weight tiny Llama made here"
+    )
+    p.add_argument("--flood", type=int, default=200, help="requests tenant a floods with")
+    p.add_argument("--victim", type=int, default=10, help="requests tenant b sends")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--b-delay", type=float, default=0.5, help="seconds after a's flood that b sends")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the data plane's batch limit")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads of the data plane (default: torch's)"
+    )
+    p.add_argument("--kv-cache-memory", default="1GiB", help="the data plane's KV pool")
+    p.add_argument("--tenant-dispatch-pending", type=int, default=8, help="the control plane's setting")
+    p.add_argument("--compare-fifo", action="store_true", help="also run with --tenant-dispatch-pending 0")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one round may take")
+
+
+def _model(args: argparse.Namespace, workdir: Path) -> str:
+    if args.model != "tiny":
+        return str(args.model)
+    from pagedserve.benchmarks.tiny_models import make_tiny_model
+
+    return str(make_tiny_model("llama", workdir / "tiny-llama"))
+
+
+def _start(
+    args: argparse.Namespace, model: str, keys: Path, pending: int
+) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0"]
+    cmd += ["--model", model, "--api-key-file", str(keys), "--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--kv-cache-memory", args.kv_cache_memory, "--tenant-dispatch-pending", str(pending)]
+    cmd += ["--max-queue-len", str(4 * (args.flood + args.victim))]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC on " in line:
+            return proc, line.split("gRPC on ", 1)[1].split()[0]
+    raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def _send(client: Any, prompt: list[int], max_tokens: int) -> tuple[float, float | None, float, int]:
+    """(sent, first token, last token, tokens) of one streamed request (perf_counter seconds)."""
+    from pagedserve.clients.python import StreamChunk
+
+    sent = time.perf_counter()
+    first: float | None = None
+    last, tokens = sent, 0
+    async for item in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+        if isinstance(item, StreamChunk) and item.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            tokens += len(item.token_ids)
+    return sent, first, last, tokens
+
+
+def _figures(results: list[Any]) -> dict[str, Any]:
+    done = [r for r in results if not isinstance(r, BaseException) and r[1] is not None]
+    errors = sorted({f"{type(r).__name__}: {r}"[:120] for r in results if isinstance(r, BaseException)})
+    ttft = [first - sent for sent, first, _, _ in done if first is not None]
+    span = max((r[2] for r in done), default=0.0) - min((r[0] for r in done), default=0.0)
+    tokens = sum(r[3] for r in done)
+    return {
+        "requests": len(results),
+        "completed": len(done),
+        "errors": errors[:3],
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p90_ms": 1000 * percentile(ttft, 90),
+        "tokens": tokens,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+    }
+
+
+async def _round(
+    args: argparse.Namespace, address: str, a_count: int, b_count: int, b_delay: float
+) -> dict[str, Any]:
+    import random
+
+    from pagedserve.clients.python import AsyncGenerationClient
+    from pagedserve.clients.python.client import NO_RETRY
+
+    rng = random.Random(a_count * 1000 + b_count)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, 300) for _ in range(args.input_len)]
+
+    async with (
+        AsyncGenerationClient(address, api_key=KEYS["a"], retry=NO_RETRY) as a,
+        AsyncGenerationClient(address, api_key=KEYS["b"], retry=NO_RETRY) as b,
+    ):
+        for client in (a, b):  # warm-up (and a check that both keys work)
+            await client.generate(prompt()[:8], max_tokens=2, temperature=0.0, ignore_eos=True)
+        a_tasks = [asyncio.ensure_future(_send(a, prompt(), args.output_len)) for _ in range(a_count)]
+        if b_count and b_delay:
+            await asyncio.sleep(b_delay)
+        b_tasks = [asyncio.ensure_future(_send(b, prompt(), args.output_len)) for _ in range(b_count)]
+        a_results = await asyncio.wait_for(asyncio.gather(*a_tasks, return_exceptions=True), args.timeout)
+        b_results = await asyncio.wait_for(asyncio.gather(*b_tasks, return_exceptions=True), args.timeout)
+    out = {"a": _figures(list(a_results))}
+    if b_count:
+        out["b"] = _figures(list(b_results))
+    return out
+
+
+def _rounds(args: argparse.Namespace, address: str) -> dict[str, Any]:
+    return {
+        "a alone": asyncio.run(_round(args, address, args.flood, 0, 0.0)),
+        "a floods, b": asyncio.run(_round(args, address, args.flood, args.victim, args.b_delay)),
+        "a = b": asyncio.run(_round(args, address, args.victim, args.victim, 0.0)),
+    }
+
+
+def _verdict(rounds: dict[str, Any]) -> dict[str, float]:
+    flood, alone, equal = rounds["a floods, b"], rounds["a alone"], rounds["a = b"]
+    return {
+        "b_ttft_p50_flood_over_equal": flood["b"]["ttft_p50_ms"] / max(1e-9, equal["b"]["ttft_p50_ms"]),
+        "a_tokens_per_s_flood_over_alone": flood["a"]["tokens_per_s"] / max(1e-9, alone["a"]["tokens_per_s"]),
+    }
+
+
+def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "out")}}
+    modes = [("fair", args.tenant_dispatch_pending)] + ([("fifo", 0)] if args.compare_fifo else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        keys = workdir / "keys"
+        keys.write_text("".join(f"{tenant}: {key}\n" for tenant, key in KEYS.items()))
+        model = _model(args, workdir)
+        for mode, pending in modes:
+            proc, address = _start(args, model, keys, pending)
+            try:
+                rounds = _rounds(args, address)
+            finally:
+                _stop(proc)
+            rows = [
+                [
+                    name,
+                    tenant,
+                    f"{f['completed']}/{f['requests']}",
+                    f"{f['ttft_p50_ms']:.0f}",
+                    f"{f['ttft_p90_ms']:.0f}",
+                    f"{f['tokens_per_s']:.1f}",
+                ]
+                for name, per in rounds.items()
+                for tenant, f in per.items()
+            ]
+            verdict = _verdict(rounds)
+            notes = [
+                f"b's p50 TTFT under a's flood = {verdict['b_ttft_p50_flood_over_equal']:.2f}× its p50 "
+                "with a sending as many (≤ 2 asked)",
+                f"a's tok/s under the flood = {verdict['a_tokens_per_s_flood_over_alone']:.2f}× a alone "
+                "(≥ 0.9 asked)",
+            ]
+            report.table(
+                f"tenants, {mode} (--tenant-dispatch-pending {pending})",
+                ["round", "tenant", "done", "TTFT p50 ms", "TTFT p90 ms", "tok/s"],
+                rows,
+                notes,
+            )
+            results[mode] = {"rounds": rounds, **verdict}
+    return results
