@@ -61,7 +61,8 @@ _SOURCES = tuple(
 )
 # Included by the sources; their contents are part of the build's name like the sources'.
 _HEADERS = tuple(
-    _CPU_DIR / name for name in ("vec.h", "attention_checks.h", "panel.h", "panel_bf16.h", "row_ops.h")
+    _CPU_DIR / name
+    for name in ("vec.h", "attention_checks.h", "panel.h", "panel_bf16.h", "panel_quant.h", "row_ops.h")
 )
 # The instruction-set levels a build can target, best first, and the environment variable
 # that picks one (unset or "auto": the best this CPU runs).
@@ -128,9 +129,9 @@ class CpuKernels:
     # this build computes it with AVX-512 BF16 dot products (x rounded to bf16)
     panel_linear_bf16: Callable[..., None]
     bf16_dot_products: bool
-    # kernels/cpu/linear_quant.cpp: quant_panel_linear(out, x, values, scales, mins, bias),
-    # float32 x/out/scales/mins/bias, values int8 (8-bit) or uint8 (4-bit) packed by
-    # pagedserve.kernels.quant.pack_quant_panels, mins and bias empty for none
+    # kernels/cpu/linear_quant.cpp: quant_panel_linear(out, x, packed, bias), float32 x/out/bias,
+    # packed uint8 (4-bit) or int8 (8-bit) by pagedserve.kernels.quant.pack_quant_panels, bias
+    # empty for none
     quant_panel_linear: Callable[..., None]
     isa: str
     library_path: str

@@ -11,7 +11,7 @@ formats, a float32 min:
 each, and the product is exact for every format with a min, so it equals the fused
 multiply-add the kernel uses). `pack_quant_panels` reorders a weight once, at load, into the
 column panels of the build's ISA (the fp32 panels' order, kernels/linear.py), 4-bit values two
-to a byte; `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
+to a byte, each panel's values, scales and mins in one row of bytes; `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
 `panel_linear` over the de-quantized weight.
 """
 
@@ -132,16 +132,15 @@ def quantize_4bit(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
 
 @dataclass(frozen=True)
 class QuantPanels:
-    """A QuantizedWeight in the column panels of one ISA build (kernels/cpu/linear_quant.cpp)."""
+    """A QuantizedWeight in the column panels of one ISA build: one row of bytes per panel,
+    its values then its float32 scales (and mins) (layout: kernels/cpu/linear_quant.cpp)."""
 
-    values: torch.Tensor  # int8 [P, in, W] or uint8 [P, in, W // 2]
-    scales: torch.Tensor  # float32 [P, in // group, W]
-    mins: torch.Tensor  # float32 [P, in // group, W], or empty
+    packed: torch.Tensor  # uint8 (4-bit values, with mins) or int8 (8-bit values) [P, bytes]
     out_features: int
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.mins))
+        return self.packed.numel()
 
 
 def _panels(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -157,12 +156,18 @@ def pack_quant_panels(weight: QuantizedWeight, width: int) -> QuantPanels:
     """Reorder `weight` into panels of `width` output columns (the build's panel_width)."""
     if width not in PANEL_WIDTHS:
         raise ValueError(f"pack_quant_panels: width must be one of {PANEL_WIDTHS}, got {width}")
+    if weight.bits == 8 and weight.mins is not None:
+        raise ValueError(f"{weight.kind}: the kernel takes 8-bit values without mins only")
     values = _panels(weight.values, width)
     if weight.bits == 4:
         half = width // 2
         values = values[..., :half] | (values[..., half:] << 4)
-    mins = NO_BIAS if weight.mins is None else _panels(weight.mins, width)
-    return QuantPanels(values.contiguous(), _panels(weight.scales, width), mins, weight.out_features)
+    parts = [values.view(torch.uint8), _panels(weight.scales, width)]
+    if weight.mins is not None:
+        parts.append(_panels(weight.mins, width))
+    panels = values.shape[0]
+    packed = torch.cat([part.contiguous().view(torch.uint8).reshape(panels, -1) for part in parts], dim=1)
+    return QuantPanels(packed if weight.bits == 4 else packed.view(torch.int8), weight.out_features)
 
 
 def quant_panel_linear(
@@ -170,7 +175,5 @@ def quant_panel_linear(
 ) -> torch.Tensor:
     """x [rows, in] float32 (last dim contiguous) @ the weight.T (+ bias) -> [rows, out]."""
     out = x.new_empty(x.shape[0], panels.out_features)
-    ops.quant_panel_linear(
-        out, x, panels.values, panels.scales, panels.mins, NO_BIAS if bias is None else bias
-    )
+    ops.quant_panel_linear(out, x, panels.packed, NO_BIAS if bias is None else bias)
     return out

@@ -42,7 +42,7 @@ from torch import nn
 
 from pagedserve.dataplane.runner.attention_hook import PagedStep, paged_layer_attention
 from pagedserve.dataplane.runner.cpu_linear import PanelLinear
-from pagedserve.dataplane.runner.quant_linear import QuantLinear
+from pagedserve.dataplane.runner.quant_linear import QuantLinear, QuantPanelLinear
 from pagedserve.kernels.cpu_ext import CpuKernels
 
 log = logging.getLogger(__name__)
@@ -333,8 +333,9 @@ class FusedDecoderLayer(nn.Module):
         return self.attention_input_args is not None, self.mlp_args is not None
 
 
-def _panels(linear: object) -> TypeGuard[PanelLinear]:
-    return isinstance(linear, PanelLinear)
+def _panels(linear: object) -> TypeGuard[PanelLinear | QuantPanelLinear]:
+    """A linear the block ops take: fp32 / bf16 panels, or quantized panels (a GGUF model's)."""
+    return isinstance(linear, (PanelLinear, QuantPanelLinear))
 
 
 def bind_block_kernels(model: nn.Module) -> tuple[int, int]:

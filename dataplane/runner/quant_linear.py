@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.cpu_ext import CpuKernels
-from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quant_panel_linear, quantize_int8
+from pagedserve.kernels.linear import NO_BIAS
+from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quantize_int8
 
 
 def _register(module: nn.Module, prefix: str, weight: QuantizedWeight) -> None:
@@ -70,7 +71,11 @@ class QuantLinear(nn.Module):
 
 
 class QuantPanelLinear(nn.Module):
-    """A QuantLinear packed into the C++ kernel's column panels (the build's ISA)."""
+    """A QuantLinear packed into the C++ kernel's column panels (the build's ISA). Like
+    PanelLinear it exposes `panels` (one tensor) and `kernel_bias`, so a fused decoder layer
+    runs it inside its one-op halves (kernels/cpu/decoder_block.cpp)."""
+
+    panels: torch.Tensor
 
     def __init__(self, linear: QuantLinear, ops: CpuKernels) -> None:
         super().__init__()
@@ -78,19 +83,24 @@ class QuantPanelLinear(nn.Module):
         self.out_features = linear.out_features
         self.kind = linear.weight_q.kind
         self._ops = ops
-        self._panels = pack_quant_panels(linear.weight_q, ops.panel_width)
-        self.register_buffer("panel_values", self._panels.values, persistent=False)
-        self.register_buffer("panel_scales", self._panels.scales, persistent=False)
-        self.register_buffer("panel_mins", self._panels.mins, persistent=False)
+        self.register_buffer(
+            "panels", pack_quant_panels(linear.weight_q, ops.panel_width).packed, persistent=False
+        )
         self.bias = linear.bias
+
+    @property
+    def kernel_bias(self) -> torch.Tensor:
+        """The bias as the C++ ops take it: the tensor, or NO_BIAS for none."""
+        return NO_BIAS if self.bias is None else self.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]; the op needs a contiguous last dim
         flat = x.reshape(-1, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        bias = None if self.bias is None else self.bias.detach()
-        return quant_panel_linear(self._ops, flat, self._panels, bias).view(*x.shape[:-1], self.out_features)
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        self._ops.quant_panel_linear(out, flat, self.panels, self.kernel_bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, panels={self.kind}"

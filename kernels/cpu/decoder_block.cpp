@@ -1,5 +1,5 @@
 // A decoder layer's work before and after attention, each as one op (CPU, fp32 activations;
-// each linear's weight fp32 or bf16 panels).
+// each linear's weight fp32, bf16 or quantized panels).
 //
 // Ops (pagedserve_cpu::):
 //   decoder_attention_input(hidden, norm_weight, eps, qkv_packed, qkv_bias, qkv_features, cos,
@@ -12,7 +12,8 @@
 //       hidden += (silu(gu[:, :I]) * gu[:, I:]) @ W_down.T + b_down; hidden in place.
 //
 // hidden: [T, H] float32, contiguous; norm weights [H]; *_packed: panel-packed weights, each
-// fp32 (kernels/linear.py pack_panels) or bf16 (pack_panels_bf16), biases [N] or empty; cos, sin: [T, head_dim] contiguous;
+// fp32 (kernels/linear.py pack_panels), bf16 (pack_panels_bf16) or quantized
+// (kernels/quant.py pack_quant_panels), biases [N] or empty; cos, sin: [T, head_dim] contiguous;
 // attn: [T, heads * head_dim] with a contiguous last dim.
 //
 // Why: in a decode step the work between a layer's matmuls is small, and calling it from
@@ -34,6 +35,7 @@
 
 #include "panel.h"
 #include "panel_bf16.h"
+#include "panel_quant.h"
 #include "row_ops.h"
 
 namespace {
@@ -48,26 +50,37 @@ int64_t check_hidden(const Tensor& hidden) {
   return hidden.size(1);
 }
 
-// One linear of the layer: an fp32 or a bf16 panel matmul, by its packed weight's dtype.
+// One linear of the layer: an fp32, a bf16 or a quantized panel matmul, by its packed
+// weight's dtype (float32, bfloat16, uint8 / int8).
 struct LayerLinear {
-  bool bf16;
+  enum class Kind { kF32, kBf16, kQuant } kind;
   PanelMatmul f32;
   PanelMatmulBf16 b16;
+  QuantMatmul quant;
 };
 
 LayerLinear linear_problem(const char* what, const Tensor& out, const Tensor& x, const Tensor& packed,
                            const Tensor& bias) {
   if (packed.scalar_type() == torch::headeronly::ScalarType::BFloat16) {
-    return LayerLinear{true, {}, panel_problem_bf16(what, out, x, packed, bias)};
+    return LayerLinear{LayerLinear::Kind::kBf16, {}, panel_problem_bf16(what, out, x, packed, bias), {}};
   }
-  return LayerLinear{false, panel_problem(what, out, x, packed, bias), {}};
+  if (is_quantized(packed)) {
+    return LayerLinear{LayerLinear::Kind::kQuant, {}, {}, quant_problem(what, out, x, packed, bias)};
+  }
+  return LayerLinear{LayerLinear::Kind::kF32, panel_problem(what, out, x, packed, bias), {}, {}};
 }
 
 void run_linear(const LayerLinear& l, bool accumulate) {
-  if (l.bf16) {
-    panel_matmul_bf16(l.b16, accumulate);
-  } else {
-    panel_matmul(l.f32, accumulate);
+  switch (l.kind) {
+    case LayerLinear::Kind::kBf16:
+      panel_matmul_bf16(l.b16, accumulate);
+      break;
+    case LayerLinear::Kind::kQuant:
+      quant_matmul(l.quant, accumulate);
+      break;
+    case LayerLinear::Kind::kF32:
+      panel_matmul(l.f32, accumulate);
+      break;
   }
 }
 

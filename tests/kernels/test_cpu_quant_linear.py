@@ -69,22 +69,36 @@ def test_a_short_tensor_is_refused_with_its_sizes() -> None:
 
 
 @pytest.mark.parametrize("width", [32, 16, 8])
-def test_4bit_panels_pack_two_columns_per_byte(width: int) -> None:
+def test_4bit_panels_pack_values_two_to_a_byte_then_scales_then_mins(width: int) -> None:
     values = torch.randint(0, 16, (2 * width + 3, 64), dtype=torch.uint8)
-    scales = torch.rand(values.shape[0], 2)
-    weight = QuantizedWeight(values, scales, torch.zeros_like(scales), 32, "4bit")
-    panels = pack_quant_panels(weight, width)
-    assert panels.values.shape == (3, 64, width // 2) and panels.values.dtype == torch.uint8
+    scales, mins = torch.rand(values.shape[0], 2), torch.rand(values.shape[0], 2)
+    panels = pack_quant_panels(QuantizedWeight(values, scales, mins, 32, "4bit"), width)
     half = width // 2
+    value_bytes = 64 * half
+    assert panels.packed.dtype == torch.uint8
+    assert panels.packed.shape == (3, value_bytes + 2 * 2 * width * 4)
     for p in range(3):
-        for j in range(half):
-            for col, got in (
-                (p * width + j, panels.values[p, :, j] & 15),
-                (p * width + j + half, panels.values[p, :, j] >> 4),
-            ):
-                expected = values[col] if col < values.shape[0] else torch.zeros(64, dtype=torch.uint8)
-                assert torch.equal(got, expected)
-    assert torch.equal(panels.scales[2, :, 3:], torch.zeros(2, width - 3))  # padding columns weigh 0
+        row = panels.packed[p]
+        packed_values = row[:value_bytes].view(64, half)
+        got_scales = row[value_bytes : value_bytes + 2 * width * 4].view(torch.float32).view(2, width)
+        got_mins = row[value_bytes + 2 * width * 4 :].view(torch.float32).view(2, width)
+        for j in range(width):
+            col = p * width + j
+            column = packed_values[:, j] & 15 if j < half else packed_values[:, j - half] >> 4
+            real = col < values.shape[0]
+            assert torch.equal(column, values[col] if real else torch.zeros(64, dtype=torch.uint8))
+            assert torch.equal(got_scales[:, j], scales[col] if real else torch.zeros(2))  # padding weighs 0
+            assert torch.equal(got_mins[:, j], mins[col] if real else torch.zeros(2))
+
+
+def test_8bit_panels_are_int8_values_then_scales() -> None:
+    weight = quantize_int8(torch.randn(20, 64), 32)
+    panels = pack_quant_panels(weight, 16)
+    assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 64 * 16 + 2 * 16 * 4)
+    assert torch.equal(panels.packed[0, : 64 * 16].view(64, 16)[:, 3], weight.values[3])
+    scales = panels.packed[1, 64 * 16 :].view(torch.uint8).view(torch.float32).view(2, 16)
+    assert torch.equal(scales[:, 3], weight.scales[19])  # panel 1 holds columns 16 .. 31
+    assert torch.equal(scales[:, 4:], torch.zeros(2, 12))  # padding columns weigh 0
 
 
 def weights(out_features: int, in_features: int) -> list[QuantizedWeight]:
@@ -131,11 +145,13 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext: CpuKernels) -> None:
         assert torch.equal(quant_panel_linear(ext, x[i : i + 1], panels)[0], batched[i])
 
 
-def test_the_op_refuses_4bit_values_without_mins(ext: CpuKernels) -> None:
-    weight = quantize_4bit(torch.randn(32, 64))
-    panels = pack_quant_panels(weight, ext.panel_width)
+def test_the_op_refuses_a_panel_that_is_not_values_and_whole_groups(ext: CpuKernels) -> None:
+    panels = pack_quant_panels(quantize_4bit(torch.randn(32, 64)), ext.panel_width)
     out = torch.empty(2, 32)
-    with pytest.raises(RuntimeError, match=r"4-bit values .* need mins"):
-        ext.quant_panel_linear(
-            out, torch.randn(2, 64), panels.values, panels.scales, torch.empty(0), torch.empty(0)
-        )
+    short = panels.packed[:, :-4].contiguous()
+    with pytest.raises(
+        RuntimeError, match=r"is not 64 inputs of 4-bit values .* whole groups of scales and mins"
+    ):
+        ext.quant_panel_linear(out, torch.randn(2, 64), short, torch.empty(0))
+    with pytest.raises(RuntimeError, match=r"is not 65 inputs"):
+        ext.quant_panel_linear(out, torch.randn(2, 65), panels.packed, torch.empty(0))
