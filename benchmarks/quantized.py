@@ -31,26 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.benchmarks.common import cpu_line, phase
+from pagedserve.benchmarks.workloads import SHORT_QUESTIONS
 from pagedserve.common.settings import ArgumentParser
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "What does a compiler do?",
-    "Give me a synonym for happy.",
-    "Write a haiku about the sea.",
-    "What is 12 times 7?",
-    "Who wrote Romeo and Juliet?",
-    "Explain gravity in one sentence.",
-    "What is the boiling point of water?",
-    "Suggest a name for a cat.",
-    "What is photosynthesis?",
-    "Translate 'good morning' into Spanish.",
-    "Why do leaves change color in autumn?",
-    "What is a prime number?",
-]
 AGREEMENT_TOKENS = 32
 
 
@@ -147,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} is not a GGUF model", file=sys.stderr)
         return 1
     tokenizer = Tokenizer(folder)
-    questions = (QUESTIONS * (1 + args.prompts // len(QUESTIONS)))[: args.prompts]
+    questions = (SHORT_QUESTIONS * (1 + args.prompts // len(SHORT_QUESTIONS)))[: args.prompts]
     prompts = [
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in questions
     ]

@@ -111,6 +111,25 @@ SYSTEM_PROMPTS: tuple[str, ...] = (
     "Be brief.",
 )
 
+# Short chat questions with short answers, for greedy comparisons between engines.
+SHORT_QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "What does a compiler do?",
+    "Give me a synonym for happy.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+    "Explain gravity in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a cat.",
+    "What is photosynthesis?",
+    "Translate 'good morning' into Spanish.",
+    "Why do leaves change color in autumn?",
+    "What is a prime number?",
+)
 CONTEXT_INTRO = "Here is some background reading:\n\n"
 CONTEXT_OUTRO = "\n\nQuestion: "
 

@@ -22,6 +22,13 @@ from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 
+def rows_of(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., in_features] as the [rows, in_features] the C++ linear ops take (a contiguous
+    last dim; a view where it already is one)."""
+    flat = x.reshape(-1, in_features)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
 def onednn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
@@ -74,10 +81,7 @@ class PanelLinear(nn.Module):
         return NO_BIAS if self.bias is None else self.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]; the op needs a contiguous last dim
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
+        flat = rows_of(x, self.in_features)
         linear = panel_linear_bf16 if self.bf16_weights else panel_linear
         out = linear(self._ops, flat, self.panels, self.out_features, self.kernel_bias)
         return out.view(*x.shape[:-1], self.out_features)

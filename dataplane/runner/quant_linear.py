@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.dataplane.runner.cpu_linear import rows_of
 from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.linear import NO_BIAS
 from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quantize_int8
@@ -94,10 +95,7 @@ class QuantPanelLinear(nn.Module):
         return NO_BIAS if self.bias is None else self.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]; the op needs a contiguous last dim
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
+        flat = rows_of(x, self.in_features)
         out = flat.new_empty(flat.shape[0], self.out_features)
         self._ops.quant_panel_linear(out, flat, self.panels, self.kernel_bias)
         return out.view(*x.shape[:-1], self.out_features)

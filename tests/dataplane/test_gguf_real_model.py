@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedserve.benchmarks.tiny_models import TIE_TOLERANCE
+from pagedserve.benchmarks.workloads import SHORT_QUESTIONS
 from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
 from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.dataplane import LLM, SamplingParams
@@ -28,20 +29,7 @@ from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
 pytestmark = pytest.mark.real_model
 
 QUANTIZED = f"{DEFAULT_MODEL}-Q4_1"
-QUESTIONS = [
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "What does a compiler do?",
-    "Give me a synonym for happy.",
-    "Write a haiku about the sea.",
-    "What is 12 times 7?",
-    "Who wrote Romeo and Juliet?",
-    "Explain gravity in one sentence.",
-    "What is the boiling point of water?",
-    "Suggest a name for a cat.",
-]
+QUESTIONS = SHORT_QUESTIONS[:12]
 
 
 def test_the_quantized_weights_are_the_fp32_models_weights_exactly() -> None:

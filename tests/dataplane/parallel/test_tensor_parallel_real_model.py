@@ -14,20 +14,14 @@ from typing import Any
 import pytest
 
 from pagedserve.benchmarks.tiny_models import TIE_TOLERANCE
+from pagedserve.benchmarks.workloads import SHORT_QUESTIONS
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.dataplane import LLM, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences, plainly, without lists."
-QUESTIONS = [
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "What does a compiler do?",
-    "Give me a synonym for happy.",
-]
+QUESTIONS = SHORT_QUESTIONS[:6]
 # A pool of 12 blocks of 16 tokens: one request (~55 prompt + 16 output tokens) fits, six do not.
 SETTINGS: dict[str, Any] = dict(
     block_size=16, max_num_batched_tokens=48, num_gpu_blocks_override=12, max_model_len=512, max_num_seqs=6
