@@ -4,13 +4,15 @@ Two tenants with equal weights (a keys file with `a: KEY` and `b: KEY`), three r
 same server, each after the previous one has drained:
 
 - `a alone`: tenant a sends `--flood` requests at once;
-- `a floods, b`: a sends `--flood` at once, `--b-delay` seconds later b sends `--victim`;
+- `a floods, b`: a sends `--flood` at once; once a's first token has come (the flood is
+  being served: all of it sent, most of it waiting), and `--b-delay` seconds more, b sends
+  `--victim`;
 - `a = b`: a and b send `--victim` each, at once (b's reference time to first token).
 
 Per round and tenant: requests, p50/p90 time to first token (from each request's send) and
 output tokens/s (from the tenant's first send to its last token). What the issue asks:
 b's p50 TTFT under the flood ≤ 2× its p50 in `a = b`, and a's tokens/s under the flood
-≥ 0.9× `a alone`. `--compare-fifo` runs the rounds again with `--tenant-dispatch-pending 0`
+≥ 0.9× `a alone`. `--compare-fifo` runs the rounds again with `--tenant-dispatch-tokens 0`
 (every request goes straight to the data plane, whose queue is first come, first served).
 """
 
@@ -41,14 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--victim", type=int, default=10, help="requests tenant b sends")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--b-delay", type=float, default=0.5, help="seconds after a's flood that b sends")
+    p.add_argument("--b-delay", type=float, default=0.0, help="seconds after a's first token that b sends")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the data plane's batch limit")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads of the data plane (default: torch's)"
     )
     p.add_argument("--kv-cache-memory", default="1GiB", help="the data plane's KV pool")
-    p.add_argument("--tenant-dispatch-pending", type=int, default=8, help="the control plane's setting")
-    p.add_argument("--compare-fifo", action="store_true", help="also run with --tenant-dispatch-pending 0")
+    p.add_argument("--tenant-dispatch-tokens", type=int, default=4096, help="the control plane's setting")
+    p.add_argument("--compare-fifo", action="store_true", help="also run with --tenant-dispatch-tokens 0")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one round may take")
 
 
@@ -65,7 +67,7 @@ def _start(
 ) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0"]
     cmd += ["--model", model, "--api-key-file", str(keys), "--max-num-seqs", str(args.max_num_seqs)]
-    cmd += ["--kv-cache-memory", args.kv_cache_memory, "--tenant-dispatch-pending", str(pending)]
+    cmd += ["--kv-cache-memory", args.kv_cache_memory, "--tenant-dispatch-tokens", str(pending)]
     cmd += ["--max-queue-len", str(4 * (args.flood + args.victim))]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -87,8 +89,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.wait()
 
 
-async def _send(client: Any, prompt: list[int], max_tokens: int) -> tuple[float, float | None, float, int]:
-    """(sent, first token, last token, tokens) of one streamed request (perf_counter seconds)."""
+async def _send(
+    client: Any, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None
+) -> tuple[float, float | None, float, int]:
+    """(sent, first token, last token, tokens) of one streamed request (perf_counter seconds);
+    `started` is set at its first token."""
     from pagedserve.clients.python import StreamChunk
 
     sent = time.perf_counter()
@@ -99,6 +104,8 @@ async def _send(client: Any, prompt: list[int], max_tokens: int) -> tuple[float,
             last = time.perf_counter()
             first = first or last
             tokens += len(item.token_ids)
+            if started is not None:
+                started.set()
     return sent, first, last, tokens
 
 
@@ -120,8 +127,9 @@ def _figures(results: list[Any]) -> dict[str, Any]:
 
 
 async def _round(
-    args: argparse.Namespace, address: str, a_count: int, b_count: int, b_delay: float
+    args: argparse.Namespace, address: str, a_count: int, b_count: int, b_after_a: bool
 ) -> dict[str, Any]:
+    """a sends `a_count`, b `b_count`: at once, or (`b_after_a`) once a's first token came."""
     import random
 
     from pagedserve.clients.python import AsyncGenerationClient
@@ -138,9 +146,13 @@ async def _round(
     ):
         for client in (a, b):  # warm-up (and a check that both keys work)
             await client.generate(prompt()[:8], max_tokens=2, temperature=0.0, ignore_eos=True)
-        a_tasks = [asyncio.ensure_future(_send(a, prompt(), args.output_len)) for _ in range(a_count)]
-        if b_count and b_delay:
-            await asyncio.sleep(b_delay)
+        started = asyncio.Event()
+        a_tasks = [
+            asyncio.ensure_future(_send(a, prompt(), args.output_len, started)) for _ in range(a_count)
+        ]
+        if b_after_a:
+            await asyncio.wait_for(started.wait(), args.timeout)
+            await asyncio.sleep(args.b_delay)
         b_tasks = [asyncio.ensure_future(_send(b, prompt(), args.output_len)) for _ in range(b_count)]
         a_results = await asyncio.wait_for(asyncio.gather(*a_tasks, return_exceptions=True), args.timeout)
         b_results = await asyncio.wait_for(asyncio.gather(*b_tasks, return_exceptions=True), args.timeout)
@@ -152,9 +164,9 @@ async def _round(
 
 def _rounds(args: argparse.Namespace, address: str) -> dict[str, Any]:
     return {
-        "a alone": asyncio.run(_round(args, address, args.flood, 0, 0.0)),
-        "a floods, b": asyncio.run(_round(args, address, args.flood, args.victim, args.b_delay)),
-        "a = b": asyncio.run(_round(args, address, args.victim, args.victim, 0.0)),
+        "a alone": asyncio.run(_round(args, address, args.flood, 0, False)),
+        "a floods, b": asyncio.run(_round(args, address, args.flood, args.victim, True)),
+        "a = b": asyncio.run(_round(args, address, args.victim, args.victim, False)),
     }
 
 
@@ -168,7 +180,7 @@ def _verdict(rounds: dict[str, Any]) -> dict[str, float]:
 
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "out")}}
-    modes = [("fair", args.tenant_dispatch_pending)] + ([("fifo", 0)] if args.compare_fifo else [])
+    modes = [("fair", args.tenant_dispatch_tokens)] + ([("fifo", 0)] if args.compare_fifo else [])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         keys = workdir / "keys"
@@ -200,7 +212,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
                 "(≥ 0.9 asked)",
             ]
             report.table(
-                f"tenants, {mode} (--tenant-dispatch-pending {pending})",
+                f"tenants, {mode} (--tenant-dispatch-tokens {pending})",
                 ["round", "tenant", "done", "TTFT p50 ms", "TTFT p90 ms", "tok/s"],
                 rows,
                 notes,

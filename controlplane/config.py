@@ -97,10 +97,11 @@ class ControlPlaneConfig:
         exclusive_minimum=0,
     )
     decode_reserve_blocks: int = setting(1, "blocks reserved per sample beyond the prompt", minimum=0)
-    tenant_dispatch_pending: int = setting(
-        8,
-        "with two or more tenants: a data plane is sent a new request only while fewer than this "
-        "many of this replica's requests there still wait for their first token; the rest wait "
+    tenant_dispatch_tokens: int = setting(
+        4096,
+        "with two or more tenants: a data plane is sent a new request only while this replica's "
+        "requests there that still wait for their first token reserve fewer KV tokens than this "
+        "(about two steps of prefill: one running, one queued) and do not outnumber its free batch slots; the rest wait "
         "here, where tenants take turns (0: no cap, the data plane's first-come-first-served "
         "queue holds them)",
         minimum=0,

@@ -98,13 +98,14 @@ class Dispatcher:
         self.connections: dict[str, DataPlaneConnection] = {}
         # Tenants (controlplane/tenants.py): their weights order the admission queue, their
         # limits refuse a request before it queues, and with two or more of them a data plane
-        # gets new requests only while few of ours wait there for a first token
-        # (`tenant_dispatch_pending`): the rest wait here, where tenants take turns.
+        # gets new requests only while ours that wait there for a first token reserve less
+        # than about a step of prefill (`tenant_dispatch_tokens`): the rest wait here, where
+        # tenants take turns.
         names = tenant_names(config.api_keys, config.api_key_tenants)
         policies = tenant_policies(names, config.tenant_settings)
         self.tenants = TenantLimits(policies)
-        pending = config.tenant_dispatch_pending
-        self._pending_limit = pending if pending and len(names) > 1 else None
+        pending = config.tenant_dispatch_tokens
+        self._pending_tokens = pending if pending and len(names) > 1 else None
         self.admission: AdmissionQueue[Reservation] = AdmissionQueue(
             config.max_queue_len,
             config.queue_timeout_s,
@@ -336,7 +337,8 @@ class Dispatcher:
                     in_flight=len(link.handles),
                     worst_priority=max((h.priority for h in link.handles.values()), default=None),
                     pending=link.budget.num_reserved,
-                    pending_limit=self._pending_limit,
+                    pending_tokens=link.budget.reserved_blocks * info.block_size,
+                    pending_token_limit=self._pending_tokens,
                 )
             )
         return out

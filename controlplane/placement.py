@@ -41,8 +41,11 @@ class LinkSnapshot:
     num_waiting: int = 0
     in_flight: int = 0  # this replica's requests not yet finished there
     worst_priority: int | None = None  # the largest priority among those; None: none in flight
-    pending: int = 0  # of those, the ones without a first token yet (queued there, or prefilling)
-    pending_limit: int | None = None  # no new request while `pending` is this many (None: no cap)
+    # Those without a first token yet (queued there, or prefilling), the KV tokens they
+    # reserve, and the most tokens there may be before no new request goes there (None: no cap).
+    pending: int = 0
+    pending_tokens: int = 0
+    pending_token_limit: int | None = None
 
     @property
     def available_blocks(self) -> int:
@@ -92,8 +95,9 @@ def plan_placement(
     now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample. Priorities: a
     data plane where this replica runs a request of a strictly worse priority counts as having
     them too, since its scheduler preempts that work for this request (or queues it first).
-    Tenants: a data plane where `pending_limit` of this replica's requests still wait for a
-    first token has no room either: the rest wait in the admission queue, where tenants take
+    Tenants: a data plane where this replica's requests still waiting for a first token
+    reserve `pending_token_limit` tokens, or outnumber its free batch slots, has no room
+    either (router.Candidate.fits): the rest wait in the admission queue, where tenants take
     turns, rather than in the data plane's first-come-first-served one.
     """
     usable = [s for s in links if s.healthy and not s.draining and s.address not in exclude]
@@ -128,7 +132,8 @@ def plan_placement(
                 max_num_seqs=s.max_num_seqs,
                 preempts=s.worst_priority is not None and request.priority < s.worst_priority,
                 pending=s.pending,
-                pending_limit=s.pending_limit,
+                pending_tokens=s.pending_tokens,
+                pending_token_limit=s.pending_token_limit,
             )
         )
     if not candidates:

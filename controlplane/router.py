@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from pagedserve.controlplane.config import RoutingWeights
 
+MIN_PENDING = 4  # requests a data plane with a full batch may hold waiting, with tenants
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -37,18 +39,26 @@ class Candidate:
     in_flight: int  # this replica's requests not yet finished there
     max_num_seqs: int
     preempts: bool = False  # it runs work of a worse priority than the request's: room for it
-    # With several tenants, no new request while `pending_limit` of this replica's requests
-    # there have no first token yet: the rest wait in the control plane's fair queue rather
-    # than in the data plane's first-come-first-served one (None: no cap).
+    # With several tenants, no new request while this replica's requests there without a first
+    # token yet (`pending`) reserve `pending_token_limit` KV tokens (about a step of prefill),
+    # or fill its free batch slots (MIN_PENDING at least, so a slot that frees finds one
+    # there): the rest wait in the control plane's fair queue rather than in the data plane's
+    # first-come-first-served one, where they would sit ahead of every other tenant's.
     pending: int = 0
-    pending_limit: int | None = None
+    pending_tokens: int = 0
+    pending_token_limit: int | None = None
 
     @property
     def fits(self) -> bool:
         if self.preempts:
             return True
-        capped = self.pending_limit is not None and self.pending >= self.pending_limit
-        return self.need_blocks <= self.available_blocks and not capped
+        if self.pending_token_limit is not None:
+            free_slots = self.max_num_seqs - self.num_running
+            if self.pending_tokens >= self.pending_token_limit or self.pending >= max(
+                MIN_PENDING, free_slots
+            ):
+                return False
+        return self.need_blocks <= self.available_blocks
 
 
 def score(c: Candidate, weights: RoutingWeights) -> float:

@@ -19,6 +19,7 @@ from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.router import MIN_PENDING, Candidate
 from pagedserve.controlplane.tenant_limits import TenantLimits
 from pagedserve.controlplane.tenants import DEFAULT_TENANT, TenantPolicy
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
@@ -259,7 +260,7 @@ def test_with_two_tenants_a_data_plane_gets_new_requests_while_few_wait_there() 
             dataplanes=(address,),
             api_keys=("ka", "kb"),
             api_key_tenants=(("ka", "a"), ("kb", "b")),
-            tenant_dispatch_pending=2,
+            tenant_dispatch_tokens=64,  # two requests' reservations: 2 blocks of 16 each
         )
         dispatcher = Dispatcher(config)
         await dispatcher.start()
@@ -295,13 +296,11 @@ def test_one_tenant_has_no_dispatch_cap() -> None:
             dataplanes=("h:1",), api_keys=("k1", "k2"), api_key_tenants=(("k1", "a"), ("k2", "a"))
         )
     )
-    assert one._pending_limit is None  # all its requests go to the data planes as before
+    assert one._pending_tokens is None  # all its requests go to the data planes as before
     two = Dispatcher(ControlPlaneConfig(dataplanes=("h:1",), api_keys=("k1", "k2")))
-    assert two._pending_limit == 8  # two keys without a named tenant: two tenants
-    off = Dispatcher(
-        ControlPlaneConfig(dataplanes=("h:1",), api_keys=("k1", "k2"), tenant_dispatch_pending=0)
-    )
-    assert off._pending_limit is None
+    assert two._pending_tokens == 4096  # two keys without a named tenant: two tenants
+    off = Dispatcher(ControlPlaneConfig(dataplanes=("h:1",), api_keys=("k1", "k2"), tenant_dispatch_tokens=0))
+    assert off._pending_tokens is None
 
 
 def test_requests_without_keys_are_the_default_tenant() -> None:
@@ -312,3 +311,33 @@ def test_requests_without_keys_are_the_default_tenant() -> None:
     assert plain.tenant == DEFAULT_TENANT and plain.max_total_tokens == 3
     dispatcher = Dispatcher(ControlPlaneConfig(dataplanes=("h:1",)))
     assert list(dispatcher.tenants.policies) == [DEFAULT_TENANT]
+
+
+def test_the_dispatch_cap_holds_to_a_step_of_prefill_and_the_free_batch_slots() -> None:
+    def fits(
+        pending: int, pending_tokens: int, running: int, limit: int | None = 2048, preempts: bool = False
+    ) -> bool:
+        return Candidate(
+            dataplane="d",
+            prompt_blocks=2,
+            cached_blocks=0,
+            need_blocks=3,
+            available_blocks=100,
+            total_blocks=100,
+            num_running=running,
+            num_waiting=0,
+            in_flight=running + pending,
+            max_num_seqs=16,
+            preempts=preempts,
+            pending=pending,
+            pending_tokens=pending_tokens,
+            pending_token_limit=limit,
+        ).fits
+
+    assert fits(pending=7, pending_tokens=336, running=8)  # 8 free slots
+    assert not fits(pending=8, pending_tokens=384, running=8)  # they would all wait there
+    assert fits(pending=3, pending_tokens=144, running=16)  # a full batch keeps MIN_PENDING
+    assert not fits(pending=MIN_PENDING, pending_tokens=192, running=16)
+    assert not fits(pending=2, pending_tokens=2048, running=0)  # a step of prefill queued
+    assert fits(pending=2, pending_tokens=2048, running=0, limit=None)  # one tenant: no cap
+    assert fits(pending=9, pending_tokens=4096, running=16, preempts=True)  # a better priority

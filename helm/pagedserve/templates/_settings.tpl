@@ -148,9 +148,9 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--decode-reserve-blocks=%d" (int64 $v) | toJson }}
 {{- end }}
-{{- $v = index $s "tenantDispatchPending" }}
+{{- $v = index $s "tenantDispatchTokens" }}
 {{- if not (kindIs "invalid" $v) }}
-- {{ printf "--tenant-dispatch-pending=%d" (int64 $v) | toJson }}
+- {{ printf "--tenant-dispatch-tokens=%d" (int64 $v) | toJson }}
 {{- end }}
 {{- $v = index $s "prefixWeight" }}
 {{- if not (kindIs "invalid" $v) }}
