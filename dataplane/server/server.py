@@ -25,6 +25,7 @@ from pagedserve.dataplane.config import DataPlaneConfig, EngineConfig
 from pagedserve.dataplane.server.auth import DataPlaneTokenInterceptor
 from pagedserve.dataplane.server.engine_api import DataPlaneIdentity
 from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.metrics_http import start_metrics_server
 from pagedserve.dataplane.server.openmp import release_openmp_threads
 from pagedserve.dataplane.server.servicer import DataPlaneServicer
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
@@ -160,11 +161,10 @@ async def serve(
     for, serving stops at once and this returns EXIT_ENGINE_FAILED: the process exits non-zero,
     so its supervisor (`serve`, Kubernetes) restarts it whatever its probes see."""
     await start_server(server, engine_loop)
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        http, _ = start_http_server(metrics_port, addr=host, registry=engine_loop.metrics.registry)
-        print(f"pagedserve dataplane metrics on http://{host}:{http.server_port}/metrics", flush=True)
+    if metrics_port is not None:  # /metrics, and /healthz for the probes under TLS (metrics_http.py)
+        registry = engine_loop.metrics.registry
+        metrics_http = start_metrics_server(host, metrics_port, registry, lambda: engine_loop.alive)
+        print(f"pagedserve dataplane metrics on http://{host}:{metrics_http.server_port}/metrics", flush=True)
     log.info("dataplane_serving", address=f"{host}:{port}", dataplane_id=engine_loop.identity.dataplane_id)
     print(f"pagedserve dataplane listening on {host}:{port}", flush=True)
     stop = asyncio.Event()

@@ -19,6 +19,7 @@ from pagedserve.cli import build_parser
 from pagedserve.common import settings
 from pagedserve.dataplane.cli import dataplane_config_from_args
 from pagedserve.dataplane.config import DataPlaneConfig
+from pagedserve.dataplane.server.metrics_http import HEALTH_PATH
 from tests.deploy.chart import (
     CHART,
     CRD_KINDS,
@@ -253,15 +254,19 @@ def test_ports_and_probes_agree_with_the_servers_flags(name: str) -> None:
     dp_args = parse(dp["args"])
     assert dp_args.host == "0.0.0.0" and dp_args.dataplane_id == "$(POD_NAME)"
     assert port(dp, "grpc") == dp_args.port and port(dp, "metrics") == dp_args.metrics_port
+    # Every probe reads the engine loop's health, so a data plane whose loop has died is taken
+    # out and restarted: gRPC health on its port, or (the native gRPC probe has no TLS) the
+    # metrics port's /healthz, 503 once the loop has ended (tests/dataplane/server/test_metrics_http.py).
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if link_tls:
-            expected = (
-                {"port": "metrics", "path": "/metrics"} if probe == "livenessProbe" else {"port": "grpc"}
-            )
-            kind = "httpGet" if probe == "livenessProbe" else "tcpSocket"
-            assert dp[probe][kind] == expected
+            assert dp[probe]["httpGet"] == {"port": "metrics", "path": HEALTH_PATH}
+            assert "grpc" not in dp[probe] and "tcpSocket" not in dp[probe]
         else:
             assert dp[probe]["grpc"] == {"port": dp_args.port}
+            assert "httpGet" not in dp[probe] and "tcpSocket" not in dp[probe]
+        assert {k: v for k, v in dp[probe].items() if k not in ("grpc", "httpGet")} == (
+            values["dataplane"][probe]
+        )
     annotations = pod_spec_annotations(sts)
     assert annotations["prometheus.io/port"] == str(dp_args.metrics_port)
     headless = one(objs, "Service", "dataplane")
