@@ -84,6 +84,12 @@ class ControlPlaneConfig:
         flag="--http-header-timeout",
         exclusive_minimum=0,
     )
+    http_max_connections_per_client: int = setting(
+        256,
+        "HTTP connections one client address may hold open at once; one more is closed as soon "
+        "as it is accepted (0: no cap; behind a proxy every client shares the proxy's address)",
+        minimum=0,
+    )
     max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
     queue_timeout_s: float = setting(
         60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0

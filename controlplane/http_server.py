@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -25,7 +25,7 @@ from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_head_timeout import HeadTimeoutProtocol
+from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
 from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
 from pagedserve.controlplane.openai.routes import OpenAIRoutes
 from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
@@ -194,6 +194,8 @@ class HttpServer:
         port: int,
         tls: ServerTLS | None,
         header_timeout_s: float,
+        max_connections_per_client: int = 0,
+        on_connection_refused: Callable[[], None] | None = None,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if tls is None:
@@ -208,12 +210,14 @@ class HttpServer:
         ssl: dict[str, Any] = (
             {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
         )
+        # Open connections per client address (http_client_cap.py), shared by every connection.
+        self.clients = ClientConnections(max_connections_per_client, on_connection_refused)
         config = uvicorn.Config(
             app,
             log_level="warning",
             lifespan="off",
             access_log=False,
-            http=HeadTimeoutProtocol.with_timeout(header_timeout_s),
+            http=CappedProtocol.configured(header_timeout_s, self.clients),
             **ssl,
         )
         self._server = _EmbeddedServer(config)

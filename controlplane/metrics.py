@@ -240,6 +240,12 @@ class ControlPlaneMetrics:
             ["code"],
             registry=r,
         )
+        self.http_connections_refused = Counter(
+            PREFIX + "http_connections_refused",
+            "HTTP connections closed as soon as accepted: their client address already held "
+            "--http-max-connections-per-client open connections.",
+            registry=r,
+        )
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Time in the admission queue.",

@@ -249,7 +249,15 @@ async def start_control_plane(
         app = create_app(frontend, keys)
         app.state.liveness = liveness
         try:
-            http = HttpServer(app, host, http_port, config.tls, config.http_header_timeout_s)
+            http = HttpServer(
+                app,
+                host,
+                http_port,
+                config.tls,
+                config.http_header_timeout_s,
+                config.http_max_connections_per_client,
+                frontend.metrics.http_connections_refused.inc,
+            )
         except OSError as exc:
             await server.stop(None)
             raise bind_error(host, http_port, exc, "--http-port") from None

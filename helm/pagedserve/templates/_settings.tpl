@@ -132,6 +132,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--http-header-timeout=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "httpMaxConnectionsPerClient" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--http-max-connections-per-client=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- $v = index $s "maxQueueLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-queue-len=%d" (int64 $v) | toJson }}
