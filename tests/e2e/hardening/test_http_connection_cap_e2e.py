@@ -116,7 +116,8 @@ def test_connections_beyond_the_cap_are_closed_and_a_closed_one_frees_a_slot(ser
         assert len(held) == CAP
         with connect(server) as one_more:  # and the cap holds again
             assert closed_by_server(one_more)
-        assert refused_total(held[0]) == before + EXTRA + retries + 1
+        # (on the newest connection: an older one may have idled past uvicorn's keep-alive)
+        assert refused_total(held[-1]) == before + EXTRA + retries + 1
     finally:
         for sock in held:
             sock.close()
