@@ -137,6 +137,10 @@ def dashboard() -> dict[str, Any]:
             ),
             (f"sum by (code) (rate(pagedserve_request_failure_total{{{CP}}}{RATE}))", "failed {{code}}"),
             (f"sum(rate(pagedserve_generation_tokens_total{{{CP}}}{RATE}))", "generated tokens/s"),
+            (
+                f"sum(rate(pagedserve_http_connections_refused_total{{{CP}}}{RATE}))",
+                "HTTP connections refused (per-client cap)",
+            ),
         ],
         12,
     )
