@@ -26,6 +26,7 @@ from pagedserve.common.priority import priority_refusal
 from pagedserve.common.protocol import sampling_params_from_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.server.arrivals import Arrival, Arrivals
 from pagedserve.dataplane.server.deadlines import Deadlines
 from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
@@ -49,6 +50,7 @@ class EngineLoop:
         # Submitted requests whose structured-output grammar is compiling (not yet in the engine).
         self._compiling: dict[StreamRequestKey, dataplane_pb2.SubmitCommand] = {}
         self._deadlines: Deadlines[StreamRequestKey] = Deadlines()
+        self._arrivals = Arrivals()  # submits not yet taken in: a bounded number per step
         self._kv_event_seq = 0
         self._pending_events: list[dataplane_pb2.KVEvent] = []
         self._stats_dirty = False
@@ -134,10 +136,12 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() or len(self._arrivals) > 0
                 self._apply_commands(block=not busy)
                 if self._stopped.is_set():
                     break
+                for arrival in self._arrivals.take():
+                    self._take_in(arrival)
                 self._expire()
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -245,6 +249,7 @@ class EngineLoop:
     def _on_disconnect(self, stream_id: str) -> None:
         if not self._streams.remove(stream_id):
             return
+        self._arrivals.discard_stream(stream_id)
         for key in [k for k in self._compiling if k.stream_id == stream_id]:
             del self._compiling[key]
             self._deadlines.discard(key)
@@ -254,15 +259,24 @@ class EngineLoop:
         log.info("stream_closed", stream_id=stream_id, aborted=len(orphans), streams=len(self._streams))
 
     def _on_submit(self, stream_id: str, command: dataplane_pb2.SubmitCommand, received: float) -> None:
+        """Queue the submit (arrivals.py: a bounded number are taken in per step)."""
         if stream_id not in self._streams:
             return
         key = StreamRequestKey(stream_id, command.request_id)
+        if self._draining:  # decided as it arrives: what came before the drain is taken in
+            return self._reject(key, "UNAVAILABLE", "the data plane is draining")
+        if key in self._arrivals:
+            return self._reject(
+                key, "INVALID_ARGUMENT", f"request_id {key.request_id!r} is already in use on this stream"
+            )
+        self._arrivals.add(Arrival(key, command, received))
+
+    def _take_in(self, arrival: Arrival) -> None:
+        key, command, received = arrival.key, arrival.command, arrival.received
 
         def reject(code: str, message: str) -> None:
             self._reject(key, code, message)
 
-        if self._draining:
-            return reject("UNAVAILABLE", "the data plane is draining")
         if not key.request_id or key in self._groups or key in self._compiling:
             return reject(
                 "INVALID_ARGUMENT", f"request_id {key.request_id!r} is empty or already in use on this stream"
@@ -351,7 +365,7 @@ class EngineLoop:
         self._stats_dirty = True
 
     def _on_abort(self, key: StreamRequestKey, notify: bool) -> None:
-        if self._compiling.pop(key, None) is not None:
+        if self._arrivals.discard(key) or self._compiling.pop(key, None) is not None:
             self._deadlines.discard(key)
             self._num_aborted += 1  # never admitted: no samples to report
             return

@@ -371,11 +371,13 @@ def test_rejections(loop: EngineLoop, engine: FakeEngine) -> None:
     loop.set_draining()
     submit(loop, stream, "late")
     state = settle(loop)
-    assert sink.rejected() == [
-        ("r", "INVALID_ARGUMENT"),
+    # (a duplicate or a submit after the drain is refused as it arrives, the rest as it is
+    # taken in, a bounded number per step: the order across request ids is not kept)
+    assert sorted(sink.rejected()) == [
         ("", "INVALID_ARGUMENT"),
-        ("long", "INVALID_ARGUMENT"),
         ("late", "UNAVAILABLE"),
+        ("long", "INVALID_ARGUMENT"),
+        ("r", "INVALID_ARGUMENT"),
     ]
     assert engine.added == ["s1.1"]
     assert state.snapshot.stats.draining
