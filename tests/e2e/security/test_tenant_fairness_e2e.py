@@ -103,7 +103,9 @@ def test_a_flooding_tenant_does_not_starve_another_and_limits_refuse_with_a_hint
                     return tokens
 
                 flood = [asyncio.create_task(one(a, "a", i)) for i in range(FLOOD)]
-                while not firsts:  # a is being served: its flood fills the server
+                # All of a's flood has reached the control plane (the calls are picked up one at a
+                # time), and a is being served.
+                while not firsts or cp.dispatcher.tenants.in_progress.get("a", 0) < FLOOD:
                     await asyncio.sleep(0.005)
                 assert cp.dispatcher.admission.waiting().get("a", 0) > 0  # the rest wait in the fair queue
                 victims = [asyncio.create_task(one(b, "b", 100 + i)) for i in range(VICTIM)]
