@@ -4,8 +4,8 @@ Two tenants with equal weights (a keys file with `a: KEY` and `b: KEY`), three r
 same server, each after the previous one has drained:
 
 - `a alone`: tenant a sends `--flood` requests at once;
-- `a floods, b`: a sends `--flood` at once; once a's first token has come (the flood is
-  being served: all of it sent, most of it waiting), and `--b-delay` seconds more, b sends
+- `a floods, b`: a sends `--flood` at once; once all of it has reached the control plane
+  (its /metrics say so) and a's first token has come, and `--b-delay` seconds more, b sends
   `--victim`;
 - `a = b`: a and b send `--victim` each, at once (b's reference time to first token).
 
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +73,30 @@ def _model(args: argparse.Namespace, workdir: Path) -> str:
     return str(make_tiny_model("llama", workdir / "tiny-llama"))
 
 
+InProgress = Callable[[], Awaitable[int]]
+"""Tenant a's requests the control plane holds now (queued or generating)."""
+
+
+def _scraped_in_progress(http_url: str) -> InProgress:
+    """`InProgress` read from a launched server's /metrics (open without a key)."""
+
+    def read() -> int:
+        with urllib.request.urlopen(http_url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            if line.startswith('pagedserve_tenant_requests_in_progress{tenant="a"}'):
+                return int(float(line.split()[-1]))
+        return 0
+
+    async def in_progress() -> int:
+        return await asyncio.to_thread(read)
+
+    return in_progress
+
+
 def _start(
     args: argparse.Namespace, model: str, keys: Path, pending: int
-) -> tuple[subprocess.Popen[str], str]:
+) -> tuple[subprocess.Popen[str], str, str]:
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0"]
     cmd += ["--model", model, "--api-key-file", str(keys), "--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--kv-cache-memory", args.kv_cache_memory, "--tenant-dispatch-tokens", str(pending)]
@@ -84,7 +107,7 @@ def _start(
     assert proc.stdout is not None
     for line in proc.stdout:
         if "gRPC on " in line:
-            return proc, line.split("gRPC on ", 1)[1].split()[0]
+            return proc, line.split("gRPC on ", 1)[1].split()[0], line.split("HTTP on ", 1)[1].split()[0]
     raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
 
 
@@ -136,9 +159,11 @@ def _figures(results: list[Any]) -> dict[str, Any]:
 
 
 async def _round(
-    args: argparse.Namespace, address: str, a_count: int, b_count: int, b_after_a: bool
+    args: argparse.Namespace, address: str, a_count: int, b_count: int, a_in: InProgress | None
 ) -> dict[str, Any]:
-    """a sends `a_count`, b `b_count`: at once, or (`b_after_a`) once a's first token came."""
+    """a sends `a_count`, b `b_count`: at once, or (with `a_in`) once all of a's requests
+    have reached the control plane (calls are picked up one at a time) and a's first token
+    has come."""
     import random
 
     from pagedserve.clients.python import AsyncGenerationClient
@@ -159,8 +184,10 @@ async def _round(
         a_tasks = [
             asyncio.ensure_future(_send(a, prompt(), args.output_len, started)) for _ in range(a_count)
         ]
-        if b_after_a:
+        if a_in is not None:
             await asyncio.wait_for(started.wait(), args.timeout)
+            while await a_in() + sum(t.done() for t in a_tasks) < a_count:
+                await asyncio.sleep(0.01)
             await asyncio.sleep(args.b_delay)
         b_tasks = [asyncio.ensure_future(_send(b, prompt(), args.output_len)) for _ in range(b_count)]
         a_results = await asyncio.wait_for(asyncio.gather(*a_tasks, return_exceptions=True), args.timeout)
@@ -171,14 +198,14 @@ async def _round(
     return out
 
 
-async def _rounds(args: argparse.Namespace, address: str) -> dict[str, Any]:
+async def _rounds(args: argparse.Namespace, address: str, a_in: InProgress) -> dict[str, Any]:
     # Untimed: a first batch of every size pays one-off costs (allocations, kernel choices)
     # that would otherwise land on whichever round comes first.
-    await _round(args, address, args.flood, args.victim, False)
+    await _round(args, address, args.flood, args.victim, None)
     return {
-        "a alone": await _round(args, address, args.flood, 0, False),
-        "a floods, b": await _round(args, address, args.flood, args.victim, True),
-        "a = b": await _round(args, address, args.victim, args.victim, False),
+        "a alone": await _round(args, address, args.flood, 0, None),
+        "a floods, b": await _round(args, address, args.flood, args.victim, a_in),
+        "a = b": await _round(args, address, args.victim, args.victim, None),
     }
 
 
@@ -213,7 +240,11 @@ async def _in_process_rounds(
     cp = await start_control_plane(config, "127.0.0.1", 0, http_port=None)
     try:
         assert await cp.dispatcher.wait_ready(60.0), "the data plane did not connect"
-        return await _rounds(args, f"127.0.0.1:{cp.grpc_port}")
+
+        async def a_in() -> int:
+            return cp.dispatcher.tenants.in_progress.get("a", 0)
+
+        return await _rounds(args, f"127.0.0.1:{cp.grpc_port}", a_in)
     finally:
         await cp.stop()
         await server.stop(0)
@@ -240,9 +271,9 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             if args.in_process:
                 rounds = asyncio.run(_in_process_rounds(args, model, keys, pending))
             else:
-                proc, address = _start(args, model, keys, pending)
+                proc, address, http_url = _start(args, model, keys, pending)
                 try:
-                    rounds = asyncio.run(_rounds(args, address))
+                    rounds = asyncio.run(_rounds(args, address, _scraped_in_progress(http_url)))
                 finally:
                     _stop(proc)
             rows = [
