@@ -11,7 +11,8 @@ formats, a float32 min:
 each, and the product is exact for every format with a min, so it equals the fused
 multiply-add the kernel uses). `pack_quant_panels` reorders a weight once, at load, into the
 column panels of the build's ISA (the fp32 panels' order, kernels/linear.py), 4-bit values two
-to a byte, each panel's values, scales and mins in one row of bytes; `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
+to a byte, each panel's groups one after the other in one row of bytes (a group's values, then
+its scales and mins); `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
 `panel_linear` over the de-quantized weight.
 """
 
@@ -132,8 +133,8 @@ def quantize_4bit(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
 
 @dataclass(frozen=True)
 class QuantPanels:
-    """A QuantizedWeight in the column panels of one ISA build: one row of bytes per panel,
-    its values then its float32 scales (and mins) (layout: kernels/cpu/linear_quant.cpp)."""
+    """A QuantizedWeight in the column panels of one ISA build: one row of bytes per panel, per
+    group its values then its float32 scales (and mins) (layout: kernels/cpu/linear_quant.cpp)."""
 
     packed: torch.Tensor  # uint8 (4-bit values, with mins) or int8 (8-bit values) [P, bytes]
     out_features: int
@@ -162,11 +163,15 @@ def pack_quant_panels(weight: QuantizedWeight, width: int) -> QuantPanels:
     if weight.bits == 4:
         half = width // 2
         values = values[..., :half] | (values[..., half:] << 4)
-    parts = [values.view(torch.uint8), _panels(weight.scales, width)]
+    panels, groups = values.shape[0], weight.in_features // weight.group
+    # Per group: its values, then its scales (and mins), so a panel is read front to back.
+    parts = [values.contiguous().view(torch.uint8).reshape(panels, groups, -1), _panels(weight.scales, width)]
     if weight.mins is not None:
         parts.append(_panels(weight.mins, width))
-    panels = values.shape[0]
-    packed = torch.cat([part.contiguous().view(torch.uint8).reshape(panels, -1) for part in parts], dim=1)
+    packed = torch.cat(
+        [part.contiguous().view(torch.uint8).reshape(panels, groups, -1) for part in parts], dim=2
+    )
+    packed = packed.reshape(panels, -1)
     return QuantPanels(packed if weight.bits == 4 else packed.view(torch.int8), weight.out_features)
 
 

@@ -90,23 +90,26 @@ inline void load_values(const uint8_t* q, vnat& w0, vnat& w1) {
 }
 
 template <int R, bool Q4, bool HasMin>
-void quant_tile(const float* x, int64_t ldx, const uint8_t* values, const float* scales, const float* mins,
-                int64_t k_len, int64_t group, const float* bias, float* out, int64_t ldo, int64_t cols,
-                bool accumulate) {
+void quant_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t k_len, int64_t group, const float* bias,
+                float* out, int64_t ldo, int64_t cols, bool accumulate) {
+  // One group after the other: its values, then its scales (and mins), kPanel floats each.
+  const int64_t group_stride = group * kStepBytes<Q4> + kPanel * static_cast<int64_t>(sizeof(float)) * (HasMin ? 2 : 1);
   vnat acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
     acc0[r] = splat_nat(0.0f);
     acc1[r] = splat_nat(0.0f);
   }
-  for (int64_t g = 0, k0 = 0; k0 < k_len; ++g, k0 += group) {
-    const vnat s0 = load_nat(scales + g * kPanel), s1 = load_nat(scales + g * kPanel + kNW);
+  for (int64_t k0 = 0; k0 < k_len; k0 += group) {
+    const uint8_t* values = panel + (k0 / group) * group_stride;
+    const auto* scales = reinterpret_cast<const float*>(values + group * kStepBytes<Q4>);
+    const vnat s0 = load_nat(scales), s1 = load_nat(scales + kNW);
     vnat m0 = splat_nat(0.0f), m1 = splat_nat(0.0f);
     if constexpr (HasMin) {
-      m0 = load_nat(mins + g * kPanel);
-      m1 = load_nat(mins + g * kPanel + kNW);
+      m0 = load_nat(scales + kPanel);
+      m1 = load_nat(scales + kPanel + kNW);
     }
     for (int64_t k = k0; k < k0 + group; ++k) {
-      const uint8_t* q = values + k * kStepBytes<Q4>;
+      const uint8_t* q = values + (k - k0) * kStepBytes<Q4>;
       __builtin_prefetch(q + kPrefetchBytes, 0, 1);
       vnat w0, w1;
       load_values<Q4>(q, w0, w1);
@@ -128,8 +131,8 @@ void quant_tile(const float* x, int64_t ldx, const uint8_t* values, const float*
   finish_tile<R>(acc0, acc1, bias, out, ldo, cols, accumulate);
 }
 
-using QuantTileFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, int64_t,
-                             const float*, float*, int64_t, int64_t, bool);
+using QuantTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t,
+                             int64_t, bool);
 
 template <bool Q4, bool HasMin, int... R>
 constexpr auto make_quant_tiles(std::integer_sequence<int, R...>) {
@@ -157,14 +160,10 @@ struct QuantMatmul {
 
 template <bool Q4, bool HasMin>
 void quant_matmul_as(const QuantMatmul& m, bool accumulate) {
-  const int64_t groups = m.k_len / m.group;
-  const int64_t value_bytes = m.k_len * kStepBytes<Q4>;
   for_each_panel_item(m.rows, m.panels, m.n, [&](int64_t p, int64_t row0, int64_t nrows, int64_t col0, int64_t cols) {
     const uint8_t* panel = m.packed + p * m.panel_bytes;
-    const auto* scales = reinterpret_cast<const float*>(panel + value_bytes);
-    const float* mins = HasMin ? scales + groups * kPanel : nullptr;
     for_each_row_tile(nrows, [&](int64_t done, int64_t t) {
-      kQuantTiles<Q4, HasMin>[t - 1](m.x + (row0 + done) * m.ldx, m.ldx, panel, scales, mins, m.k_len, m.group,
+      kQuantTiles<Q4, HasMin>[t - 1](m.x + (row0 + done) * m.ldx, m.ldx, panel, m.k_len, m.group,
                                      m.bias ? m.bias + col0 : nullptr, m.out + (row0 + done) * m.ldo + col0, m.ldo,
                                      cols, accumulate);
     });

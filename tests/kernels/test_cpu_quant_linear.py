@@ -69,36 +69,39 @@ def test_a_short_tensor_is_refused_with_its_sizes() -> None:
 
 
 @pytest.mark.parametrize("width", [32, 16, 8])
-def test_4bit_panels_pack_values_two_to_a_byte_then_scales_then_mins(width: int) -> None:
+def test_4bit_panels_hold_each_group_s_values_two_to_a_byte_then_its_scales_and_mins(width: int) -> None:
     values = torch.randint(0, 16, (2 * width + 3, 64), dtype=torch.uint8)
     scales, mins = torch.rand(values.shape[0], 2), torch.rand(values.shape[0], 2)
     panels = pack_quant_panels(QuantizedWeight(values, scales, mins, 32, "4bit"), width)
     half = width // 2
-    value_bytes = 64 * half
-    assert panels.packed.dtype == torch.uint8
-    assert panels.packed.shape == (3, value_bytes + 2 * 2 * width * 4)
+    group_bytes = 32 * half + 2 * width * 4
+    assert panels.packed.dtype == torch.uint8 and panels.packed.shape == (3, 2 * group_bytes)
     for p in range(3):
-        row = panels.packed[p]
-        packed_values = row[:value_bytes].view(64, half)
-        got_scales = row[value_bytes : value_bytes + 2 * width * 4].view(torch.float32).view(2, width)
-        got_mins = row[value_bytes + 2 * width * 4 :].view(torch.float32).view(2, width)
-        for j in range(width):
-            col = p * width + j
-            column = packed_values[:, j] & 15 if j < half else packed_values[:, j - half] >> 4
-            real = col < values.shape[0]
-            assert torch.equal(column, values[col] if real else torch.zeros(64, dtype=torch.uint8))
-            assert torch.equal(got_scales[:, j], scales[col] if real else torch.zeros(2))  # padding weighs 0
-            assert torch.equal(got_mins[:, j], mins[col] if real else torch.zeros(2))
+        for g in range(2):
+            group = panels.packed[p, g * group_bytes : (g + 1) * group_bytes]
+            packed_values = group[: 32 * half].view(32, half)
+            got_scales = group[32 * half : 32 * half + width * 4].view(torch.float32)
+            got_mins = group[32 * half + width * 4 :].view(torch.float32)
+            for j in range(width):
+                col = p * width + j
+                column = packed_values[:, j] & 15 if j < half else packed_values[:, j - half] >> 4
+                real = col < values.shape[0]
+                want = values[col, g * 32 : (g + 1) * 32] if real else torch.zeros(32, dtype=torch.uint8)
+                assert torch.equal(column, want)
+                assert got_scales[j] == (scales[col, g] if real else 0)  # padding columns weigh 0
+                assert got_mins[j] == (mins[col, g] if real else 0)
 
 
-def test_8bit_panels_are_int8_values_then_scales() -> None:
+def test_8bit_panels_hold_each_group_s_int8_values_then_its_scales() -> None:
     weight = quantize_int8(torch.randn(20, 64), 32)
     panels = pack_quant_panels(weight, 16)
-    assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 64 * 16 + 2 * 16 * 4)
-    assert torch.equal(panels.packed[0, : 64 * 16].view(64, 16)[:, 3], weight.values[3])
-    scales = panels.packed[1, 64 * 16 :].view(torch.uint8).view(torch.float32).view(2, 16)
-    assert torch.equal(scales[:, 3], weight.scales[19])  # panel 1 holds columns 16 .. 31
-    assert torch.equal(scales[:, 4:], torch.zeros(2, 12))  # padding columns weigh 0
+    group_bytes = 32 * 16 + 16 * 4
+    assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 2 * group_bytes)
+    second = panels.packed[0, group_bytes : 2 * group_bytes]
+    assert torch.equal(second[: 32 * 16].view(32, 16)[:, 3], weight.values[3, 32:])
+    scales = panels.packed[1, group_bytes + 32 * 16 :].view(torch.uint8).view(torch.float32)
+    assert scales[3] == weight.scales[19, 1]  # panel 1 holds columns 16 .. 31
+    assert torch.equal(scales[4:], torch.zeros(12))  # padding columns weigh 0
 
 
 def weights(out_features: int, in_features: int) -> list[QuantizedWeight]:
