@@ -64,12 +64,13 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return int(self.values.shape[1])
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in] (the reference the kernel equals)."""
-        scales = self.scales.repeat_interleave(self.group, dim=1)
-        weight = self.values.to(torch.float32) * scales
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [out, in] (the reference the kernel equals), or only its `rows`
+        (an index tensor: an embedding's looked-up tokens)."""
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        weight = pick(self.values).to(torch.float32) * pick(self.scales).repeat_interleave(self.group, dim=1)
         if self.mins is not None:
-            weight = weight + self.mins.repeat_interleave(self.group, dim=1)
+            weight = weight + pick(self.mins).repeat_interleave(self.group, dim=1)
         return weight
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:

@@ -12,7 +12,6 @@ import torch
 
 from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
-from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
@@ -28,9 +27,9 @@ from pagedserve.dataplane.kvcache.budget import KVCacheShape
 from pagedserve.dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
 from pagedserve.dataplane.parallel.group import threads_per_rank
 from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
-from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer
+from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer, quantized_by
 from pagedserve.dataplane.runner.model_runner import ModelRunner
-from pagedserve.dataplane.runner.quant_linear import quantize_linears, weight_bytes
+from pagedserve.dataplane.runner.quant_linear import weight_bytes
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.kernels import kv_cache_torch_dtype
@@ -54,29 +53,16 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.startup = StartupPhases(log)
         self.model_path = resolve_model_path(config.model.model, config.model.model_home)
-        quantized = "a GGUF model" if gguf_weights_file(self.model_path) is not None else None
-        if quantized and config.model.quantization:
-            raise ValueError(
-                f"quantization {config.model.quantization}: {config.model.model} is a GGUF model, "
-                "quantized already (its weights are served as its file has them)"
-            )
-        quantized = quantized or (
-            f"quantization {config.model.quantization}" if config.model.quantization else None
-        )
+        quantized = quantized_by(self.model_path, config.model.quantization)
         if tp > 1 and quantized:
             raise ValueError(
                 f"tensor_parallel_size {tp}: {quantized} runs on one rank so far (quantized weights "
                 "are not split); use tensor_parallel_size 1"
             )
         self.tokenizer = load_tokenizer(self.model_path)
-        model = load_model(self.model_path, config.model.dtype, config.model.device)
-        if config.model.quantization:
-            if config.model.dtype != "float32" or torch.device(config.model.device).type != "cpu":
-                raise ValueError(
-                    f"quantization {config.model.quantization} runs on the CPU with float32 activations: "
-                    f"dtype float32 and device cpu, not {config.model.dtype} on {config.model.device}"
-                )
-            quantize_linears(model, config.model.quantization)
+        model = load_model(
+            self.model_path, config.model.dtype, config.model.device, config.model.quantization
+        )
         self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)
         hf = model.config
         self.max_model_len = resolve_max_model_len(config, hf)

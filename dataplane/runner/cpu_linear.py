@@ -22,6 +22,12 @@ from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.linear import NO_BIAS, pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where `model`'s submodule `name` ("model.layers.3.mlp.up_proj") is."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
 def rows_of(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x [..., in_features] as the [rows, in_features] the C++ linear ops take (a contiguous
     last dim; a view where it already is one)."""
@@ -112,8 +118,6 @@ def pack_linears(
     PanelLinear for shapes it does not name; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         choice = None if choices is None else choices.get((linear.in_features, linear.out_features))
-        setattr(parent, child, packed_linear(linear, panel_ops, choice, bf16_weights))
+        replace_module(model, name, packed_linear(linear, panel_ops, choice, bf16_weights))
     return len(targets)

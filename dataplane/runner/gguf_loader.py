@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.dataplane.runner.cpu_linear import replace_module
 from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
 from pagedserve.kernels.gguf_blocks import decode_blocks
 from pagedserve.kernels.quant import QuantizedWeight
@@ -148,15 +149,13 @@ def _set_tensor(model: nn.Module, path: str, kind: str, value: torch.Tensor) -> 
 
 
 def _set_quantized(model: nn.Module, path: str, weight: QuantizedWeight) -> None:
-    parent_path, _, child = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    module = getattr(parent, child)
+    module = model.get_submodule(path)
     if isinstance(module, nn.Embedding):
         if (module.num_embeddings, module.embedding_dim) != (weight.out_features, weight.in_features):
             raise ValueError(
                 f"{path}: {weight.kind} weight {weight.out_features}x{weight.in_features} does not fit {module}"
             )
-        setattr(parent, child, QuantEmbedding(weight, module.padding_idx))
+        replace_module(model, path, QuantEmbedding(weight, module.padding_idx))
         return
     if not isinstance(module, nn.Linear) or (module.out_features, module.in_features) != (
         weight.out_features,
@@ -166,7 +165,7 @@ def _set_quantized(model: nn.Module, path: str, weight: QuantizedWeight) -> None
             f"{path}: {weight.kind} weight {weight.out_features}x{weight.in_features} does not fit {module}"
         )
     bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
-    setattr(parent, child, QuantLinear(weight, bias))
+    replace_module(model, path, QuantLinear(weight, bias))
 
 
 def _tied(embed: nn.Module) -> nn.Linear:
@@ -185,7 +184,5 @@ def _materialize_buffers(model: nn.Module, config: Any) -> None:
         if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
             if not name.endswith("rotary_emb"):
                 raise ValueError(f"cannot build {name} ({type(module).__name__}) outside the meta device")
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             with torch.device("cpu"):
-                setattr(parent, child, type(module)(config=config))
+                replace_module(model, name, type(module)(config=config))

@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.dataplane.runner.attention_hook import register_paged_attention
+from pagedserve.dataplane.runner.quant_linear import quantize_linears
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -17,19 +18,35 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def load_model(path: Path, dtype: str, device: str) -> Any:
+def quantized_by(path: Path, quantization: str | None) -> str | None:
+    """What makes the model in `path` quantized, for messages: "a GGUF model (FILE)",
+    "quantization int8", or None. A GGUF model with `quantization` as well is refused."""
+    gguf = gguf_weights_file(path)
+    if gguf is not None and quantization:
+        raise ValueError(
+            f"quantization {quantization}: {path} is a GGUF model, quantized already (its weights "
+            "are served as its file has them)"
+        )
+    if gguf is not None:
+        return f"a GGUF model ({gguf.name})"
+    return f"quantization {quantization}" if quantization else None
+
+
+def load_model(path: Path, dtype: str, device: str, quantization: str | None = None) -> Any:
     """Load the causal LM in `path` (never from a hub) with pagedserve's paged attention. A
-    GGUF folder's weights stay quantized (gguf_loader.py): CPU and float32 activations only."""
+    GGUF folder's weights stay quantized (gguf_loader.py), and `quantization` ("int8")
+    quantizes a float checkpoint's linears at load: both on the CPU with float32 activations."""
     from transformers import AutoModelForCausalLM
 
     attn = register_paged_attention()
+    what = quantized_by(path, quantization)
+    if what is not None and (dtype != "float32" or torch.device(device).type != "cpu"):
+        raise ValueError(
+            f"{what} runs on the CPU with float32 activations: --dtype float32 --device cpu, "
+            f"not --dtype {dtype} --device {device}"
+        )
     gguf = gguf_weights_file(path)
     if gguf is not None:
-        if dtype != "float32" or torch.device(device).type != "cpu":
-            raise ValueError(
-                f"a GGUF model ({gguf.name}) runs on the CPU with float32 activations: "
-                f"--dtype float32 --device cpu, not --dtype {dtype} --device {device}"
-            )
         from pagedserve.dataplane.runner.gguf_loader import load_gguf_model
 
         return load_gguf_model(path, gguf, attn)
@@ -42,6 +59,8 @@ def load_model(path: Path, dtype: str, device: str) -> Any:
     model = model.to(torch.device(device))  # type: ignore[arg-type]  # transformers stubs type .to oddly
     model.eval()
     model.requires_grad_(False)
+    if quantization:
+        quantize_linears(model, quantization)
     return model
 
 

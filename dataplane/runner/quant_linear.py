@@ -3,7 +3,7 @@
 A GGUF model's loader (gguf_loader.py) puts a `QuantLinear` where the checkpoint's linear
 weight is quantized, and a `QuantEmbedding` for a quantized token embedding. Both hold a
 pagedserve.kernels.quant.QuantizedWeight (values, per-group scales and mins). At load,
-`pack_linears` (cpu_linear.py) turns each QuantLinear into a `QuantPanelLinear`: the weight
+`pack_quant_linears` turns each QuantLinear into a `QuantPanelLinear`: the weight
 reordered once into the C++ kernel's column panels (kernels/cpu/linear_quant.cpp), which
 de-quantizes it in registers as it multiplies, so a decode step reads 4 or 8 bits per weight
 instead of 32. Its result is bit-identical to the fp32 panels on the de-quantized weight.
@@ -14,16 +14,19 @@ logged at load).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.dataplane.runner.cpu_linear import rows_of
+from pagedserve.dataplane.runner.cpu_linear import replace_module, rows_of
 from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.linear import NO_BIAS
 from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quantize_int8
+
+log = logging.getLogger(__name__)
 
 
 def _register(module: nn.Module, prefix: str, weight: QuantizedWeight) -> None:
@@ -116,7 +119,7 @@ class QuantEmbedding(nn.Module):
         _register(self, "weight", weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_q.rows(input_ids.reshape(-1)).dequantize()
+        rows = self.weight_q.dequantize(input_ids.reshape(-1))
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -131,23 +134,25 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         raise ValueError(f"unknown quantization {method!r}")
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         bias = None if linear.bias is None else linear.bias.detach()
-        setattr(parent, child, QuantLinear(quantize_int8(linear.weight.detach()), bias))
+        replace_module(model, name, QuantLinear(quantize_int8(linear.weight.detach()), bias))
     return len(targets)
 
 
 def pack_quant_linears(model: nn.Module, ops: CpuKernels | None) -> int:
     """Replace every QuantLinear of `model` by a QuantPanelLinear (with `ops`); returns how
     many were replaced (0 without the C++ kernels: the layers then de-quantize per call)."""
-    if ops is None:
-        return 0
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if ops is None:
+        if targets:
+            log.warning(
+                "%d quantized linears run without the C++ kernels: each de-quantizes its weight on "
+                "every call (correct, several times slower; needs a C++ compiler and ninja)",
+                len(targets),
+            )
+        return 0
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantPanelLinear(linear, ops))
+        replace_module(model, name, QuantPanelLinear(linear, ops))
     return len(targets)
 
 
