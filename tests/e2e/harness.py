@@ -34,12 +34,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def engine_config(
-    model: str | Path, num_blocks: int | None = 64, max_model_len: int | None = 1024, **kw: Any
+    model: str | Path,
+    num_blocks: int | None = 64,
+    max_model_len: int | None = 1024,
+    max_num_seqs: int = 16,
+    **kw: Any,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=str(model), num_threads=1),
         cache=CacheConfig(num_gpu_blocks_override=num_blocks, enable_prefix_caching=True, **kw),
-        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=16),
+        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
     )
 
 
