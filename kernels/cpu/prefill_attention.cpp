@@ -60,67 +60,78 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-constexpr int kRV = 3;                 // row vectors per item
-constexpr int64_t kRows = kRV * kW;    // rows (token x query head) per item
-constexpr int64_t kTileKeys = 32;      // keys per online-softmax step
-// Keys (scores) or head_dim columns (P @ V) per register block: kBlk x kRV accumulators
-// must fit with kRV operand vectors and a broadcast. AVX-512 has 32 registers of 16
-// floats; elsewhere a 16-float vector spans 2 (AVX2) or 4 (NEON) registers.
+// Register blocks, in the build's native vectors (vec.h vnat: a 16-float vfloat array kept
+// across a loop is spilled to the stack by GCC wherever it spans several registers, which
+// made the AVX2 build 7x slower than the AVX-512 one). kBlk keys (scores) or head_dim
+// columns (P @ V) x kNV row vectors of accumulators must fit the register file with the
+// kNV operand vectors and a broadcast: 8 x 3 + 3 + 1 of 32 zmm (AVX-512), 6 x 2 + 2 + 1 of
+// 16 ymm (AVX2), 6 x 4 + 4 + 1 of 32 (NEON), 2 x 4 + 4 + 1 of 16 (SSE2). Which rows share an
+// item never changes a row's arithmetic (each lane is its own row), so every ISA computes
+// the same per-row sums in the same order.
 #if defined(__AVX512F__)
+constexpr int kRV = 3;  // 16-float row vectors per item
 constexpr int kBlk = 8;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int kRV = 1;
+constexpr int kBlk = 6;
 #else
+constexpr int kRV = 1;
 constexpr int kBlk = 2;
 #endif
+constexpr int64_t kRows = kRV * kW;    // rows (token x query head) per item
+constexpr int kNV = kRows / kNW;       // native vectors per item's rows
+constexpr int64_t kTileKeys = 32;      // keys per online-softmax step
 
-// x in every lane. vec.h's splat is 0 + x, which the compiler must keep (0 + -0 is +0): a
-// scalar add before each broadcast. x - 0 is x for every x, so this folds into the FMA's
-// embedded broadcast from memory.
-inline vfloat bcast(float x) { return x - vfloat{}; }
+// x in every lane. splat_nat's initializer is the same broadcast; x - 0 is x for every x and
+// folds into the FMA's embedded broadcast from memory on AVX-512.
+inline vnat bcast(float x) { return x - vnat{}; }
 
 // s[j][0:kRows] = sum_d k[j][d] * qt[d][0:kRows] for the N keys j (rows of the cache).
 template <int N>
 void scores_block(const float* const* k, const float* qt, int64_t head_dim, float* s) {
   const float* kr[N];
   for (int j = 0; j < N; ++j) kr[j] = k[j];
-  vfloat acc[N][kRV] = {};
+  vnat acc[N][kNV] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
-    vfloat q[kRV];
-    for (int c = 0; c < kRV; ++c) q[c] = load(qt + d * kRows + c * kW);
+    vnat q[kNV];
+    for (int c = 0; c < kNV; ++c) q[c] = load_nat(qt + d * kRows + c * kNW);
     for (int j = 0; j < N; ++j) {
-      const vfloat kj = bcast(kr[j][d]);
-      for (int c = 0; c < kRV; ++c) acc[j][c] += kj * q[c];
+      const vnat kj = bcast(kr[j][d]);
+      for (int c = 0; c < kNV; ++c) acc[j][c] += kj * q[c];
     }
   }
   for (int j = 0; j < N; ++j) {
-    for (int c = 0; c < kRV; ++c) store(s + j * kRows + c * kW, acc[j][c]);
+    for (int c = 0; c < kNV; ++c) store_nat(s + j * kRows + c * kNW, acc[j][c]);
   }
 }
 
 // acc[d0 + i][0:kRows] = acc[d0 + i] * alpha + sum_{j < nk} v[j][d0 + i] * p[j][0:kRows]
 // for the N columns i: the online softmax's rescale folded into the P @ V pass.
 template <int N>
-void pv_block(const float* const* v, int64_t d0, const float* p, int64_t nk, const vfloat* alpha, float* acc) {
-  vfloat a[N][kRV];
+void pv_block(const float* const* v, int64_t d0, const float* p, int64_t nk, const float* alpha, float* acc) {
+  vnat a[N][kNV];
   for (int i = 0; i < N; ++i) {
-    for (int c = 0; c < kRV; ++c) a[i][c] = load(acc + (d0 + i) * kRows + c * kW) * alpha[c];
+    for (int c = 0; c < kNV; ++c) {
+      a[i][c] = load_nat(acc + (d0 + i) * kRows + c * kNW) * load_nat(alpha + c * kNW);
+    }
   }
   for (int64_t j = 0; j < nk; ++j) {
-    vfloat pj[kRV];
-    for (int c = 0; c < kRV; ++c) pj[c] = load(p + j * kRows + c * kW);
+    vnat pj[kNV];
+    for (int c = 0; c < kNV; ++c) pj[c] = load_nat(p + j * kRows + c * kNW);
     const float* vj = v[j] + d0;
     for (int i = 0; i < N; ++i) {
-      const vfloat vi = bcast(vj[i]);
-      for (int c = 0; c < kRV; ++c) a[i][c] += vi * pj[c];
+      const vnat vi = bcast(vj[i]);
+      for (int c = 0; c < kNV; ++c) a[i][c] += vi * pj[c];
     }
   }
   for (int i = 0; i < N; ++i) {
-    for (int c = 0; c < kRV; ++c) store(acc + (d0 + i) * kRows + c * kW, a[i][c]);
+    for (int c = 0; c < kNV; ++c) store_nat(acc + (d0 + i) * kRows + c * kNW, a[i][c]);
   }
 }
 
 // Blocks of 1 .. kBlk, so ragged key tiles and any head_dim use the same register code.
 using ScoresFn = void (*)(const float* const*, const float*, int64_t, float*);
-using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, const vfloat*, float*);
+using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, const float*, float*);
 template <int... I>
 constexpr std::array<ScoresFn, kBlk> scores_fns(std::integer_sequence<int, I...>) {
   return {&scores_block<I + 1>...};
@@ -232,7 +243,7 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
     // Online softmax, vectorised across rows. Only a tile reaching past some row's causal
     // limit needs the mask; there a masked key's probability is set to exactly 0.
     const bool masked = k0 + nk - 1 > min_pos;
-    vfloat alpha[kRV];
+    alignas(64) float alpha[kRows];  // the rows' rescale of what the tile adds to
     for (int c = 0; c < kRV; ++c) {
       vfloat tile_max = neg_inf;
       for (int64_t j = 0; j < nk; ++j) {
@@ -245,7 +256,8 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
       }
       // Key 0 is in every row's range and in the first tile, so m is finite from then on.
       const vfloat m_new = m[c] > tile_max ? m[c] : tile_max;
-      alpha[c] = exp_nonpositive(m[c] - m_new);
+      const vfloat rescale = exp_nonpositive(m[c] - m_new);
+      store(alpha + c * kW, rescale);
       m[c] = m_new;
       vfloat sum = {};
       for (int64_t j = 0; j < nk; ++j) {
@@ -255,7 +267,7 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
         store(sc + j * kRows + c * kW, e);
         sum += e;
       }
-      l[c] = l[c] * alpha[c] + sum;
+      l[c] = l[c] * rescale + sum;
     }
 
     for (int64_t d0 = 0; d0 < D; d0 += kBlk) {
