@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedserve.benchmarks.isa_cap import CAPS, reexec_capped
 from pagedserve.benchmarks.report import RESULTS_ROOT, Report, default_out_dir
 from pagedserve.common.settings import ArgumentParser
 
@@ -113,6 +114,13 @@ def add_bench_parser(subparsers: Any) -> None:
             "with --out benchmarks/results)",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--cap-isa",
+            choices=CAPS,
+            default=None,
+            help="limit every engine of the run (ours, oneDNN, torch, vLLM) to this ISA: an AVX-512 "
+            "machine then measures what an AVX2-only one would (benchmarks/isa_cap.py says what it caps)",
+        )
         p.set_defaults(func=run_bench, bench_module=module, bench_name=name)
         _lazy_arguments(p, module)
 
@@ -135,6 +143,8 @@ def run_script_module(module_name: str, argv: list[str]) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.cap_isa:
+        reexec_capped(args.cap_isa)
     module = importlib.import_module(args.bench_module)
     command = ["pagedserve", "bench", *sys.argv[sys.argv.index("bench") + 1 :]] if "bench" in sys.argv else []
     out = args.out if args.out is not None else default_out_dir(args.bench_name)

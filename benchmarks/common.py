@@ -42,13 +42,16 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
 
 def cpu_line() -> str:
     """One line naming the CPU, the flags that matter and the kernel build in use."""
+    from pagedserve.benchmarks.isa_cap import active_cap
     from pagedserve.kernels.cpu_ext import cpu_report
 
     cpu = cpu_report()
+    cap = active_cap()
     return (
         f"cpu: {cpu['model']} (family {cpu['family']} model {cpu['model_number']}); flags "
         f"{' '.join(cpu['flags']) or 'none of note'}; kernels {cpu['kernel_isa']} "
         f"(native {cpu['native_isa']})"
+        + (f"; every engine capped at {cap} (--cap-isa: oneDNN, torch, vLLM too)" if cap else "")
     )
 
 

@@ -198,7 +198,8 @@ def selection_cache_dir() -> Path:
 
 def selection_key(ops: CpuKernels, shapes: Sequence[Shape], bf16_weights: bool = False) -> str:
     """What the timings depend on: the CPU, the kernel build (its file: a changed source is a
-    new build), torch and its threads, and the shapes timed."""
+    new build), torch and its threads, the ISA caps set on oneDNN and torch, and the shapes
+    timed."""
     try:
         stat = os.stat(ops.library_path)
         build = f"{ops.library_path}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -212,6 +213,8 @@ def selection_key(ops: CpuKernels, shapes: Sequence[Shape], bf16_weights: bool =
         build,
         torch.__version__,
         str(torch.get_num_threads()),
+        os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        os.environ.get("ATEN_CPU_CAPABILITY", ""),
         json.dumps(sorted(shapes)),
         json.dumps(ROW_BANDS),
         "bf16-weights" if bf16_weights else "fp32-weights",
