@@ -213,6 +213,52 @@ struct Bf16Rows {
   }
 };
 
+// Where a 16-float vector spans several registers (AVX2, NEON, SSE2) the sweeps run on the
+// build's native vectors (vec.h vnat) instead: GCC keeps an array of 16-float vectors on the
+// stack there, and the vfloat sweeps below ran 2.5x slower on AVX2 than on AVX-512. Native
+// sweeps do the same per-lane arithmetic in the same order, and fold16 sums a 16-lane
+// accumulator in reduce4's association, so every build computes the same scores.
+constexpr int kHalves = kW / kNW;  // native vectors per 16-float vector
+constexpr bool kNativeSweeps = kHalves > 1;
+
+struct Fp32NatRows {
+  static vnat vec(const char* row, int64_t i) { return load_nat(reinterpret_cast<const float*>(row) + i * kNW); }
+};
+struct Bf16NatRows {
+  typedef uint16_t vbf16n __attribute__((vector_size(kNW * sizeof(uint16_t))));
+  typedef uint32_t vuintn __attribute__((vector_size(kNW * sizeof(uint32_t))));
+  static vnat vec(const char* row, int64_t i) {
+    vbf16n h;
+    std::memcpy(&h, row + i * kNW * sizeof(uint16_t), sizeof(h));
+    const vuintn w = __builtin_convertvector(h, vuintn) << 16;
+    vnat f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+  }
+};
+
+// The sum of a 16-lane vector held as kHalves native vectors v (consumed), associated as
+// reduce4 sums each of its rows: lanes [0, 8) + [8, 16), then [0, 4) + [4, 8), then
+// (0 + 1) + (2 + 3).
+inline float fold16(vnat* v) {
+  for (int n = kHalves; n > 1; n /= 2) {
+    for (int i = 0; i < n / 2; ++i) v[i] += v[i + n / 2];
+  }
+#if defined(__clang__) || __GNUC__ >= 12
+  vfloat4 r;
+  if constexpr (kNW == 8) {
+    r = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3) + __builtin_shufflevector(v[0], v[0], 4, 5, 6, 7);
+  } else {
+    std::memcpy(&r, &v[0], sizeof(r));
+  }
+  return (r[0] + r[1]) + (r[2] + r[3]);
+#else
+  float sum = 0.0f;
+  for (int l = 0; l < kNW; ++l) sum += v[0][l];
+  return sum;
+#endif
+}
+
 // out[0:4] = the lane sums of p0..p3, reduced together (transpose-and-add): 3x fewer
 // shuffles than reducing each alone.
 inline void reduce4(vfloat p0, vfloat p1, vfloat p2, vfloat p3, float* out) {
@@ -266,13 +312,10 @@ void block_scores(const float* q, int64_t D, const char* k, int64_t k_stride, in
     lookahead->step();
     const char* kr[4];
     for (int j = 0; j < 4; ++j) kr[j] = k + std::min<int64_t>(o + j, n - 1) * k_stride;
-    // The first vector's products start the sums (any D: zeros, as D may be under kW).
-    vfloat acc[4][GC];
-    for (int j = 0; j < 4; ++j) {
-      const vfloat kv = NV ? Rows::vec(kr[j], 0) : vfloat{};
-      for (int g = 0; g < GC; ++g) acc[j][g] = NV ? kv * qvec(g, 0) : vfloat{};
-    }
-    for (int64_t c = NV ? 1 : 0; c < nv; ++c) {
+    // Sums start from zero, not from the first products: `p0 + k1 * q1` lets the compiler
+    // contract either product into the FMA, and it need not choose alike in every build.
+    vfloat acc[4][GC] = {};
+    for (int64_t c = 0; c < nv; ++c) {
       for (int j = 0; j < 4; ++j) {
         const vfloat kv = Rows::vec(kr[j], c);
         for (int g = 0; g < GC; ++g) acc[j][g] += kv * qvec(g, c);
@@ -347,21 +390,111 @@ void block_values(float* acc, int64_t D, const float* w, int64_t ss, const char*
   }
 }
 
+// block_scores in native vectors (kNativeSweeps, NV > 0): 4 keys x GC heads x kHalves
+// accumulators, the query read from L1 (its D floats would not fit beside them).
+template <int NV, int GC, class NatRows, class Lookahead>
+void block_scores_native(const float* q, int64_t D, const char* k, int64_t k_stride, int64_t n, float* sc,
+                         int64_t ss, Lookahead* lookahead) {
+  for (int64_t o = 0; o < n; o += 4) {
+    lookahead->step();
+    const char* kr[4];
+    for (int j = 0; j < 4; ++j) kr[j] = k + std::min<int64_t>(o + j, n - 1) * k_stride;
+    // Sums start from zero (not from the first product, which would let the compiler
+    // contract either product of the first add into the FMA, differently per instantiation).
+    vnat acc[4][GC][kHalves] = {};
+    for (int c = 0; c < NV; ++c) {
+      for (int h = 0; h < kHalves; ++h) {
+        const int64_t i = c * kHalves + h;
+        for (int j = 0; j < 4; ++j) {
+          const vnat kv = NatRows::vec(kr[j], i);
+          for (int g = 0; g < GC; ++g) acc[j][g][h] += kv * load_nat(q + g * D + i * kNW);
+        }
+      }
+    }
+    for (int g = 0; g < GC; ++g) {
+      for (int j = 0; j < 4; ++j) sc[g * ss + o + j] = fold16(acc[j][g]);
+    }
+  }
+}
+
+// Native columns of the head's accumulator rows per block_values_native sweep: GC x CN
+// accumulators, CN value vectors and GC weights in registers.
+template <int NV, int GC>
+constexpr int native_columns_together() {
+  int cn = 1;
+  while ((NV * kHalves) % (2 * cn) == 0 && GC * 2 * cn + 2 * cn + GC <= kVecRegisters - 2) cn *= 2;
+  return cn;
+}
+
+template <int NV, int GC, class NatRows, class Lookahead>
+void block_values_native(float* acc, int64_t D, const float* w, int64_t ss, const char* v, int64_t v_stride,
+                         int64_t n, Lookahead* lookahead) {
+  constexpr int CN = native_columns_together<NV, GC>();
+  for (int64_t c0 = 0; c0 < NV * kHalves; c0 += CN) {
+    vnat a[GC][CN];
+    for (int g = 0; g < GC; ++g) {
+      for (int c = 0; c < CN; ++c) a[g][c] = load_nat(acc + g * D + (c0 + c) * kNW);
+    }
+    for (int64_t o = 0; o < n; ++o) {
+      lookahead->step();
+      const char* row = v + o * v_stride;
+      for (int c = 0; c < CN; ++c) {
+        const vnat vv = NatRows::vec(row, c0 + c);
+        for (int g = 0; g < GC; ++g) a[g][c] += splat_nat(w[g * ss + o]) * vv;
+      }
+    }
+    for (int g = 0; g < GC; ++g) {
+      for (int c = 0; c < CN; ++c) store_nat(acc + g * D + (c0 + c) * kNW, a[g][c]);
+    }
+  }
+}
+
+// Query heads per sweep (for_each_head_chunk's kMax) and pass 2's lookahead steps per key
+// and chunk of heads, for the sweeps a build and head size use.
+template <int NV>
+constexpr bool native_sweeps() {
+  return kNativeSweeps && NV > 0;
+}
+template <int NV>
+constexpr int score_heads() {
+  return native_sweeps<NV>() ? 1 : score_heads_together<NV>();
+}
+template <int NV>
+constexpr int value_heads() {
+  return native_sweeps<NV>() ? 3 : kValueHeadsTogether;
+}
+template <int NV>
+int64_t value_column_chunks(int64_t D) {
+  if constexpr (native_sweeps<NV>()) {
+    return NV * kHalves / native_columns_together<NV, value_heads<NV>()>();
+  } else {
+    return (NV ? NV : D / kW) / columns_together<NV, kValueHeadsTogether>();
+  }
+}
+
 // The two passes' sweeps of one kv head's rows, per chunk of GC query heads.
-template <int NV, class Rows>
+template <int NV, class Rows, class NatRows>
 struct ScoresSweep {
   template <int GC, class Lookahead>
   static void run(int64_t g0, const float* q, int64_t D, const char* k, int64_t ks, int64_t n, float* sc,
                   int64_t ss, Lookahead* lookahead) {
-    block_scores<NV, GC, Rows>(q + g0 * D, D, k, ks, n, sc + g0 * ss, ss, lookahead);
+    if constexpr (native_sweeps<NV>()) {
+      block_scores_native<NV, GC, NatRows>(q + g0 * D, D, k, ks, n, sc + g0 * ss, ss, lookahead);
+    } else {
+      block_scores<NV, GC, Rows>(q + g0 * D, D, k, ks, n, sc + g0 * ss, ss, lookahead);
+    }
   }
 };
-template <int NV, class Rows>
+template <int NV, class Rows, class NatRows>
 struct ValuesSweep {
   template <int GC, class Lookahead>
   static void run(int64_t g0, float* acc, int64_t D, const float* w, int64_t ss, const char* v, int64_t vs,
                   int64_t n, Lookahead* lookahead) {
-    block_values<NV, GC, Rows>(acc + g0 * D, D, w + g0 * ss, ss, v, vs, n, lookahead);
+    if constexpr (native_sweeps<NV>()) {
+      block_values_native<NV, GC, NatRows>(acc + g0 * D, D, w + g0 * ss, ss, v, vs, n, lookahead);
+    } else {
+      block_values<NV, GC, Rows>(acc + g0 * D, D, w + g0 * ss, ss, v, vs, n, lookahead);
+    }
   }
 };
 
@@ -489,6 +622,7 @@ void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& 
   // per (kv head, chunk); the last K blocks' look-ahead goes to the first V blocks, so pass 2
   // does not start cold.
   using Rows = std::conditional_t<kCache == kCacheBf16, Bf16Rows, Fp32Rows>;
+  using NatRows = std::conditional_t<kCache == kCacheBf16, Bf16NatRows, Fp32NatRows>;
   for (int64_t b = 0; b < pf_blocks; ++b) blocks.prefetch(k_base, b);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t ahead = b + pf_blocks;
@@ -496,12 +630,12 @@ void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& 
     const int64_t pf_b = ahead < num_blocks ? ahead : ahead - num_blocks;
     const int64_t pos = b * bs;
     const int64_t n = std::min(bs, L - pos);
-    constexpr int kScoreHeads = score_heads_together<NV>();
+    constexpr int kScoreHeads = score_heads<NV>();
     Lookahead lookahead{blocks, pf_base, pf_b, nh * ((G + kScoreHeads - 1) / kScoreHeads) * ((n + 3) / 4)};
     for (int64_t hi = 0; hi < nh; ++hi) {
       int64_t rs;
       const char* k_rows = blocks.rows<kCache>(k_base + hi * head_bytes, b, n, rs);
-      for_each_head_chunk<ScoresSweep<NV, Rows>, kScoreHeads>(G, q + hi * G * D, D, k_rows, rs, n,
+      for_each_head_chunk<ScoresSweep<NV, Rows, NatRows>, kScoreHeads>(G, q + hi * G * D, D, k_rows, rs, n,
                                                              scores + hi * G * ss + pos, ss, &lookahead);
     }
     lookahead.finish();
@@ -516,7 +650,7 @@ void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& 
     vfloat mv = load(sc);
     for (int64_t i = kW; i < l_pad; i += kW) {
       const vfloat x = load(sc + i);
-      mv = x > mv ? x : mv;
+      mv = greater_of(x, mv);
     }
     const float m = hmax(mv);
     vfloat sum = {};
@@ -532,8 +666,8 @@ void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& 
   // Pass 2: acc = P @ V, block by block, each head's accumulator row in registers.
   std::fill(acc, acc + R * D, 0.0f);
   // Lookahead steps per key of a block: one per (kv head, chunk of heads, column chunk).
-  const int64_t value_steps = nh * ((G + kValueHeadsTogether - 1) / kValueHeadsTogether) *
-                              ((NV ? NV : D / kW) / columns_together<NV, kValueHeadsTogether>());
+  constexpr int kValueHeads = value_heads<NV>();
+  const int64_t value_steps = nh * ((G + kValueHeads - 1) / kValueHeads) * value_column_chunks<NV>(D);
   // Pass 1's last pf_blocks blocks prefetched V blocks [0, pf_blocks), all but the first
   // pf_blocks - num_blocks where the sequence is shorter than that.
   for (int64_t b = 0; b < pf_blocks - num_blocks; ++b) blocks.prefetch(v_base, b);
@@ -544,7 +678,7 @@ void attend_heads(const Problem& p, int64_t s, int64_t h0, int64_t nh, Scratch& 
     for (int64_t hi = 0; hi < nh; ++hi) {
       int64_t rs;
       const char* v_rows = blocks.rows<kCache>(v_base + hi * head_bytes, b, n, rs);
-      for_each_head_chunk<ValuesSweep<NV, Rows>, kValueHeadsTogether>(G, acc + hi * G * D, D, scores + hi * G * ss + pos,
+      for_each_head_chunk<ValuesSweep<NV, Rows, NatRows>, kValueHeads>(G, acc + hi * G * D, D, scores + hi * G * ss + pos,
                                                                       ss, v_rows, rs, n, &lookahead);
     }
     lookahead.finish();

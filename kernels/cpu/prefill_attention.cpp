@@ -81,6 +81,7 @@ constexpr int kBlk = 2;
 constexpr int64_t kRows = kRV * kW;    // rows (token x query head) per item
 constexpr int kNV = kRows / kNW;       // native vectors per item's rows
 constexpr int64_t kTileKeys = 32;      // keys per online-softmax step
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // x in every lane. splat_nat's initializer is the same broadcast; x - 0 is x for every x and
 // folds into the FMA's embedded broadcast from memory on AVX-512.
@@ -249,13 +250,14 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
       for (int64_t j = 0; j < nk; ++j) {
         vfloat x = load(sc + j * kRows + c * kW);
         if (masked) {
-          x = pos_v[c] < static_cast<int32_t>(k0 + j) ? neg_inf : x;
+          const int32_t key = static_cast<int32_t>(k0 + j);
+          x = lanewise([key](auto pos, auto v) { return pos < key ? decltype(v){} + kNegInf : v; }, pos_v[c], x);
           store(sc + j * kRows + c * kW, x);
         }
-        tile_max = x > tile_max ? x : tile_max;
+        tile_max = greater_of(x, tile_max);
       }
       // Key 0 is in every row's range and in the first tile, so m is finite from then on.
-      const vfloat m_new = m[c] > tile_max ? m[c] : tile_max;
+      const vfloat m_new = greater_of(m[c], tile_max);
       const vfloat rescale = exp_nonpositive(m[c] - m_new);
       store(alpha + c * kW, rescale);
       m[c] = m_new;
@@ -263,7 +265,7 @@ void attend_item(const Problem& p, const Item& it, Scratch& scratch) {
       for (int64_t j = 0; j < nk; ++j) {
         const vfloat x = load(sc + j * kRows + c * kW);
         vfloat e = exp_nonpositive(x - m_new);
-        if (masked) e = x == neg_inf ? vfloat{} : e;
+        if (masked) e = lanewise([](auto v, auto ev) { return v == kNegInf ? decltype(ev){} : ev; }, x, e);
         store(sc + j * kRows + c * kW, e);
         sum += e;
       }

@@ -17,6 +17,11 @@
 #define PAGEDSERVE_OPS pagedserve_cpu
 #endif
 
+// Every helper here is forced inline: a 16-float vector passed to or returned from a call
+// goes through memory where it spans several registers (the x86-64 ABI without AVX-512),
+// and GCC declined to inline exp_clamped into the AVX2 build's SiLU loop.
+#define PAGEDSERVE_VEC_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 // Explicit portable SIMD through GCC/Clang vector extensions: 16 floats, which the compiler
@@ -32,16 +37,15 @@ typedef int32_t vint __attribute__((vector_size(kW * sizeof(int32_t))));
 typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+// Unaligned, aliasing access through a vector type: a memcpy of a 16-float vector where it
+// spans several registers went through the stack in 16-byte pieces (GCC, AVX2).
+typedef float vfloat_unaligned __attribute__((vector_size(kW * sizeof(float)), aligned(4), may_alias));
+PAGEDSERVE_VEC_INLINE vfloat load(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
+PAGEDSERVE_VEC_INLINE void store(float* p, vfloat v) { *reinterpret_cast<vfloat_unaligned*>(p) = v; }
 // All lanes x. Written as an initializer so the compiler emits one broadcast (from memory where
 // x is loaded); `vfloat{} + x` compiled to a scalar add of +0.0 (it must turn -0.0 into +0.0)
 // and a register broadcast, two extra FP-pipe instructions per x in the matmul's inner loop.
-inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+PAGEDSERVE_VEC_INLINE vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // The build's native vector, what one register holds, for the kernels whose tiles must fit
 // the register file (the panel matmul): 16 floats x 32 registers on AVX-512, 8 x 16 on
@@ -63,20 +67,73 @@ constexpr int kVecRegisters = 16;
 #endif
 typedef float vnat __attribute__((vector_size(kNW * sizeof(float))));
 
-inline vnat load_nat(const float* p) {
+PAGEDSERVE_VEC_INLINE vnat load_nat(const float* p) {
   vnat v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store_nat(float* p, vnat v) { std::memcpy(p, &v, sizeof(v)); }
+PAGEDSERVE_VEC_INLINE void store_nat(float* p, vnat v) { std::memcpy(p, &v, sizeof(v)); }
 template <std::size_t... I>
-inline vnat splat_nat_lanes(float x, std::index_sequence<I...>) {
+PAGEDSERVE_VEC_INLINE vnat splat_nat_lanes(float x, std::index_sequence<I...>) {
   return vnat{((void)I, x)...};
 }
 // All lanes x, as an initializer (one broadcast, as splat below).
-inline vnat splat_nat(float x) { return splat_nat_lanes(x, std::make_index_sequence<kNW>{}); }
+PAGEDSERVE_VEC_INLINE vnat splat_nat(float x) { return splat_nat_lanes(x, std::make_index_sequence<kNW>{}); }
 
-inline float hsum(vfloat v) {
+// Lane-wise f(v...) (a select, compare or clamp) on 16-lane vectors, run on native vectors.
+// GCC lowers a ?: select or a compare on a vector wider than the hardware's lane by lane (a
+// scalar compare and blend per float: the AVX2 build's SiLU ran 3.3x slower than the
+// AVX-512 one's); split into native vectors, it stays whole-vector. The same lanes get the
+// same operation, so results do not change.
+#if defined(__clang__) || __GNUC__ >= 12
+template <int P, class V, std::size_t... I>
+PAGEDSERVE_VEC_INLINE auto vec_part(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (P * kNW + static_cast<int>(I))...);
+}
+template <int P, class V>
+PAGEDSERVE_VEC_INLINE auto vec_part(V v) {
+  return vec_part<P>(v, std::make_index_sequence<kNW>{});
+}
+template <class V, std::size_t... I>
+PAGEDSERVE_VEC_INLINE auto vec_join(V lo, V hi, std::index_sequence<I...>) {
+  return __builtin_shufflevector(lo, hi, static_cast<int>(I)...);
+}
+template <class V>
+PAGEDSERVE_VEC_INLINE auto vec_join(V lo, V hi) {
+  return vec_join(lo, hi, std::make_index_sequence<2 * sizeof(V) / sizeof(lo[0])>{});
+}
+template <class F, class... V>
+PAGEDSERVE_VEC_INLINE auto lanewise(F f, V... v) {
+  if constexpr (kNW == kW) {
+    return f(v...);
+  } else if constexpr (kNW * 2 == kW) {
+    return vec_join(f(vec_part<0>(v)...), f(vec_part<1>(v)...));
+  } else {
+    static_assert(sizeof...(V) > 0 && kNW * 4 == kW, "native vectors of 4, 8 or 16 floats");
+    return vec_join(vec_join(f(vec_part<0>(v)...), f(vec_part<1>(v)...)),
+                    vec_join(f(vec_part<2>(v)...), f(vec_part<3>(v)...)));
+  }
+}
+#else
+template <class F, class... V>
+PAGEDSERVE_VEC_INLINE auto lanewise(F f, V... v) {
+  return f(v...);
+}
+#endif
+
+// x where x >= lo, else lo (a NaN stays NaN), lane-wise; and x where x <= hi, else hi.
+PAGEDSERVE_VEC_INLINE vfloat at_least(vfloat x, vfloat lo) {
+  return lanewise([](auto a, auto b) { return a < b ? b : a; }, x, lo);
+}
+PAGEDSERVE_VEC_INLINE vfloat at_most(vfloat x, vfloat hi) {
+  return lanewise([](auto a, auto b) { return a > b ? b : a; }, x, hi);
+}
+// The lane-wise larger of x and m, m where x is not greater (x > m ? x : m).
+PAGEDSERVE_VEC_INLINE vfloat greater_of(vfloat x, vfloat m) {
+  return lanewise([](auto a, auto b) { return a > b ? a : b; }, x, m);
+}
+
+PAGEDSERVE_VEC_INLINE float hsum(vfloat v) {
 #if defined(__clang__) || __GNUC__ >= 12
   const vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -89,7 +146,7 @@ inline float hsum(vfloat v) {
 #endif
 }
 
-inline float hmax(vfloat v) {
+PAGEDSERVE_VEC_INLINE float hmax(vfloat v) {
   float m = v[0];
   for (int l = 1; l < kW; ++l) m = std::max(m, v[l]);
   return m;
@@ -98,7 +155,7 @@ inline float hmax(vfloat v) {
 // exp(x) for x in [-87, 88], branch-free on whole vectors: x = n ln2 + r with
 // |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes expf coefficients, ~1 ulp), 2^n
 // built in the exponent bits. Callers clamp first (the bounds keep 2^n a normal float).
-inline vfloat exp_in_range(vfloat x) {
+PAGEDSERVE_VEC_INLINE vfloat exp_in_range(vfloat x) {
   // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits
   // are then that integer (two's complement), and subtracting the constant gives it as a float.
   const vfloat magic = splat(12582912.0f);
@@ -113,29 +170,26 @@ inline vfloat exp_in_range(vfloat x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  vint bits;
-  std::memcpy(&bits, &shifted, sizeof(bits));
+  // (vector casts reinterpret the bits in registers; a memcpy went through the stack)
+  const vint bits = (vint)shifted;
   const vint magic_bits = vint{} + 0x4b400000;  // bit pattern of 12582912.0f
   const vint scale_bits = (bits - magic_bits + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &scale_bits, sizeof(scale));
-  return p * scale;
+  return p * (vfloat)scale_bits;
 }
 
 // exp(x) for x <= 0 (a score minus its row max). Inputs below -87 give ~1e-38 instead of a
 // denormal or 0, which cannot matter next to the row max's exp(0) = 1.
-inline vfloat exp_nonpositive(vfloat x) {
+PAGEDSERVE_VEC_INLINE vfloat exp_nonpositive(vfloat x) {
   const vfloat lo = splat(-87.0f);
-  return exp_in_range(x < lo ? lo : x);
+  return exp_in_range(at_least(x, lo));
 }
 
 // exp(x) for any x, clamped to [-87, 88]: ~1e-38 below, 1.65e38 (finite) above. Used where
 // the result only enters 1 / (1 + exp(-x)), for which both clamps are exact enough.
-inline vfloat exp_clamped(vfloat x) {
+PAGEDSERVE_VEC_INLINE vfloat exp_clamped(vfloat x) {
   const vfloat lo = splat(-87.0f);
   const vfloat hi = splat(88.0f);
-  x = x < lo ? lo : x;
-  return exp_in_range(x > hi ? hi : x);
+  return exp_in_range(at_most(at_least(x, lo), hi));
 }
 
 // bfloat16 is fp32's top half: widening is exact (a shift), narrowing rounds to nearest even
@@ -144,7 +198,7 @@ typedef uint16_t vbf16 __attribute__((vector_size(kW * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(kW * sizeof(uint32_t))));
 
 // d[0:n] = the fp32 values of the bf16 bits s[0:n], whole vectors while they last.
-inline void widen_bf16(const uint16_t* s, float* d, int64_t n) {
+PAGEDSERVE_VEC_INLINE void widen_bf16(const uint16_t* s, float* d, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
     vbf16 h;
@@ -158,7 +212,7 @@ inline void widen_bf16(const uint16_t* s, float* d, int64_t n) {
   }
 }
 
-inline uint16_t to_bf16(float f) {
+PAGEDSERVE_VEC_INLINE uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
@@ -167,13 +221,14 @@ inline uint16_t to_bf16(float f) {
 }
 
 // d[0:n] = bf16(s[0:n]), round to nearest even, whole vectors while they last.
-inline void narrow_bf16(const float* s, uint16_t* d, int64_t n) {
+PAGEDSERVE_VEC_INLINE void narrow_bf16(const float* s, uint16_t* d, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
     vuint bits;
     std::memcpy(&bits, s + i, sizeof(bits));
     const vuint rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const vuint r = ((bits & 0x7FFFFFFFu) > 0x7F800000u) ? (vuint{} + 0x7FC0u) : rounded;
+    const vuint r = lanewise([](auto b, auto rnd) { return (b & 0x7FFFFFFFu) > 0x7F800000u ? decltype(rnd){} + 0x7FC0u : rnd; },
+                             bits, rounded);
     const vbf16 h = __builtin_convertvector(r, vbf16);
     std::memcpy(d + i, &h, sizeof(h));
   }
