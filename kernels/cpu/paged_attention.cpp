@@ -218,7 +218,6 @@ struct Bf16Rows {
 // stack there, and the vfloat sweeps below ran 2.5x slower on AVX2 than on AVX-512. Native
 // sweeps do the same per-lane arithmetic in the same order, and fold16 sums a 16-lane
 // accumulator in reduce4's association, so every build computes the same scores.
-constexpr int kHalves = kW / kNW;  // native vectors per 16-float vector
 constexpr bool kNativeSweeps = kHalves > 1;
 
 struct Fp32NatRows {

@@ -41,37 +41,47 @@ inline void check_weight(const torch::stable::Tensor& weight, int64_t n) {
 }
 
 // The normalised, weighted row: out = w * (x * inv), inv = 1 / sqrt(sum(x^2) / n + eps).
+// 16 floats at a time as native parts (vec.h kHalves), the sum of squares folded as hsum.
 inline void norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
   int64_t i = 0;
-  vfloat acc = splat(0.0f);
+  vnat acc[kHalves] = {};
   for (; i + kW <= n; i += kW) {
-    const vfloat v = load(x + i);
-    acc += v * v;
+    for (int h = 0; h < kHalves; ++h) {
+      const vnat v = load_nat(x + i + h * kNW);
+      acc[h] += v * v;
+    }
   }
-  float sum = hsum(acc);
+  float sum = hsum_parts(acc);
   for (; i < n; ++i) sum += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  const vfloat vinv = splat(inv);
-  for (i = 0; i + kW <= n; i += kW) store(out + i, load(w + i) * (load(x + i) * vinv));
+  const vnat vinv = splat_nat(inv);
+  for (i = 0; i + kW <= n; i += kW) {
+    for (int h = 0; h < kHalves; ++h) {
+      const int64_t j = i + h * kNW;
+      store_nat(out + j, load_nat(w + j) * (load_nat(x + j) * vinv));
+    }
+  }
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
 // residual += delta over one row of n floats (the same IEEE adds as torch's in-place add).
 inline void add_row(float* residual, const float* delta, int64_t n) {
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) store(residual + i, load(residual + i) + load(delta + i));
+  for (; i + kNW <= n; i += kNW) store_nat(residual + i, load_nat(residual + i) + load_nat(delta + i));
   for (; i < n; ++i) residual[i] += delta[i];
 }
 
 // out[i] = silu(gate[i]) * up[i] for i < inter, where up = gate + inter (gate and up side by side).
 inline void silu_mul_row(float* out, const float* gate, int64_t inter) {
   const float* up = gate + inter;
-  const vfloat one = splat(1.0f);
   int64_t i = 0;
   for (; i + kW <= inter; i += kW) {
-    const vfloat x = load(gate + i);
-    // silu(x) = x / (1 + exp(-x)), as torch computes it; then times up.
-    store(out + i, x / (one + exp_clamped(-x)) * load(up + i));
+    for (int h = 0; h < kHalves; ++h) {
+      const int64_t j = i + h * kNW;
+      const vnat x = load_nat(gate + j);
+      // silu(x) = x / (1 + exp(-x)), as torch computes it; then times up.
+      store_nat(out + j, x / (1.0f + exp_clamped(-x)) * load_nat(up + j));
+    }
   }
   for (; i < inter; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }

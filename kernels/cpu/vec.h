@@ -121,16 +121,61 @@ PAGEDSERVE_VEC_INLINE auto lanewise(F f, V... v) {
 }
 #endif
 
-// x where x >= lo, else lo (a NaN stays NaN), lane-wise; and x where x <= hi, else hi.
-PAGEDSERVE_VEC_INLINE vfloat at_least(vfloat x, vfloat lo) {
-  return lanewise([](auto a, auto b) { return a < b ? b : a; }, x, lo);
+// x where x >= lo, else lo (a NaN stays NaN), lane-wise; and x where x <= hi, else hi. For a
+// native vector a plain select; for a vfloat, on its native parts.
+template <class V>
+PAGEDSERVE_VEC_INLINE V at_least(V x, V lo) {
+  const auto f = [](auto a, auto b) { return a < b ? b : a; };
+  if constexpr (sizeof(V) == sizeof(vnat)) {
+    return f(x, lo);
+  } else {
+    return lanewise(f, x, lo);
+  }
 }
-PAGEDSERVE_VEC_INLINE vfloat at_most(vfloat x, vfloat hi) {
-  return lanewise([](auto a, auto b) { return a > b ? b : a; }, x, hi);
+template <class V>
+PAGEDSERVE_VEC_INLINE V at_most(V x, V hi) {
+  const auto f = [](auto a, auto b) { return a > b ? b : a; };
+  if constexpr (sizeof(V) == sizeof(vnat)) {
+    return f(x, hi);
+  } else {
+    return lanewise(f, x, hi);
+  }
 }
 // The lane-wise larger of x and m, m where x is not greater (x > m ? x : m).
 PAGEDSERVE_VEC_INLINE vfloat greater_of(vfloat x, vfloat m) {
   return lanewise([](auto a, auto b) { return a > b ? a : b; }, x, m);
+}
+
+// Native vectors per 16-float vector (1 on AVX-512, 2 on AVX2, 4 on NEON and SSE2): the row
+// ops walk a row 16 floats at a time, as native parts, so a row's split between vector and
+// scalar code, and so its results, are those of every other build.
+constexpr int kHalves = kW / kNW;
+
+// The sum of a 16-lane vector held as its kHalves native parts v (consumed), associated as
+// hsum sums a vfloat: lanes [0, 8) + [8, 16), [0, 4) + [4, 8), then (0 + 2) + (1 + 3).
+PAGEDSERVE_VEC_INLINE float hsum_parts(vnat* v) {
+  for (int n = kHalves; n > 1; n /= 2) {
+    for (int i = 0; i < n / 2; ++i) v[i] += v[i + n / 2];
+  }
+#if defined(__clang__) || __GNUC__ >= 12
+  // (the preprocessor, not if constexpr: shuffle indices past a narrower vector's end are
+  // errors even in a discarded branch of a non-template function)
+#if defined(__AVX512F__)
+  const vfloat8 a = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v[0], v[0], 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif defined(__AVX__)
+  const vfloat4 b = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3) + __builtin_shufflevector(v[0], v[0], 4, 5, 6, 7);
+#else
+  vfloat4 b;
+  std::memcpy(&b, &v[0], sizeof(b));
+#endif
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float sum = 0.0f;
+  for (int l = 0; l < kNW; ++l) sum += v[0][l];
+  return sum;
+#endif
 }
 
 PAGEDSERVE_VEC_INLINE float hsum(vfloat v) {
@@ -155,15 +200,17 @@ PAGEDSERVE_VEC_INLINE float hmax(vfloat v) {
 // exp(x) for x in [-87, 88], branch-free on whole vectors: x = n ln2 + r with
 // |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes expf coefficients, ~1 ulp), 2^n
 // built in the exponent bits. Callers clamp first (the bounds keep 2^n a normal float).
-PAGEDSERVE_VEC_INLINE vfloat exp_in_range(vfloat x) {
+template <class V = vfloat>
+PAGEDSERVE_VEC_INLINE V exp_in_range(V x) {
+  using VI = decltype(x < x);  // the signed integer vector of V's shape
   // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits
   // are then that integer (two's complement), and subtracting the constant gives it as a float.
-  const vfloat magic = splat(12582912.0f);
-  const vfloat shifted = x * 1.44269504088896341f + magic;
-  const vfloat n = shifted - magic;
-  vfloat r = x - n * 0.693359375f;  // ln2 split in two so n * ln2 is exact enough
+  const V magic = V{} + 12582912.0f;
+  const V shifted = x * 1.44269504088896341f + magic;
+  const V n = shifted - magic;
+  V r = x - n * 0.693359375f;  // ln2 split in two so n * ln2 is exact enough
   r = r - n * -2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -171,25 +218,24 @@ PAGEDSERVE_VEC_INLINE vfloat exp_in_range(vfloat x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   // (vector casts reinterpret the bits in registers; a memcpy went through the stack)
-  const vint bits = (vint)shifted;
-  const vint magic_bits = vint{} + 0x4b400000;  // bit pattern of 12582912.0f
-  const vint scale_bits = (bits - magic_bits + 127) << 23;
-  return p * (vfloat)scale_bits;
+  const VI bits = (VI)shifted;
+  const VI magic_bits = VI{} + 0x4b400000;  // bit pattern of 12582912.0f
+  const VI scale_bits = (bits - magic_bits + 127) << 23;
+  return p * (V)scale_bits;
 }
 
 // exp(x) for x <= 0 (a score minus its row max). Inputs below -87 give ~1e-38 instead of a
 // denormal or 0, which cannot matter next to the row max's exp(0) = 1.
-PAGEDSERVE_VEC_INLINE vfloat exp_nonpositive(vfloat x) {
-  const vfloat lo = splat(-87.0f);
-  return exp_in_range(at_least(x, lo));
+template <class V = vfloat>
+PAGEDSERVE_VEC_INLINE V exp_nonpositive(V x) {
+  return exp_in_range(at_least(x, V{} - 87.0f));
 }
 
 // exp(x) for any x, clamped to [-87, 88]: ~1e-38 below, 1.65e38 (finite) above. Used where
 // the result only enters 1 / (1 + exp(-x)), for which both clamps are exact enough.
-PAGEDSERVE_VEC_INLINE vfloat exp_clamped(vfloat x) {
-  const vfloat lo = splat(-87.0f);
-  const vfloat hi = splat(88.0f);
-  return exp_in_range(at_most(at_least(x, lo), hi));
+template <class V = vfloat>
+PAGEDSERVE_VEC_INLINE V exp_clamped(V x) {
+  return exp_in_range(at_most(at_least(x, V{} - 87.0f), V{} + 88.0f));
 }
 
 // bfloat16 is fp32's top half: widening is exact (a shift), narrowing rounds to nearest even
