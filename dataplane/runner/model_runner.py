@@ -241,6 +241,13 @@ class ModelRunner:
             self._token_masks = TokenMasks(self.model.config.vocab_size)
         return self._token_masks.start_fill(rows)
 
+    def fill_masks_ahead(self, grammars: list[Any]) -> None:
+        """Structured outputs: start filling these samples' next masks now, just after their
+        tokens were accepted, so the fill overlaps the engine's bookkeeping rather than the
+        next forward (TokenMasks.fill_ahead). Nothing before the first constrained step."""
+        if self._token_masks is not None and grammars:
+            self._token_masks.fill_ahead(grammars)
+
     def _mask_logits(self, logits: torch.Tensor, rows: list[tuple[int, Any]], filled: Any) -> None:
         """Each constrained row keeps only the tokens its grammar allows next (the others
         become -inf), in place, before penalties and sampling; a constrained row's logprobs are

@@ -263,6 +263,47 @@ def test_masks_filled_ahead_equal_masks_filled_in_place(llm: Any) -> None:
     masks.close()
 
 
+def test_a_mask_filled_ahead_is_used_only_while_no_token_was_accepted_since(llm: Any) -> None:
+    """TokenMasks.fill_ahead fills a state's next mask into its own row after its tokens were
+    accepted; the step's start_fill copies that row while it is current, and fills afresh
+    once another token was accepted (a stale row would allow the wrong tokens)."""
+    import torch
+    import xgrammar as xgr
+
+    from pagedserve.dataplane.structured.grammar import GrammarState, TokenMasks
+
+    compiled = llm.engine.grammars().compile(Constraint("json_schema", json.dumps(PERSON)))
+    vocab = llm.engine.runner.model.config.vocab_size
+    state, fresh = GrammarState(compiled), GrammarState(compiled)
+    masks = TokenMasks(vocab)
+
+    def step_mask(row: int) -> torch.Tensor:
+        logits = torch.zeros(row + 1, vocab)
+        masks.apply(logits, [(row, state)], masks.start_fill([(row, state)]))
+        return torch.isinf(logits[row])
+
+    def own_mask() -> torch.Tensor:
+        logits = torch.zeros(1, vocab)
+        own = xgr.allocate_token_bitmask(1, vocab)
+        state.fill_mask(own, 0)
+        xgr.apply_token_bitmask_inplace(logits, own, vocab_size=vocab)
+        return torch.isinf(logits[0])
+
+    masks.fill_ahead([state, fresh])
+    assert state.ahead_is_current and fresh.ahead_is_current
+    at_start = step_mask(1)
+    assert torch.equal(at_start, own_mask())
+    assert state.ahead is not None and masks._bitmask[1].equal(state.ahead[0])  # copied, not refilled
+    for token in llm.tokenizer.encode('{"name": "Al', add_special_tokens=False):
+        assert state.accept(token)
+    assert not state.ahead_is_current and fresh.ahead_is_current  # accepting made it stale
+    inside = step_mask(0)
+    assert torch.equal(inside, own_mask()) and not torch.equal(inside, at_start)
+    masks.fill_ahead([state])
+    assert state.ahead_is_current and torch.equal(step_mask(3), own_mask())
+    masks.close()
+
+
 def test_the_engine_fills_masks_off_the_step_path(llm: Any) -> None:
     runner = llm.engine.runner
     waited, filled = runner.mask_seconds, runner.mask_fill_seconds
