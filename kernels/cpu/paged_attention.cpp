@@ -240,22 +240,8 @@ struct Bf16NatRows {
 // reduce4 sums each of its rows: lanes [0, 8) + [8, 16), then [0, 4) + [4, 8), then
 // (0 + 1) + (2 + 3).
 inline float fold16(vnat* v) {
-  for (int n = kHalves; n > 1; n /= 2) {
-    for (int i = 0; i < n / 2; ++i) v[i] += v[i + n / 2];
-  }
-#if defined(__clang__) || __GNUC__ >= 12
-  vfloat4 r;
-  if constexpr (kNW == 8) {
-    r = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3) + __builtin_shufflevector(v[0], v[0], 4, 5, 6, 7);
-  } else {
-    std::memcpy(&r, &v[0], sizeof(r));
-  }
+  const vfloat4 r = fold_to_4(v);
   return (r[0] + r[1]) + (r[2] + r[3]);
-#else
-  float sum = 0.0f;
-  for (int l = 0; l < kNW; ++l) sum += v[0][l];
-  return sum;
-#endif
 }
 
 // out[0:4] = the lane sums of p0..p3, reduced together (transpose-and-add): 3x fewer
@@ -353,6 +339,32 @@ constexpr int columns_together() {
   return cv;
 }
 
+// acc_g[c kW' .. ] += sum_o w_g[o] v_o over the ncols vectors (of V: a vfloat, or a native
+// vector of the build, kW' floats) of the GC heads' accumulator rows, CN columns per sweep of
+// the rows: GC x CN accumulators in registers, each getting one multiply-add per key.
+template <class V, int CN, int GC, class VRows, class Lookahead>
+void value_columns(float* acc, int64_t D, const float* w, int64_t ss, const char* v, int64_t v_stride, int64_t n,
+                   int64_t ncols, Lookahead* lookahead) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  for (int64_t c0 = 0; c0 < ncols; c0 += CN) {
+    V a[GC][CN];
+    for (int g = 0; g < GC; ++g) {
+      for (int c = 0; c < CN; ++c) a[g][c] = load_as<V>(acc + g * D + (c0 + c) * kWidth);
+    }
+    for (int64_t o = 0; o < n; ++o) {
+      lookahead->step();
+      const char* row = v + o * v_stride;
+      for (int c = 0; c < CN; ++c) {
+        const V vv = VRows::vec(row, c0 + c);
+        for (int g = 0; g < GC; ++g) a[g][c] += (w[g * ss + o] - V{}) * vv;
+      }
+    }
+    for (int g = 0; g < GC; ++g) {
+      for (int c = 0; c < CN; ++c) store_as<V>(acc + g * D + (c0 + c) * kWidth, a[g][c]);
+    }
+  }
+}
+
 // Pass 2 on n rows of one kv head: acc_g[0:D] += sum_o w_g[o] v_o for the GC query heads
 // (w_g = w + g ss, acc_g = acc + g D), keys in order. Each accumulator vector gets one
 // multiply-add per key, so GC x CV independent chains hide the FMA latency that one head's
@@ -362,23 +374,7 @@ void block_values(float* acc, int64_t D, const float* w, int64_t ss, const char*
                   Lookahead* lookahead) {
   constexpr int CV = columns_together<NV, GC>();
   const int64_t nv = NV ? NV : D / kW;
-  for (int64_t c0 = 0; c0 < nv; c0 += CV) {
-    vfloat a[GC][CV];
-    for (int g = 0; g < GC; ++g) {
-      for (int c = 0; c < CV; ++c) a[g][c] = load(acc + g * D + (c0 + c) * kW);
-    }
-    for (int64_t o = 0; o < n; ++o) {
-      lookahead->step();
-      const char* row = v + o * v_stride;
-      for (int c = 0; c < CV; ++c) {
-        const vfloat vv = Rows::vec(row, c0 + c);
-        for (int g = 0; g < GC; ++g) a[g][c] += splat(w[g * ss + o]) * vv;
-      }
-    }
-    for (int g = 0; g < GC; ++g) {
-      for (int c = 0; c < CV; ++c) store(acc + g * D + (c0 + c) * kW, a[g][c]);
-    }
-  }
+  value_columns<vfloat, CV, GC, Rows>(acc, D, w, ss, v, v_stride, n, nv, lookahead);
   if constexpr (NV == 0) {
     for (int64_t o = 0; o < n; ++o) {
       const char* row = v + o * v_stride;
@@ -429,23 +425,7 @@ template <int NV, int GC, class NatRows, class Lookahead>
 void block_values_native(float* acc, int64_t D, const float* w, int64_t ss, const char* v, int64_t v_stride,
                          int64_t n, Lookahead* lookahead) {
   constexpr int CN = native_columns_together<NV, GC>();
-  for (int64_t c0 = 0; c0 < NV * kHalves; c0 += CN) {
-    vnat a[GC][CN];
-    for (int g = 0; g < GC; ++g) {
-      for (int c = 0; c < CN; ++c) a[g][c] = load_nat(acc + g * D + (c0 + c) * kNW);
-    }
-    for (int64_t o = 0; o < n; ++o) {
-      lookahead->step();
-      const char* row = v + o * v_stride;
-      for (int c = 0; c < CN; ++c) {
-        const vnat vv = NatRows::vec(row, c0 + c);
-        for (int g = 0; g < GC; ++g) a[g][c] += splat_nat(w[g * ss + o]) * vv;
-      }
-    }
-    for (int g = 0; g < GC; ++g) {
-      for (int c = 0; c < CN; ++c) store_nat(acc + g * D + (c0 + c) * kNW, a[g][c]);
-    }
-  }
+  value_columns<vnat, CN, GC, NatRows>(acc, D, w, ss, v, v_stride, n, NV * kHalves, lookahead);
 }
 
 // Query heads per sweep (for_each_head_chunk's kMax) and pass 2's lookahead steps per key

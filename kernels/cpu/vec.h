@@ -151,31 +151,55 @@ PAGEDSERVE_VEC_INLINE vfloat greater_of(vfloat x, vfloat m) {
 // scalar code, and so its results, are those of every other build.
 constexpr int kHalves = kW / kNW;
 
-// The sum of a 16-lane vector held as its kHalves native parts v (consumed), associated as
-// hsum sums a vfloat: lanes [0, 8) + [8, 16), [0, 4) + [4, 8), then (0 + 2) + (1 + 3).
-PAGEDSERVE_VEC_INLINE float hsum_parts(vnat* v) {
+// A 16-lane vector held as its kHalves native parts v (consumed), folded to 4 lanes: lanes
+// [0, 8) + [8, 16), then [0, 4) + [4, 8), the first two levels of hsum's (and the decode
+// attention's reduce4) tree, so a sum finished from here equals theirs.
+PAGEDSERVE_VEC_INLINE vfloat4 fold_to_4(vnat* v) {
   for (int n = kHalves; n > 1; n /= 2) {
     for (int i = 0; i < n / 2; ++i) v[i] += v[i + n / 2];
   }
-#if defined(__clang__) || __GNUC__ >= 12
-  // (the preprocessor, not if constexpr: shuffle indices past a narrower vector's end are
-  // errors even in a discarded branch of a non-template function)
-#if defined(__AVX512F__)
+#if (defined(__clang__) || __GNUC__ >= 12) && defined(__AVX512F__)
   const vfloat8 a = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3, 4, 5, 6, 7) +
                     __builtin_shufflevector(v[0], v[0], 8, 9, 10, 11, 12, 13, 14, 15);
-  const vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#elif defined(__AVX__)
-  const vfloat4 b = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3) + __builtin_shufflevector(v[0], v[0], 4, 5, 6, 7);
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif (defined(__clang__) || __GNUC__ >= 12) && defined(__AVX__)
+  return __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3) + __builtin_shufflevector(v[0], v[0], 4, 5, 6, 7);
 #else
-  vfloat4 b;
-  std::memcpy(&b, &v[0], sizeof(b));
+  // (the preprocessor, not if constexpr: shuffle indices past a narrower vector's end are
+  // errors even in a discarded branch of a non-template function)
+  float lanes[kNW];
+  std::memcpy(lanes, &v[0], sizeof(lanes));
+  for (int n = kNW; n > 4; n /= 2) {
+    for (int i = 0; i < n / 2; ++i) lanes[i] += lanes[i + n / 2];
+  }
+  vfloat4 r;
+  std::memcpy(&r, lanes, sizeof(r));
+  return r;
 #endif
+}
+
+// The sum of a 16-lane vector held as its kHalves native parts (consumed), as hsum sums it.
+PAGEDSERVE_VEC_INLINE float hsum_parts(vnat* v) {
+  const vfloat4 b = fold_to_4(v);
   return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-  float sum = 0.0f;
-  for (int l = 0; l < kNW; ++l) sum += v[0][l];
-  return sum;
-#endif
+}
+
+// A V (vfloat or the build's native vector) from / to floats, for code written for both.
+template <class V>
+PAGEDSERVE_VEC_INLINE V load_as(const float* p) {
+  if constexpr (sizeof(V) == sizeof(vnat)) {
+    return load_nat(p);
+  } else {
+    return load(p);
+  }
+}
+template <class V>
+PAGEDSERVE_VEC_INLINE void store_as(float* p, V v) {
+  if constexpr (sizeof(V) == sizeof(vnat)) {
+    store_nat(p, v);
+  } else {
+    store(p, v);
+  }
 }
 
 PAGEDSERVE_VEC_INLINE float hsum(vfloat v) {
