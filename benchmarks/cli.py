@@ -119,7 +119,8 @@ def add_bench_parser(subparsers: Any) -> None:
             choices=CAPS,
             default=None,
             help="limit every engine of the run (ours, oneDNN, torch, vLLM) to this ISA: an AVX-512 "
-            "machine then measures what an AVX2-only one would (benchmarks/isa_cap.py says what it caps)",
+            "machine then measures what an AVX2-only one would (benchmarks/isa_cap.py says what it caps) "
+            "(default: no cap, every engine at the best ISA the CPU runs)",
         )
         p.set_defaults(func=run_bench, bench_module=module, bench_name=name)
         _lazy_arguments(p, module)
