@@ -349,13 +349,7 @@ class LLMEngine:
                     item.request.output_top_logprobs.append(token.top_logprobs)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
         finished = self.scheduler.update_from_output(out, token_ids)
-        self.runner.fill_masks_ahead(
-            [
-                r.grammar
-                for r in (item.request for item in out.scheduled)
-                if r.grammar is not None and not r.status.finished
-            ]
-        )
+        self.runner.fill_masks_ahead(out.scheduled)
         self._admit_siblings()
         now = time.monotonic()
         for request in finished:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,11 +241,19 @@ class ModelRunner:
             self._token_masks = TokenMasks(self.model.config.vocab_size)
         return self._token_masks.start_fill(rows)
 
-    def fill_masks_ahead(self, grammars: list[Any]) -> None:
-        """Structured outputs: start filling these samples' next masks now, just after their
-        tokens were accepted, so the fill overlaps the engine's bookkeeping rather than the
-        next forward (TokenMasks.fill_ahead). Nothing before the first constrained step."""
-        if self._token_masks is not None and grammars:
+    def fill_masks_ahead(self, scheduled: Sequence[Any]) -> None:
+        """Structured outputs: start filling the step's unfinished constrained samples' next
+        masks now, just after their tokens were accepted, so the fill overlaps the engine's
+        bookkeeping rather than the next forward (TokenMasks.fill_ahead). Nothing (not even a
+        pass over the step) before the first constrained step."""
+        if self._token_masks is None:
+            return
+        grammars = [
+            item.request.grammar
+            for item in scheduled
+            if item.request.grammar is not None and not item.request.status.finished
+        ]
+        if grammars:
             self._token_masks.fill_ahead(grammars)
 
     def _mask_logits(self, logits: torch.Tensor, rows: list[tuple[int, Any]], filled: Any) -> None:
