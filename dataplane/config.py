@@ -28,6 +28,7 @@ CPU_LINEAR_MODES = ("auto", "panel", "onednn")
 CPU_WEIGHT_DTYPES = ("float32", "bfloat16")
 # Quantize a float checkpoint's linear weights at load (dataplane/runner/quant_linear.py).
 QUANTIZATIONS = ("int8",)
+QUANTIZED_MATMULS = ("auto", "int8", "float32")
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # swap_space left unset next to a GPU: 4 GiB of host memory, vLLM's `--swap-space` default.
@@ -228,9 +229,23 @@ class ModelConfig:
         choices=QUANTIZATIONS,
     )
 
+    quantized_matmul: str = setting(
+        "auto",
+        "quantized models (GGUF, --quantization int8) on the CPU: int8 rounds each activation row "
+        "to int8 per block of 32 inputs and sums integer dot products (as llama.cpp does; AVX-512 "
+        "VNNI or AVX2); float32 de-quantizes the weights in registers, bit-identical to the fp32 "
+        "model on the de-quantized weights; auto is int8 where the kernels have integer dot "
+        "products (AVX2 or better), else float32",
+        choices=QUANTIZED_MATMULS,
+    )
+
     def __post_init__(self) -> None:
         check_bounds(self)
         # (Its dtype and device are checked where the model loads, as a GGUF model's are.)
+        if self.quantized_matmul not in QUANTIZED_MATMULS:
+            raise ValueError(
+                f"quantized_matmul must be one of {QUANTIZED_MATMULS}, got {self.quantized_matmul!r}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}"

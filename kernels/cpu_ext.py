@@ -129,14 +129,20 @@ class CpuKernels:
     # this build computes it with AVX-512 BF16 dot products (x rounded to bf16)
     panel_linear_bf16: Callable[..., None]
     bf16_dot_products: bool
-    # kernels/cpu/linear_quant.cpp: quant_panel_linear(out, x, packed, bias), float32 x/out/bias,
-    # packed uint8 (4-bit) or int8 (8-bit) by pagedserve.kernels.quant.pack_quant_panels, bias
-    # empty for none
+    # kernels/cpu/linear_quant.cpp: quant_panel_linear(out, x, packed, bias, int8_activations),
+    # float32 x/out/bias, packed uint8 (4-bit) or int8 (8-bit) by
+    # pagedserve.kernels.quant.pack_quant_panels, bias empty for none; int8_dot_products: how
+    # this build sums int8_activations' integer products (INT8_DOT_PRODUCTS)
     quant_panel_linear: Callable[..., None]
+    int8_dot_products: str
     isa: str
     library_path: str
     cflags: tuple[str, ...]
 
+
+# kernels/cpu/linear_quant.cpp quant_int_dot_products(), by its number: "avx2" is vpmaddubsw
+# + vpmaddwd, "avx512bw" the same on AVX-512 without VNNI.
+INT8_DOT_PRODUCTS = ("generic", "avx2", "avx_vnni", "avx512bw", "avx512_vnni")
 
 _lock = threading.Lock()
 # Per ISA, once loaded: the kernels, or the exception the build failed with.
@@ -481,6 +487,7 @@ def _build(isa: str, verbose: bool) -> CpuKernels:
                 panel_linear_bf16=ops.panel_linear_bf16.default,
                 bf16_dot_products=bool(ops.bf16_dot_products.default()),
                 quant_panel_linear=ops.quant_panel_linear.default,
+                int8_dot_products=INT8_DOT_PRODUCTS[int(ops.quant_int_dot_products.default())],
                 isa=isa,
                 library_path=library,
                 cflags=tuple(cflags),

@@ -12,8 +12,9 @@ each, and the product is exact for every format with a min, so it equals the fus
 multiply-add the kernel uses). `pack_quant_panels` reorders a weight once, at load, into the
 column panels of the build's ISA (the fp32 panels' order, kernels/linear.py), 4-bit values two
 to a byte, each panel's groups one after the other in one row of bytes (a group's values, then
-its scales and mins); `quant_panel_linear` computes x @ weight.T + bias from them, bit-identical to
-`panel_linear` over the de-quantized weight.
+its scales and mins); `quant_panel_linear` computes x @ weight.T + bias from them: in floats, bit-identical to
+`panel_linear` over the de-quantized weight, or by integer dot products over x rounded to int8
+per block (`round_activations`), as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -154,17 +155,29 @@ def _panels(t: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(panels, width, cols).transpose(1, 2).contiguous()
 
 
+# k steps per chunk of a packed group: a 32-bit lane holds one column's values at 4 steps.
+CHUNK_STEPS = 4
+
+
 def pack_quant_panels(weight: QuantizedWeight, width: int) -> QuantPanels:
-    """Reorder `weight` into panels of `width` output columns (the build's panel_width)."""
+    """Reorder `weight` into panels of `width` output columns (the build's panel_width); its
+    group must be a multiple of CHUNK_STEPS."""
     if width not in PANEL_WIDTHS:
         raise ValueError(f"pack_quant_panels: width must be one of {PANEL_WIDTHS}, got {width}")
     if weight.bits == 8 and weight.mins is not None:
         raise ValueError(f"{weight.kind}: the kernel takes 8-bit values without mins only")
-    values = _panels(weight.values, width)
+    if weight.group % CHUNK_STEPS:
+        raise ValueError(
+            f"{weight.kind}: the kernel takes groups of a multiple of {CHUNK_STEPS} inputs, got {weight.group}"
+        )
+    values = _panels(weight.values, width)  # [P, K, W]
+    panels, k_len = values.shape[0], values.shape[1]
+    # Chunks of 4 k steps, one lane of 4 bytes per column: [P, K / 4, W, 4].
+    values = values.view(panels, k_len // CHUNK_STEPS, CHUNK_STEPS, width).transpose(2, 3)
     if weight.bits == 4:
         half = width // 2
-        values = values[..., :half] | (values[..., half:] << 4)
-    panels, groups = values.shape[0], weight.in_features // weight.group
+        values = values[:, :, :half] | (values[:, :, half:] << 4)
+    groups = weight.in_features // weight.group
     # Per group: its values, then its scales (and mins), so a panel is read front to back.
     parts = [values.contiguous().view(torch.uint8).reshape(panels, groups, -1), _panels(weight.scales, width)]
     if weight.mins is not None:
@@ -176,10 +189,44 @@ def pack_quant_panels(weight: QuantizedWeight, width: int) -> QuantPanels:
     return QuantPanels(packed if weight.bits == 4 else packed.view(torch.int8), weight.out_features)
 
 
+def activation_block(group: int) -> int:
+    """Inputs per activation scale of the integer dot products for a weight of `group` inputs
+    per scale: the group where it is at most 32, else 32 where that divides it (llama.cpp's Q8
+    block); 0 where neither (the kernel then multiplies in floats). Mirrors panel_quant.h."""
+    if group % CHUNK_STEPS:
+        return 0
+    if group <= 32:
+        return group
+    return 32 if group % 32 == 0 else 0
+
+
+def round_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] float32 as the integer dot products multiply it for a weight of `group`
+    inputs per scale: each block's values rounded (ties to even) to steps of scale = its max
+    |x| / 127, back in float32; and the scales [rows, in / block]. The kernel's own rounding,
+    bit for bit (the reference its tests compare with)."""
+    block = activation_block(group)
+    if block == 0:
+        raise ValueError(f"a weight of {group} inputs per scale is multiplied in floats")
+    rows, k_len = x.shape
+    blocks = x.reshape(rows, k_len // block, block)
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    steps = torch.round(blocks * inverse).clamp_(-127, 127)
+    return (steps * scales).reshape(rows, k_len), scales.squeeze(-1)
+
+
 def quant_panel_linear(
-    ops: CpuKernels, x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = None
+    ops: CpuKernels,
+    x: torch.Tensor,
+    panels: QuantPanels,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
-    """x [rows, in] float32 (last dim contiguous) @ the weight.T (+ bias) -> [rows, out]."""
+    """x [rows, in] float32 (last dim contiguous) @ the weight.T (+ bias) -> [rows, out];
+    int8_activations: by integer dot products over x rounded to int8 per block
+    (`int8_rows`), else in floats."""
     out = x.new_empty(x.shape[0], panels.out_features)
-    ops.quant_panel_linear(out, x, panels.packed, NO_BIAS if bias is None else bias)
+    ops.quant_panel_linear(out, x, panels.packed, NO_BIAS if bias is None else bias, int8_activations)
     return out

@@ -156,6 +156,7 @@ class LLMEngine:
                 attention_backend=config.model.attention_backend,
                 cpu_linear=config.model.cpu_linear,
                 cpu_weight_dtype=config.model.cpu_weight_dtype,
+                quantized_matmul=config.model.quantized_matmul,
                 kv_scales=self.kv_scales,
                 num_host_blocks=num_host_blocks,
                 tensor_parallel_size=tp,

@@ -46,6 +46,7 @@ def build_worker_runner(
         attention_backend=model_cfg.attention_backend,
         cpu_linear=model_cfg.cpu_linear,
         cpu_weight_dtype=model_cfg.cpu_weight_dtype,
+        quantized_matmul=model_cfg.quantized_matmul,
         kv_scales=layout.kv_scales(),
         num_host_blocks=layout.num_host_blocks,
         tensor_parallel_size=group.world_size,

@@ -242,6 +242,7 @@ class FusedDecoderLayer(nn.Module):
         # bind_block_kernels: the C++ ops' arguments after hidden_states for each half of the
         # layer (None: that half runs op by op).
         self.attention_input_args: tuple[Any, ...] | None = None
+        self.attention_input_int8 = False  # the op's last argument, after the rotary tables
         self.mlp_args: tuple[Any, ...] | None = None
         # Qwen3: per-head RMSNorm of q and k before rotary. q and k are adjacent in the fused
         # output, so one norm over [T, H + KVH, D] with the two weights stacked per head
@@ -282,7 +283,11 @@ class FusedDecoderLayer(nn.Module):
         qk_width = (heads + kv_heads) * head_dim
         if self.attention_input_args is not None and ops is not None:
             qkv = ops.decoder_attention_input(
-                h, *self.attention_input_args, *self.rotary.flat(*position_embeddings), heads + kv_heads
+                h,
+                *self.attention_input_args,
+                *self.rotary.flat(*position_embeddings),
+                heads + kv_heads,
+                self.attention_input_int8,
             )  # [T, (H + 2 KVH) D], q and k rotated
             qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim)
         else:
@@ -324,11 +329,13 @@ class FusedDecoderLayer(nn.Module):
                 qkv.kernel_bias,
                 qkv.out_features,
             )
+            self.attention_input_int8 = _int8_activations(qkv)
         if _panels(o) and _panels(gate_up) and _panels(down):
             norm = self.post_attention_layernorm
             self.mlp_args = (
                 o.panels, o.kernel_bias, norm.weight.detach(), float(norm.variance_epsilon),
                 gate_up.panels, gate_up.kernel_bias, gate_up.out_features // 2, down.panels, down.kernel_bias,
+                _int8_activations(o, gate_up, down),
             )  # fmt: skip
         return self.attention_input_args is not None, self.mlp_args is not None
 
@@ -336,6 +343,12 @@ class FusedDecoderLayer(nn.Module):
 def _panels(linear: object) -> TypeGuard[PanelLinear | QuantPanelLinear]:
     """A linear the block ops take: fp32 / bf16 panels, or quantized panels (a GGUF model's)."""
     return isinstance(linear, (PanelLinear, QuantPanelLinear))
+
+
+def _int8_activations(*linears: object) -> bool:
+    """Whether the block op's quantized linears multiply by integer dot products (the op takes
+    one flag for all of its linears; the fp32 / bf16 ones ignore it)."""
+    return any(isinstance(lin, QuantPanelLinear) and lin.int8_activations for lin in linears)
 
 
 def bind_block_kernels(model: nn.Module) -> tuple[int, int]:

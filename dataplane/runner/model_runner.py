@@ -15,7 +15,7 @@ from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack
 from pagedserve.dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
 from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
-from pagedserve.dataplane.runner.quant_linear import pack_quant_linears
+from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
 from pagedserve.dataplane.runner.sampler import SampledToken, sample
 from pagedserve.dataplane.scheduler import SchedulerOutput
 from pagedserve.kernels import build_attention_metadata, swap_blocks
@@ -69,6 +69,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         cpu_linear: str = "auto",
         cpu_weight_dtype: str = "float32",
+        quantized_matmul: str = "auto",
         kv_scales: KVScales | None = None,
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
@@ -98,7 +99,8 @@ class ModelRunner:
             bf16 = cpu_weight_dtype == "bfloat16"
             self.linear_choices = select_linears(model, cpu_ops, cpu_linear, bf16_weights=bf16)
             pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices, bf16_weights=bf16)
-            pack_quant_linears(model, cpu_ops)  # a GGUF model's quantized linears
+            # a GGUF model's quantized linears, or --quantization int8's
+            pack_quant_linears(model, cpu_ops, int8_activations=int8_activations(quantized_matmul, cpu_ops))
             self.lm_head = model.get_output_embeddings()
             bind_block_kernels(model)
         self.block_size = block_size

@@ -4,9 +4,12 @@ A GGUF model's loader (gguf_loader.py) puts a `QuantLinear` where the checkpoint
 weight is quantized, and a `QuantEmbedding` for a quantized token embedding. Both hold a
 pagedserve.kernels.quant.QuantizedWeight (values, per-group scales and mins). At load,
 `pack_quant_linears` turns each QuantLinear into a `QuantPanelLinear`: the weight
-reordered once into the C++ kernel's column panels (kernels/cpu/linear_quant.cpp), which
-de-quantizes it in registers as it multiplies, so a decode step reads 4 or 8 bits per weight
-instead of 32. Its result is bit-identical to the fp32 panels on the de-quantized weight.
+reordered once into the C++ kernel's column panels (kernels/cpu/linear_quant.cpp), so a
+decode step reads 4 or 8 bits per weight instead of 32. The kernel multiplies either by
+integer dot products over the activations rounded to int8 per block of 32 (`--quantized-matmul
+int8`, auto where the build has them, as llama.cpp does), or de-quantizes the weight in
+registers and multiplies in fp32 (float32: bit-identical to the fp32 panels on the
+de-quantized weight).
 
 Without the C++ kernels a QuantLinear de-quantizes its weight on every call (correct, slow;
 logged at load).
@@ -24,7 +27,7 @@ from torch import nn
 from pagedserve.dataplane.runner.cpu_linear import replace_module, rows_of
 from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.linear import NO_BIAS
-from pagedserve.kernels.quant import QuantizedWeight, pack_quant_panels, quantize_int8
+from pagedserve.kernels.quant import CHUNK_STEPS, QuantizedWeight, pack_quant_panels, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +84,12 @@ class QuantPanelLinear(nn.Module):
 
     panels: torch.Tensor
 
-    def __init__(self, linear: QuantLinear, ops: CpuKernels) -> None:
+    def __init__(self, linear: QuantLinear, ops: CpuKernels, *, int8_activations: bool) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.kind = linear.weight_q.kind
+        self.int8_activations = int8_activations
         self._ops = ops
         self.register_buffer(
             "panels", pack_quant_panels(linear.weight_q, ops.panel_width).packed, persistent=False
@@ -100,11 +104,14 @@ class QuantPanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = rows_of(x, self.in_features)
         out = flat.new_empty(flat.shape[0], self.out_features)
-        self._ops.quant_panel_linear(out, flat, self.panels, self.kernel_bias)
+        self._ops.quant_panel_linear(out, flat, self.panels, self.kernel_bias, self.int8_activations)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels={self.kind}"
+        matmul = "int8 activations" if self.int8_activations else "float32"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, panels={self.kind}, {matmul}"
+        )
 
 
 class QuantEmbedding(nn.Module):
@@ -139,9 +146,20 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     return len(targets)
 
 
-def pack_quant_linears(model: nn.Module, ops: CpuKernels | None) -> int:
-    """Replace every QuantLinear of `model` by a QuantPanelLinear (with `ops`); returns how
-    many were replaced (0 without the C++ kernels: the layers then de-quantize per call)."""
+def int8_activations(quantized_matmul: str, ops: CpuKernels | None) -> bool:
+    """Whether quantized linears multiply by integer dot products over int8 activations:
+    `quantized_matmul` ("auto", "int8", "float32"; the engine setting) on this build of the
+    kernels; auto means where it has integer dot-product instructions (AVX2 or better)."""
+    if quantized_matmul == "auto":
+        return ops is not None and ops.int8_dot_products != "generic"
+    return quantized_matmul == "int8"
+
+
+def pack_quant_linears(model: nn.Module, ops: CpuKernels | None, *, int8_activations: bool = False) -> int:
+    """Replace every QuantLinear of `model` by a QuantPanelLinear (with `ops`, multiplying by
+    integer dot products with `int8_activations`); returns how many were replaced (0 without
+    the C++ kernels: the layers then de-quantize per call). A weight whose group is not a
+    multiple of 4 inputs (the kernel's chunk) stays a QuantLinear."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
     if ops is None:
         if targets:
@@ -151,9 +169,25 @@ def pack_quant_linears(model: nn.Module, ops: CpuKernels | None) -> int:
                 len(targets),
             )
         return 0
-    for name, linear in targets:
-        replace_module(model, name, QuantPanelLinear(linear, ops))
-    return len(targets)
+    packable = [(name, m) for name, m in targets if m.weight_q.group % CHUNK_STEPS == 0]
+    if len(packable) < len(targets):
+        log.warning(
+            "%d quantized linears have groups of inputs that are not a multiple of %d: they "
+            "de-quantize their weights on every call (correct, slower)",
+            len(targets) - len(packable),
+            CHUNK_STEPS,
+        )
+    for name, linear in packable:
+        replace_module(model, name, QuantPanelLinear(linear, ops, int8_activations=int8_activations))
+    if packable:
+        log.info(
+            "%d quantized linears on the C++ kernel, multiplying %s",
+            len(packable),
+            f"by integer dot products ({ops.int8_dot_products}) over int8 activations"
+            if int8_activations
+            else "in float32 (weights de-quantized in registers)",
+        )
+    return len(packable)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -3,18 +3,19 @@
 //
 // Ops (pagedserve_cpu::):
 //   decoder_attention_input(hidden, norm_weight, eps, qkv_packed, qkv_bias, qkv_features, cos,
-//                           sin, rotary_heads) -> Tensor qkv [T, qkv_features]
+//                           sin, rotary_heads, int8_activations=False) -> Tensor qkv [T, qkv_features]
 //       qkv = rms_norm(hidden) @ W_qkv.T + b_qkv, then rotary (neox) in place on the first
 //       `rotary_heads` heads of each row: q and k side by side, v after them unrotated.
 //   decoder_mlp(hidden, attn, o_packed, o_bias, norm_weight, eps, gate_up_packed, gate_up_bias,
-//               intermediate_size, down_packed, down_bias) -> ()
+//               intermediate_size, down_packed, down_bias, int8_activations=False) -> ()
 //       hidden += attn @ W_o.T + b_o; x = rms_norm(hidden); gu = x @ W_gate_up.T + b;
 //       hidden += (silu(gu[:, :I]) * gu[:, I:]) @ W_down.T + b_down; hidden in place.
 //
 // hidden: [T, H] float32, contiguous; norm weights [H]; *_packed: panel-packed weights, each
 // fp32 (kernels/linear.py pack_panels), bf16 (pack_panels_bf16) or quantized
 // (kernels/quant.py pack_quant_panels), biases [N] or empty; cos, sin: [T, head_dim] contiguous;
-// attn: [T, heads * head_dim] with a contiguous last dim.
+// attn: [T, heads * head_dim] with a contiguous last dim; int8_activations: the quantized
+// linears multiply by integer dot products (panel_quant.h; the others ignore it).
 //
 // Why: in a decode step the work between a layer's matmuls is small, and calling it from
 // Python as ten ops per layer (norm, linear, rotary, linear, add + norm, linear, SiLU,
@@ -60,12 +61,12 @@ struct LayerLinear {
 };
 
 LayerLinear linear_problem(const char* what, const Tensor& out, const Tensor& x, const Tensor& packed,
-                           const Tensor& bias) {
+                           const Tensor& bias, bool int8_activations) {
   if (packed.scalar_type() == torch::headeronly::ScalarType::BFloat16) {
     return LayerLinear{LayerLinear::Kind::kBf16, {}, panel_problem_bf16(what, out, x, packed, bias), {}};
   }
   if (is_quantized(packed)) {
-    return LayerLinear{LayerLinear::Kind::kQuant, {}, {}, quant_problem(what, out, x, packed, bias)};
+    return LayerLinear{LayerLinear::Kind::kQuant, {}, {}, quant_problem(what, out, x, packed, bias, int8_activations)};
   }
   return LayerLinear{LayerLinear::Kind::kF32, panel_problem(what, out, x, packed, bias), {}, {}};
 }
@@ -85,7 +86,8 @@ void run_linear(const LayerLinear& l, bool accumulate) {
 }
 
 Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Tensor qkv_packed, Tensor qkv_bias,
-                               int64_t qkv_features, Tensor cos, Tensor sin, int64_t rotary_heads) {
+                               int64_t qkv_features, Tensor cos, Tensor sin, int64_t rotary_heads,
+                               bool int8_activations) {
   const int64_t h = check_hidden(hidden);
   const int64_t tokens = hidden.size(0);
   check_weight(norm_weight, h);
@@ -96,7 +98,7 @@ Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Te
   Tensor normed = torch::stable::new_empty(hidden, {tokens, h});
   Tensor qkv = torch::stable::new_empty(hidden, {tokens, qkv_features});
   // Every shape is checked before any work, as in decoder_mlp.
-  const LayerLinear m = linear_problem("decoder_attention_input", qkv, normed, qkv_packed, qkv_bias);
+  const LayerLinear m = linear_problem("decoder_attention_input", qkv, normed, qkv_packed, qkv_bias, int8_activations);
   STD_TORCH_CHECK(rotary_heads >= 0 && rotary_heads * dim <= qkv_features, "rotary_heads (", rotary_heads, ") x head_dim (",
                   dim, ") exceeds the ", qkv_features, " q/k/v columns");
   norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
@@ -109,7 +111,7 @@ Tensor decoder_attention_input(Tensor hidden, Tensor norm_weight, double eps, Te
 
 void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Tensor norm_weight, double eps,
                  Tensor gate_up_packed, Tensor gate_up_bias, int64_t intermediate_size, Tensor down_packed,
-                 Tensor down_bias) {
+                 Tensor down_bias, bool int8_activations) {
   const int64_t h = check_hidden(hidden);
   const int64_t tokens = hidden.size(0);
   check_weight(norm_weight, h);
@@ -119,9 +121,10 @@ void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Ten
   Tensor gate_up = torch::stable::new_empty(hidden, {tokens, 2 * inter});
   Tensor act = torch::stable::new_empty(hidden, {tokens, inter});
   // Every shape is checked before hidden is touched: a refused call changes nothing.
-  const LayerLinear o = linear_problem("decoder_mlp (o_proj)", hidden, attn, o_packed, o_bias);
-  const LayerLinear gu = linear_problem("decoder_mlp (gate_up_proj)", gate_up, normed, gate_up_packed, gate_up_bias);
-  const LayerLinear down = linear_problem("decoder_mlp (down_proj)", hidden, act, down_packed, down_bias);
+  const LayerLinear o = linear_problem("decoder_mlp (o_proj)", hidden, attn, o_packed, o_bias, int8_activations);
+  const LayerLinear gu = linear_problem("decoder_mlp (gate_up_proj)", gate_up, normed, gate_up_packed, gate_up_bias,
+                                         int8_activations);
+  const LayerLinear down = linear_problem("decoder_mlp (down_proj)", hidden, act, down_packed, down_bias, int8_activations);
 
   run_linear(o, /*accumulate=*/true);  // hidden += attn @ W_o.T + b_o
   norm_rows(normed.mutable_data_ptr<float>(), h, hidden.const_data_ptr<float>(), h, norm_weight.const_data_ptr<float>(),
@@ -136,10 +139,11 @@ void decoder_mlp(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Ten
 STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def(
       "decoder_attention_input(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_packed, Tensor qkv_bias, "
-      "int qkv_features, Tensor cos, Tensor sin, int rotary_heads) -> Tensor");
+      "int qkv_features, Tensor cos, Tensor sin, int rotary_heads, bool int8_activations=False) -> Tensor");
   m.def(
       "decoder_mlp(Tensor(a!) hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Tensor norm_weight, float eps, "
-      "Tensor gate_up_packed, Tensor gate_up_bias, int intermediate_size, Tensor down_packed, Tensor down_bias) -> ()");
+      "Tensor gate_up_packed, Tensor gate_up_bias, int intermediate_size, Tensor down_packed, Tensor down_bias, "
+      "bool int8_activations=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {

@@ -1,24 +1,29 @@
 // CPU linear layer over quantized weights kept quantized in memory, in column panels.
 //
-// Op: pagedserve_cpu::quant_panel_linear(out, x, packed, bias) -> ()
+// Op: pagedserve_cpu::quant_panel_linear(out, x, packed, bias, int8_activations=False) -> ()
 //   x:      [M, K] float32, last dim contiguous (any row stride)
 //   packed: [P, B] contiguous bytes, one row per panel of W output columns (W = the panel
 //           width: 32 AVX-512, 16 AVX2, 8 portable; kernels/quant.py pack_quant_panels), the
-//           G groups of K/G inputs one after the other, each:
-//           - uint8: 4-bit values with mins. K/G x W/2 bytes of values in the fp32 panels'
-//             order (kernels/cpu/panel.h), one k step after the other, byte j holding column j
-//             (low nibble) and column j + W/2 (high nibble), values 0 .. 15; then the group's
-//             float32 scales [W], then its float32 mins [W]
-//           - int8: K/G x W signed 8-bit values, then the group's float32 scales [W]; no mins
+//           G groups of K/G inputs (a multiple of 4) one after the other, each: its values in
+//           chunks of 4 k steps, then its float32 scales [W] (and for 4-bit its float32 mins
+//           [W]). In a chunk a 32-bit lane holds one column's values at the 4 k steps, byte i
+//           for step i (the operand shape of vpdpbusd / vpmaddubsw):
+//           - uint8: 4-bit values (0 .. 15) with mins, W/2 lanes: lane c holds column c in
+//             its bytes' low nibbles and column c + W/2 in their high nibbles
+//           - int8: 8-bit signed values, no mins, W lanes: lane c holds column c
 //           G follows from B and K. One stream per panel: the k loop reads it front to back,
 //           so the prefetch ahead of the values covers the scales too (scales kept apart at the
 //           panel's end missed the cache once a group: 10 GB/s instead of the memory's 30).
 //   bias:   [N] float32, or an empty tensor for none
 //   out:    [M, N] float32, contiguous (written)
 //
-// Weight (column c, input k) = value * scale (+ min) of its group, computed in registers as the
-// k loop reaches it: a k step reads W/2 or W bytes instead of the fp32 panel's 4W, which is
-// what bounds a decode step at small batches (every weight is read once per step).
+//   int8_activations: multiply by integer dot products over x rounded to int8 per block of
+//           (up to) 32 inputs (panel_quant.h); else in floats, as below. Groups of neither
+//           at most 32 nor a multiple of 32 inputs stay in floats.
+//
+// In floats, weight (column c, input k) = value * scale (+ min) of its group, computed in
+// registers as the k loop reaches it: a k step reads W/2 or W bytes instead of the fp32 panel's
+// 4W, which is what bounds a decode step at small batches (every weight is read once per step).
 // The GGUF formats this serves (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) all reduce to this form
 // (kernels/gguf_blocks.py), and each has value * scale exact in fp32 where a min follows
 // (4-bit values times a scale of at most 17 significant bits), so value * scale + min, one
@@ -30,20 +35,38 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <string_view>
+
 #include "panel_quant.h"
 
 namespace {
 
 using torch::stable::Tensor;
 
-void quant_panel_linear(Tensor out, Tensor x, Tensor packed, Tensor bias) {
-  quant_matmul(quant_problem("quant_panel_linear", out, x, packed, bias), /*accumulate=*/false);
+void quant_panel_linear(Tensor out, Tensor x, Tensor packed, Tensor bias, bool int8_activations) {
+  quant_matmul(quant_problem("quant_panel_linear", out, x, packed, bias, int8_activations), /*accumulate=*/false);
+}
+
+// How this build sums the integer products (panel_quant.h kIntDotProducts), for logs and tests:
+// "avx512_vnni", "avx512bw", "avx_vnni", "avx2" (vpmaddubsw) or "generic".
+int64_t quant_int_dot_products() {
+  const std::string_view kind = kIntDotProducts;
+  const std::string_view kinds[] = {"generic", "avx2", "avx_vnni", "avx512bw", "avx512_vnni"};
+  for (int64_t i = 0; i < 5; ++i) {
+    if (kinds[i] == kind) return i;
+  }
+  return -1;
 }
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
-  m.def("quant_panel_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor bias) -> ()");
+  m.def("quant_panel_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor bias, bool int8_activations=False) -> ()");
+  m.def("quant_int_dot_products() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) { m.impl("quant_panel_linear", TORCH_BOX(&quant_panel_linear)); }
+
+STABLE_TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CompositeExplicitAutograd, m) {
+  m.impl("quant_int_dot_products", TORCH_BOX(&quant_int_dot_products));
+}

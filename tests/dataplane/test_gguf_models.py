@@ -93,7 +93,7 @@ def test_greedy_tokens_equal_the_fp32_engine_on_the_dequantized_weights(
     folder, twin = gguf_model
     prompts = [p for p, _ in exactness_workload(seed=5)[:8]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(folder), kv_cache_memory=8 << 20)
+    llm = LLM(str(folder), kv_cache_memory=8 << 20, quantized_matmul="float32")
     kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
     assert "QuantPanelLinear" in kinds and "QuantLinear" not in kinds  # every linear on the C++ kernel
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedDecoderLayer)]

@@ -53,7 +53,7 @@ def test_greedy_chat_tokens_equal_the_fp32_engines() -> None:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for name in (QUANTIZED, DEFAULT_MODEL):
-        llm = LLM(name, kv_cache_memory=128 << 20)
+        llm = LLM(name, kv_cache_memory=128 << 20, quantized_matmul="float32")
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
         runs[name] = llm.generate(prompts, params, use_tqdm=False)
         del llm

@@ -32,7 +32,7 @@ def test_int8_greedy_tokens_equal_fp32_on_the_dequantized_weights(arch: str, tmp
 
     prompts = [p for p, _ in exactness_workload(seed=9)[:8]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(folder), quantization="int8", kv_cache_memory=8 << 20)
+    llm = LLM(str(folder), quantization="int8", quantized_matmul="float32", kv_cache_memory=8 << 20)
     linears = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "QuantPanelLinear"]
     assert len(linears) == 2 * 4 + 1  # per layer fused qkv, o, gate_up, down; and the LM head
     assert all(m.kind == "int8" for m in linears)

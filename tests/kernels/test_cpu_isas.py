@@ -28,6 +28,7 @@ from pagedserve.kernels.cpu_ext import (
     selected_isa,
 )
 from pagedserve.kernels.linear import NO_BIAS, pack_panels, panel_linear
+from pagedserve.kernels.quant import pack_quant_panels, quant_panel_linear, quantize_4bit, quantize_int8
 
 ZEN4 = frozenset(["fma", "f16c", "avx", "avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"])
 ZEN3 = frozenset(["sse4_2", "fma", "f16c", "avx", "avx2", "bmi2"])
@@ -127,6 +128,31 @@ def test_panel_linear_matches_the_native_build(isa: str) -> None:
         _compare(isa, got, want)
     empty = panel_linear(other, torch.empty(0, 576), pack_panels(weight, other.panel_width), 100, NO_BIAS)
     assert empty.shape == (0, 100)
+
+
+@pytest.mark.parametrize("isa", runnable_isas()[1:] or ["none"])
+def test_quantized_linear_matches_the_native_build_in_floats_and_in_integers(isa: str) -> None:
+    """The integer sums are exact on every build (vpdpbusd, vpmaddubsw, the generic form) and
+    the float epilogue runs in one order, so int8 activations give the same bits too."""
+    if isa == "none":
+        pytest.skip("this CPU runs only the portable build")
+    native = load_cpu_kernels(strict=True, isa=native_isa())
+    other = load_cpu_kernels(strict=True, isa=isa)
+    assert native is not None and other is not None
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(100, 576, generator=gen) / 24
+    bias = torch.randn(100, generator=gen)
+    for weight in (quantize_4bit(dense), quantize_int8(dense, 32), quantize_int8(dense)):
+        for rows in (1, 7, 34):
+            x = torch.randn(rows, 576, generator=gen)
+            for int8 in (False, True):
+                want = quant_panel_linear(
+                    native, x, pack_quant_panels(weight, native.panel_width), bias, int8_activations=int8
+                )
+                got = quant_panel_linear(
+                    other, x, pack_quant_panels(weight, other.panel_width), bias, int8_activations=int8
+                )
+                _compare(isa, got, want)
 
 
 @pytest.mark.parametrize("isa", runnable_isas()[1:] or ["none"])

@@ -2,10 +2,14 @@
 `gguf` package's de-quantizers, and the C++ quant_panel_linear (kernels/cpu/linear_quant.cpp)
 against panel_linear over the de-quantized weight, on every ISA build this CPU runs.
 
-The kernel promises bit-identical results to the fp32 panel kernel on the de-quantized
-weight (value * scale + min rounds once, as the reference does: see the C++ source), so
-every comparison is torch.equal. Formats gguf cannot quantize (Q4_K, Q6_K) are tested on
-random blocks with finite float16 scales.
+In floats the kernel promises bit-identical results to the fp32 panel kernel on the
+de-quantized weight (value * scale + min rounds once, as the reference does: see the C++
+source), so those comparisons are torch.equal. By integer dot products (int8_activations) it
+multiplies x rounded to int8 per block (`round_activations`, the same rounding bit for bit):
+its result is float64 math on the rounded x up to float32 rounding, and its distance from the
+exact result is bounded by the rounding alone (each x moves at most half its block's step).
+Formats gguf cannot quantize (Q4_K, Q6_K) are tested on random blocks with finite float16
+scales.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pagedserve.kernels.quant import (
     quant_panel_linear,
     quantize_4bit,
     quantize_int8,
+    round_activations,
 )
 
 
@@ -68,8 +73,14 @@ def test_a_short_tensor_is_refused_with_its_sizes() -> None:
         decode_blocks("output.weight", "Q4_1", raw.reshape(-1)[:140], 4, 64)
 
 
+def _chunk_columns(values: torch.Tensor, lanes: int) -> torch.Tensor:
+    """A group's packed values [steps / 4 chunks x lanes x 4 bytes] as [lanes, steps]: lane c's
+    bytes at every k step of the group, in order."""
+    return values.view(-1, lanes, 4).permute(1, 0, 2).reshape(lanes, -1)
+
+
 @pytest.mark.parametrize("width", [32, 16, 8])
-def test_4bit_panels_hold_each_group_s_values_two_to_a_byte_then_its_scales_and_mins(width: int) -> None:
+def test_4bit_panels_hold_each_group_s_values_in_4_step_lanes_then_its_scales_and_mins(width: int) -> None:
     values = torch.randint(0, 16, (2 * width + 3, 64), dtype=torch.uint8)
     scales, mins = torch.rand(values.shape[0], 2), torch.rand(values.shape[0], 2)
     panels = pack_quant_panels(QuantizedWeight(values, scales, mins, 32, "4bit"), width)
@@ -79,12 +90,12 @@ def test_4bit_panels_hold_each_group_s_values_two_to_a_byte_then_its_scales_and_
     for p in range(3):
         for g in range(2):
             group = panels.packed[p, g * group_bytes : (g + 1) * group_bytes]
-            packed_values = group[: 32 * half].view(32, half)
+            lanes = _chunk_columns(group[: 32 * half], half)  # lane c: column c low, c + half high
             got_scales = group[32 * half : 32 * half + width * 4].view(torch.float32)
             got_mins = group[32 * half + width * 4 :].view(torch.float32)
             for j in range(width):
                 col = p * width + j
-                column = packed_values[:, j] & 15 if j < half else packed_values[:, j - half] >> 4
+                column = lanes[j] & 15 if j < half else lanes[j - half] >> 4
                 real = col < values.shape[0]
                 want = values[col, g * 32 : (g + 1) * 32] if real else torch.zeros(32, dtype=torch.uint8)
                 assert torch.equal(column, want)
@@ -92,16 +103,21 @@ def test_4bit_panels_hold_each_group_s_values_two_to_a_byte_then_its_scales_and_
                 assert got_mins[j] == (mins[col, g] if real else 0)
 
 
-def test_8bit_panels_hold_each_group_s_int8_values_then_its_scales() -> None:
+def test_8bit_panels_hold_each_group_s_int8_values_in_4_step_lanes_then_its_scales() -> None:
     weight = quantize_int8(torch.randn(20, 64), 32)
     panels = pack_quant_panels(weight, 16)
     group_bytes = 32 * 16 + 16 * 4
     assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 2 * group_bytes)
     second = panels.packed[0, group_bytes : 2 * group_bytes]
-    assert torch.equal(second[: 32 * 16].view(32, 16)[:, 3], weight.values[3, 32:])
+    assert torch.equal(_chunk_columns(second[: 32 * 16], 16)[3], weight.values[3, 32:])
     scales = panels.packed[1, group_bytes + 32 * 16 :].view(torch.uint8).view(torch.float32)
     assert scales[3] == weight.scales[19, 1]  # panel 1 holds columns 16 .. 31
     assert torch.equal(scales[4:], torch.zeros(12))  # padding columns weigh 0
+
+
+def test_a_group_not_a_multiple_of_4_steps_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"groups of a multiple of 4 inputs, got 6"):
+        pack_quant_panels(quantize_int8(torch.randn(8, 12), 6), 8)
 
 
 def weights(out_features: int, in_features: int) -> list[QuantizedWeight]:
@@ -153,8 +169,58 @@ def test_the_op_refuses_a_panel_that_is_not_values_and_whole_groups(ext: CpuKern
     out = torch.empty(2, 32)
     short = panels.packed[:, :-4].contiguous()
     with pytest.raises(
-        RuntimeError, match=r"is not 64 inputs of 4-bit values .* whole groups of scales and mins"
+        RuntimeError,
+        match=r"is not 64 inputs of 4-bit values .* whole groups \(of a multiple of 4 inputs\) of scales and mins",
     ):
         ext.quant_panel_linear(out, torch.randn(2, 64), short, torch.empty(0))
     with pytest.raises(RuntimeError, match=r"is not 65 inputs"):
         ext.quant_panel_linear(out, torch.randn(2, 65), panels.packed, torch.empty(0))
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(100, 512), (576, 256), (40, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 13, 34])
+def test_int8_activations_multiply_x_rounded_per_block_and_stay_within_its_bound(
+    ext: CpuKernels, out_features: int, in_features: int, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows + 100)
+    x = torch.randn(rows, in_features, generator=gen)
+    x[0, :7] = 0.0  # a block partly zero, and below a whole zero block
+    if in_features >= 64:
+        x[-1, 32:64] = 0.0
+    bias = torch.randn(out_features, generator=gen)
+    for weight in weights(out_features, in_features):
+        panels = pack_quant_panels(weight, ext.panel_width)
+        got = quant_panel_linear(ext, x, panels, bias, int8_activations=True)
+        dense = weight.dequantize().double()
+        rounded, scales = round_activations(x, weight.group)
+        what = (weight.kind, weight.group)
+        # the kernel's arithmetic: x rounded, then exact sums up to float32 rounding
+        torch.testing.assert_close(
+            got.double(), rounded.double() @ dense.T + bias.double(), rtol=1e-5, atol=1e-4
+        )
+        # the bound: |x - rounded| <= step / 2 per input, so each output moves at most
+        # sum over k of |w[o, k]| * step(k) / 2 from the exact x @ w.T (plus float32 slack)
+        step = scales.double().repeat_interleave(in_features // scales.shape[1], dim=1)
+        bound = dense.abs() @ (step / 2).T  # [out, rows]
+        error = (got.double() - bias.double() - x.double() @ dense.T).abs()
+        assert bool((error <= bound.T * (1 + 1e-6) + 1e-4).all()), what
+        assert float(error.max()) > 0, what  # it did round
+
+
+def test_int8_activations_do_not_depend_on_the_batch(ext: CpuKernels) -> None:
+    x = torch.randn(40, 256)
+    for weight in weights(96, 256):
+        panels = pack_quant_panels(weight, ext.panel_width)
+        batched = quant_panel_linear(ext, x, panels, int8_activations=True)
+        for i in (0, 17, 39):
+            alone = quant_panel_linear(ext, x[i : i + 1], panels, int8_activations=True)[0]
+            assert torch.equal(alone, batched[i]), weight.kind
+
+
+def test_a_group_no_activation_block_fits_is_multiplied_in_floats(ext: CpuKernels) -> None:
+    weight = quantize_int8(torch.randn(24, 36))  # one group of 36 inputs: neither <= 32 nor 32 k
+    panels = pack_quant_panels(weight, ext.panel_width)
+    x = torch.randn(3, 36)
+    assert torch.equal(
+        quant_panel_linear(ext, x, panels, int8_activations=True), quant_panel_linear(ext, x, panels)
+    )

@@ -42,6 +42,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--quantization=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "quantizedMatmul" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--quantized-matmul=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "blockSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--block-size=%d" (int64 $v) | toJson }}
