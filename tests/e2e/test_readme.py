@@ -224,9 +224,16 @@ COMPONENTS = (
     Component(
         "integer dot products",
         r"integer\s+dot\s+products",
-        lambda: any(
-            op in (REPO / "kernels/cpu/linear_quant.cpp").read_text() for op in ("dpbusd", "maddubs")
+        lambda: all(
+            op in (REPO / "kernels/cpu/panel_quant.h").read_text()
+            for op in ("_mm512_dpbusd_epi32", "_mm256_maddubs_epi16")
         ),
+    ),
+    # Built once the quantized kernel uses ARM's dot-product instructions (SDOT).
+    Component(
+        "NEON dot products",
+        r"NEON\s+dot\s+products",
+        lambda: "vdotq_s32" in (REPO / "kernels/cpu/panel_quant.h").read_text(),
     ),
 )
 
