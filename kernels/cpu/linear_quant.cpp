@@ -2,21 +2,20 @@
 //
 // Op: pagedserve_cpu::quant_panel_linear(out, x, packed, bias, int8_activations=False) -> ()
 //   x:      [M, K] float32, last dim contiguous (any row stride)
-//   packed: [P, B] contiguous bytes, one row per panel of W output columns (W = the panel
+//   packed: [P, G, B] contiguous bytes, one row per panel of W output columns (W = the panel
 //           width: 32 AVX-512, 16 AVX2, 8 portable; kernels/quant.py pack_quant_panels), the
-//           G groups of K/G inputs (a multiple of 4) one after the other, each: its values in
-//           chunks of 4 k steps, then its float32 scales [W] (and for 4-bit its float32 mins
-//           [W]). In a chunk a 32-bit lane holds one column's values at the 4 k steps, byte i
-//           for step i (the operand shape of vpdpbusd / vpmaddubsw):
+//           G groups of K/G inputs (a multiple of 4) one after the other, each B bytes: its
+//           values in chunks of 4 k steps, then its scales [W] (and for 4-bit its mins [W]),
+//           float16 or float32 (which one follows from B; float16 where the weight's scales
+//           are float16 exactly, as GGUF Q8_0 / Q4_0 / Q4_1 store them: 0.625 bytes per
+//           4-bit weight instead of 0.75). In a chunk a 32-bit lane holds one column's values
+//           at the 4 k steps, byte i for step i (the operand shape of vpdpbusd / vpmaddubsw):
 //           - uint8: 4-bit values (0 .. 15) with mins, W/2 lanes: lane c holds column c in
 //             its bytes' low nibbles and column c + W/2 in their high nibbles
 //           - int8: 8-bit signed values, no mins, W lanes: lane c holds column c
-//           G follows from B and K. One stream per panel: the k loop reads it front to back,
-//           so the prefetch ahead of the values covers the scales too (scales kept apart at the
-//           panel's end missed the cache once a group: 10 GB/s instead of the memory's 30).
-//   bias:   [N] float32, or an empty tensor for none
-//   out:    [M, N] float32, contiguous (written)
-//
+//           One stream per panel: the k loop reads it front to back, so the prefetch ahead of
+//           the values covers the scales too (scales kept apart at the panel's end missed the
+//           cache once a group: 10 GB/s instead of the memory's 30).
 //   int8_activations: multiply by integer dot products over x rounded to int8 per block of
 //           (up to) 32 inputs (panel_quant.h); else in floats, as below. Groups of neither
 //           at most 32 nor a multiple of 32 inputs stay in floats.

@@ -41,6 +41,51 @@ PAGEDSERVE_VEC_INLINE vi32nat splat_i32nat_lanes(int32_t x, std::index_sequence<
 PAGEDSERVE_VEC_INLINE vi32nat splat_i32nat(int32_t x) { return splat_i32nat_lanes(x, std::make_index_sequence<kNW>{}); }
 PAGEDSERVE_VEC_INLINE vnat to_floats(vi32nat v) { return __builtin_convertvector(v, vnat); }
 
+// IEEE half to float, exactly (subnormals, infinities and NaN included), for builds without
+// F16C's conversion instruction.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal
+  } else if (exponent == 31) {
+    magnitude = mantissa ? std::nanf("") : INFINITY;
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof(bits));
+  bits |= sign;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// kNW scales (or mins) at p: float16 (half) or float32. Once per group, off the k loop.
+PAGEDSERVE_VEC_INLINE vnat load_scales(const uint8_t* p, bool half) {
+  if (!half) {
+    vnat v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[kNW];
+  for (int i = 0; i < kNW; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, sizeof(h));
+    f[i] = half_to_float(h);
+  }
+#endif
+  vnat v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
+
 // Bytes of quantized values ahead of the k loop to prefetch into L2 (about the distance of the
 // fp32 panel's kPrefetchSteps in time: a few hundred k steps).
 constexpr int64_t kPrefetchBytes = 1024;
@@ -67,11 +112,18 @@ PAGEDSERVE_VEC_INLINE void chunk_step_values(vi32nat a, vi32nat b, int i, vnat& 
   }
 }
 
+// Bytes of one group's scales (and mins): kPanel of them each, 2 or 4 bytes.
+template <bool HasMin>
+constexpr int64_t scale_bytes(bool half) {
+  return kPanel * (half ? 2 : 4) * (HasMin ? 2 : 1);
+}
+
 template <int R, bool Q4, bool HasMin>
-void quant_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t k_len, int64_t group, const float* bias,
-                float* out, int64_t ldo, int64_t cols, bool accumulate) {
-  // One group after the other: its values, then its scales (and mins), kPanel floats each.
-  const int64_t group_stride = group * kStepBytes<Q4> + kPanel * static_cast<int64_t>(sizeof(float)) * (HasMin ? 2 : 1);
+void quant_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t k_len, int64_t group, bool half,
+                const float* bias, float* out, int64_t ldo, int64_t cols, bool accumulate) {
+  // One group after the other: its values, then its scales (and mins), kPanel each.
+  const int64_t group_stride = group * kStepBytes<Q4> + scale_bytes<HasMin>(half);
+  const int64_t scale_size = half ? 2 : 4;
   vnat acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
     acc0[r] = splat_nat(0.0f);
@@ -79,12 +131,12 @@ void quant_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t k_len
   }
   for (int64_t k0 = 0; k0 < k_len; k0 += group) {
     const uint8_t* values = panel + (k0 / group) * group_stride;
-    const auto* scales = reinterpret_cast<const float*>(values + group * kStepBytes<Q4>);
-    const vnat s0 = load_nat(scales), s1 = load_nat(scales + kNW);
+    const uint8_t* scales = values + group * kStepBytes<Q4>;
+    const vnat s0 = load_scales(scales, half), s1 = load_scales(scales + kNW * scale_size, half);
     vnat m0 = splat_nat(0.0f), m1 = splat_nat(0.0f);
     if constexpr (HasMin) {
-      m0 = load_nat(scales + kPanel);
-      m1 = load_nat(scales + kPanel + kNW);
+      m0 = load_scales(scales + kPanel * scale_size, half);
+      m1 = load_scales(scales + (kPanel + kNW) * scale_size, half);
     }
     for (int64_t k = k0; k < k0 + group; k += kChunkSteps) {
       const uint8_t* q = values + (k - k0) * kStepBytes<Q4>;
@@ -255,10 +307,11 @@ inline void round_rows(const float* x, int64_t ldx, int64_t rows, int64_t k_len,
 constexpr int kMaxIntRows = kVecRegisters >= 32 ? 6 : 3;
 
 template <int R, bool Q4>
-void int_tile(const Int8Rows& a, int64_t row0, const uint8_t* panel, int64_t k_len, int64_t group, const float* bias,
-              float* out, int64_t ldo, int64_t cols, bool accumulate) {
+void int_tile(const Int8Rows& a, int64_t row0, const uint8_t* panel, int64_t k_len, int64_t group, bool half,
+              const float* bias, float* out, int64_t ldo, int64_t cols, bool accumulate) {
   const int64_t block = a.block;
-  const int64_t group_stride = group * kStepBytes<Q4> + kPanel * static_cast<int64_t>(sizeof(float)) * (Q4 ? 2 : 1);
+  const int64_t group_stride = group * kStepBytes<Q4> + scale_bytes<Q4>(half);
+  const int64_t scale_size = half ? 2 : 4;
   const vi32nat nibble = splat_i32nat(0x0F0F0F0F);
   vnat acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
@@ -267,8 +320,8 @@ void int_tile(const Int8Rows& a, int64_t row0, const uint8_t* panel, int64_t k_l
   }
   for (int64_t g = 0; g < k_len / group; ++g) {
     const uint8_t* values = panel + g * group_stride;
-    const auto* scales = reinterpret_cast<const float*>(values + group * kStepBytes<Q4>);
-    const vnat s0 = load_nat(scales), s1 = load_nat(scales + kNW);
+    const uint8_t* scales = values + group * kStepBytes<Q4>;
+    const vnat s0 = load_scales(scales, half), s1 = load_scales(scales + kNW * scale_size, half);
     for (int64_t b0 = 0; b0 < group; b0 += block) {
       vi32nat i0[R], i1[R];
       for (int r = 0; r < R; ++r) {
@@ -311,7 +364,8 @@ void int_tile(const Int8Rows& a, int64_t row0, const uint8_t* panel, int64_t k_l
       }
     }
     if constexpr (Q4) {
-      const vnat m0 = load_nat(scales + kPanel), m1 = load_nat(scales + kPanel + kNW);
+      const vnat m0 = load_scales(scales + kPanel * scale_size, half);
+      const vnat m1 = load_scales(scales + (kPanel + kNW) * scale_size, half);
       for (int r = 0; r < R; ++r) {
         const vnat sum = splat_nat(a.row_sums(row0 + r)[g]);
         acc0[r] = acc0[r] + m0 * sum;
@@ -322,8 +376,8 @@ void int_tile(const Int8Rows& a, int64_t row0, const uint8_t* panel, int64_t k_l
   finish_tile<R>(acc0, acc1, bias, out, ldo, cols, accumulate);
 }
 
-using IntTileFn = void (*)(const Int8Rows&, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t,
-                           int64_t, bool);
+using IntTileFn = void (*)(const Int8Rows&, int64_t, const uint8_t*, int64_t, int64_t, bool, const float*, float*,
+                           int64_t, int64_t, bool);
 
 template <bool Q4, int... R>
 constexpr auto make_int_tiles(std::integer_sequence<int, R...>) {
@@ -332,8 +386,8 @@ constexpr auto make_int_tiles(std::integer_sequence<int, R...>) {
 template <bool Q4>
 constexpr auto kIntTiles = make_int_tiles<Q4>(std::make_integer_sequence<int, kMaxIntRows>{});
 
-using QuantTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t,
-                             int64_t, bool);
+using QuantTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, bool, const float*, float*,
+                             int64_t, int64_t, bool);
 
 template <bool Q4, bool HasMin, int... R>
 constexpr auto make_quant_tiles(std::integer_sequence<int, R...>) {
@@ -352,7 +406,8 @@ struct QuantMatmul {
   int64_t panels;
   int64_t k_len;
   int64_t group;
-  bool q4;  // 4-bit values with mins; else 8-bit values without
+  bool q4;           // 4-bit values with mins; else 8-bit values without
+  bool half_scales;  // float16 scales (and mins); else float32
   const float* bias;  // [n], or nullptr
   float* out;         // [rows, n], row stride ldo
   int64_t ldo;
@@ -365,7 +420,7 @@ void quant_matmul_as(const QuantMatmul& m, bool accumulate) {
   for_each_panel_item(m.rows, m.panels, m.n, [&](int64_t p, int64_t row0, int64_t nrows, int64_t col0, int64_t cols) {
     const uint8_t* panel = m.packed + p * m.panel_bytes;
     for_each_row_tile(nrows, [&](int64_t done, int64_t t) {
-      kQuantTiles<Q4, HasMin>[t - 1](m.x + (row0 + done) * m.ldx, m.ldx, panel, m.k_len, m.group,
+      kQuantTiles<Q4, HasMin>[t - 1](m.x + (row0 + done) * m.ldx, m.ldx, panel, m.k_len, m.group, m.half_scales,
                                      m.bias ? m.bias + col0 : nullptr, m.out + (row0 + done) * m.ldo + col0, m.ldo,
                                      cols, accumulate);
     });
@@ -377,7 +432,7 @@ void int_matmul_as(const QuantMatmul& m, const Int8Rows& a, bool accumulate) {
   for_each_panel_item(m.rows, m.panels, m.n, [&](int64_t p, int64_t row0, int64_t nrows, int64_t col0, int64_t cols) {
     const uint8_t* panel = m.packed + p * m.panel_bytes;
     for_each_row_tile<kMaxIntRows>(nrows, [&](int64_t done, int64_t t) {
-      kIntTiles<Q4>[t - 1](a, row0 + done, panel, m.k_len, m.group, m.bias ? m.bias + col0 : nullptr,
+      kIntTiles<Q4>[t - 1](a, row0 + done, panel, m.k_len, m.group, m.half_scales, m.bias ? m.bias + col0 : nullptr,
                            m.out + (row0 + done) * m.ldo + col0, m.ldo, cols, accumulate);
     });
   });
@@ -409,8 +464,9 @@ inline bool is_quantized(const torch::stable::Tensor& packed) {
 }
 
 // Checks one quantized linear's tensors and returns its problem: out [rows, n] contiguous
-// (written), x [rows, k] with a contiguous last dim, packed [panels, panel_bytes] contiguous
-// uint8 or int8 (layout: linear_quant.cpp), bias [n] or empty, all on the CPU. `what` names the op.
+// (written), x [rows, k] with a contiguous last dim, packed [panels, groups, group_bytes]
+// contiguous uint8 or int8 (layout: linear_quant.cpp), bias [n] or empty, all on the CPU.
+// `what` names the op.
 inline QuantMatmul quant_problem(const char* what, const torch::stable::Tensor& out, const torch::stable::Tensor& x,
                                  const torch::stable::Tensor& packed, const torch::stable::Tensor& bias,
                                  bool int8_activations) {
@@ -419,20 +475,20 @@ inline QuantMatmul quant_problem(const char* what, const torch::stable::Tensor& 
     STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == ScalarType::Float, what,
                     ": out, x and bias must be float32 CPU tensors");
   }
-  STD_TORCH_CHECK(packed.is_cpu() && is_quantized(packed) && packed.dim() == 2 && packed.is_contiguous(), what,
-                  ": packed must be a contiguous uint8 (4-bit) or int8 (8-bit) [panels, bytes] CPU tensor");
+  STD_TORCH_CHECK(packed.is_cpu() && is_quantized(packed) && packed.dim() == 3 && packed.is_contiguous(), what,
+                  ": packed must be a contiguous uint8 (4-bit) or int8 (8-bit) [panels, groups, bytes] CPU tensor");
   const bool q4 = packed.scalar_type() == ScalarType::Byte;
   STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": x must be [rows, in_features] with a contiguous last dim");
   const int64_t rows = x.size(0), k_len = x.size(1);
-  const int64_t panels = packed.size(0), panel_bytes = packed.size(1);
-  const int64_t value_bytes = k_len * (q4 ? kPanel / 2 : kPanel);
-  const int64_t group_bytes = kPanel * static_cast<int64_t>(sizeof(float)) * (q4 ? 2 : 1);
-  const int64_t groups = k_len > 0 && panel_bytes > value_bytes ? (panel_bytes - value_bytes) / group_bytes : 0;
-  STD_TORCH_CHECK(groups > 0 && value_bytes + groups * group_bytes == panel_bytes && k_len % groups == 0 &&
-                      (k_len / groups) % kChunkSteps == 0,
-                  what, ": a panel of ", panel_bytes, " bytes is not ", k_len, " inputs of ", q4 ? 4 : 8,
-                  "-bit values for ", kPanel, " columns plus whole groups (of a multiple of ", kChunkSteps,
-                  " inputs) of scales", q4 ? " and mins" : "");
+  const int64_t panels = packed.size(0), groups = packed.size(1), group_bytes = packed.size(2);
+  const bool whole = groups > 0 && k_len % groups == 0 && (k_len / groups) % kChunkSteps == 0;
+  const int64_t group = whole ? k_len / groups : 0;
+  const int64_t scales = group_bytes - group * (q4 ? kPanel / 2 : kPanel);  // bytes after the values
+  const bool half = q4 ? scales == scale_bytes<true>(true) : scales == scale_bytes<false>(true);
+  const bool full = q4 ? scales == scale_bytes<true>(false) : scales == scale_bytes<false>(false);
+  STD_TORCH_CHECK(whole && (half || full), what, ": ", groups, " groups of ", group_bytes, " bytes are not ", k_len,
+                  " inputs of ", q4 ? 4 : 8, "-bit values for ", kPanel, " columns in groups of a multiple of ",
+                  kChunkSteps, " inputs, each with its float16 or float32 scales", q4 ? " and mins" : "");
   STD_TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.is_contiguous(), what, ": out must be a contiguous [",
                   rows, ", out_features] tensor");
   const int64_t n = out.size(1);
@@ -444,11 +500,12 @@ inline QuantMatmul quant_problem(const char* what, const torch::stable::Tensor& 
                      x.stride(0),
                      rows,
                      static_cast<const uint8_t*>(packed.const_data_ptr()),
-                     panel_bytes,
+                     groups * group_bytes,
                      panels,
                      k_len,
-                     k_len / groups,
+                     group,
                      q4,
+                     half,
                      bias.numel() ? bias.const_data_ptr<float>() : nullptr,
                      out.mutable_data_ptr<float>(),
                      n,

@@ -86,10 +86,11 @@ def test_4bit_panels_hold_each_group_s_values_in_4_step_lanes_then_its_scales_an
     panels = pack_quant_panels(QuantizedWeight(values, scales, mins, 32, "4bit"), width)
     half = width // 2
     group_bytes = 32 * half + 2 * width * 4
-    assert panels.packed.dtype == torch.uint8 and panels.packed.shape == (3, 2 * group_bytes)
+    assert panels.packed.dtype == torch.uint8 and panels.packed.shape == (3, 2, group_bytes)
+    assert not panels.half_scales  # torch.rand's floats are not float16s
     for p in range(3):
         for g in range(2):
-            group = panels.packed[p, g * group_bytes : (g + 1) * group_bytes]
+            group = panels.packed[p, g]
             lanes = _chunk_columns(group[: 32 * half], half)  # lane c: column c low, c + half high
             got_scales = group[32 * half : 32 * half + width * 4].view(torch.float32)
             got_mins = group[32 * half + width * 4 :].view(torch.float32)
@@ -107,12 +108,27 @@ def test_8bit_panels_hold_each_group_s_int8_values_in_4_step_lanes_then_its_scal
     weight = quantize_int8(torch.randn(20, 64), 32)
     panels = pack_quant_panels(weight, 16)
     group_bytes = 32 * 16 + 16 * 4
-    assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 2 * group_bytes)
-    second = panels.packed[0, group_bytes : 2 * group_bytes]
+    assert panels.packed.dtype == torch.int8 and panels.packed.shape == (2, 2, group_bytes)
+    second = panels.packed[0, 1]
     assert torch.equal(_chunk_columns(second[: 32 * 16], 16)[3], weight.values[3, 32:])
-    scales = panels.packed[1, group_bytes + 32 * 16 :].view(torch.uint8).view(torch.float32)
+    scales = panels.packed[1, 1, 32 * 16 :].view(torch.uint8).view(torch.float32)
     assert scales[3] == weight.scales[19, 1]  # panel 1 holds columns 16 .. 31
     assert torch.equal(scales[4:], torch.zeros(12))  # padding columns weigh 0
+
+
+def test_scales_that_are_float16s_are_packed_as_float16() -> None:
+    weight = quantize_4bit(torch.randn(16, 64))  # Q4_1's form: scales and mins float16s
+    panels = pack_quant_panels(weight, 16)
+    group_bytes = 32 * 8 + 2 * 16 * 2
+    assert panels.half_scales and panels.packed.shape == (1, 2, group_bytes)
+    group = panels.packed[0, 1]
+    got_scales = group[32 * 8 : 32 * 8 + 32].view(torch.float16)
+    got_mins = group[32 * 8 + 32 :].view(torch.float16)
+    assert torch.equal(got_scales.float(), weight.scales[:, 1]) and torch.equal(
+        got_mins.float(), weight.mins[:, 1]
+    )
+    int8 = pack_quant_panels(quantize_int8(torch.randn(16, 64), 32), 16)
+    assert not int8.half_scales  # max |w| / 127 is rarely a float16
 
 
 def test_a_group_not_a_multiple_of_4_steps_is_refused() -> None:
@@ -167,14 +183,18 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext: CpuKernels) -> None:
 def test_the_op_refuses_a_panel_that_is_not_values_and_whole_groups(ext: CpuKernels) -> None:
     panels = pack_quant_panels(quantize_4bit(torch.randn(32, 64)), ext.panel_width)
     out = torch.empty(2, 32)
-    short = panels.packed[:, :-4].contiguous()
+    short = panels.packed[:, :, :-4].contiguous()
     with pytest.raises(
         RuntimeError,
-        match=r"is not 64 inputs of 4-bit values .* whole groups \(of a multiple of 4 inputs\) of scales and mins",
+        match=r"2 groups of .* bytes are not 64 inputs of 4-bit values .* float16 or float32 scales and mins",
     ):
         ext.quant_panel_linear(out, torch.randn(2, 64), short, torch.empty(0))
-    with pytest.raises(RuntimeError, match=r"is not 65 inputs"):
+    with pytest.raises(RuntimeError, match=r"are not 65 inputs"):
         ext.quant_panel_linear(out, torch.randn(2, 65), panels.packed, torch.empty(0))
+    with pytest.raises(
+        RuntimeError, match=r"packed must be a contiguous uint8 \(4-bit\) or int8 \(8-bit\) \[panels, groups"
+    ):
+        ext.quant_panel_linear(out, torch.randn(2, 64), panels.packed.flatten(1), torch.empty(0))
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(100, 512), (576, 256), (40, 64)])
