@@ -40,13 +40,14 @@ from pagedserve.dataplane.kvcache.budget import (
 
 GiB = 2**30
 # Bytes per weight of the quantized formats as the engine holds them in memory (packed panels:
-# the values, plus a float32 scale, and a min for the asymmetric ones, per group of inputs;
-# docs/quantization.md). Their activations are float32.
+# the values, plus a scale, and a min for the asymmetric ones, per group of inputs: float16
+# where the file stores them so, else float32; docs/quantization.md). Their activations are
+# float32.
 QUANTIZED_WEIGHT_BYTES: dict[str, float] = {
-    "q8_0": 1 + 4 / 32,
+    "q8_0": 1 + 2 / 32,
     "q6_k": 1 + 4 / 16,
-    "q4_0": 0.5 + 8 / 32,
-    "q4_1": 0.5 + 8 / 32,
+    "q4_0": 0.5 + 4 / 32,
+    "q4_1": 0.5 + 4 / 32,
     "q4_k": 0.5 + 8 / 32,
     "int8": 1.0,  # plus one scale per output row
 }

@@ -87,12 +87,13 @@ def test_quantized_weights_count_their_packed_bytes_and_free_kv_memory() -> None
     m = BUILTIN_MODELS["LLaMA-13B"]
     fp16 = plan(m, 80, "float16", weight_dtype="float16", max_model_len=2048)
     q4 = plan(m, 80, "float16", weight_dtype="q4_1", max_model_len=2048)
-    # 0.5 byte per value + an fp32 scale and min per 32 weights: 0.75 bytes per weight
-    assert q4.weight_bytes == -(-m.num_parameters * 3 // 4)
-    assert q4.weight_bytes * 8 == fp16.weight_bytes * 3
+    # 0.5 byte per value + an fp16 scale and min per 32 weights: 0.625 bytes per weight
+    assert q4.weight_bytes == -(-m.num_parameters * 5 // 8)
+    assert q4.weight_bytes * 16 == fp16.weight_bytes * 5
     # activations in fp32 (twice fp16's), the rest of the freed weight memory goes to the KV pool
     assert q4.activation_bytes > fp16.activation_bytes
     assert q4.kv_memory_bytes - fp16.kv_memory_bytes == (fp16.weight_bytes - q4.weight_bytes) - (
         q4.activation_bytes - fp16.activation_bytes
     )
-    assert plan(m, 80, "float16", weight_dtype="q8_0").weight_bytes == -(-m.num_parameters * 9 // 8)
+    assert plan(m, 80, "float16", weight_dtype="q8_0").weight_bytes == -(-m.num_parameters * 17 // 16)
+    assert plan(m, 80, "float16", weight_dtype="q4_k").weight_bytes == -(-m.num_parameters * 3 // 4)
