@@ -11,6 +11,7 @@ a multiply and an add round twice, so it is held to a float64 tolerance instead.
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,10 @@ from test_paged_attention import MIXED_QUERY_LENS, MIXED_SEQ_LENS, make_batch
 from pagedserve.kernels import cpu_ext, paged_attention
 from pagedserve.kernels.cpu_ext import (
     CPU_ISAS,
+    INT8_DOT_PRODUCTS,
     ISA_ENV,
     check_isa,
+    cpu_flags,
     isa_for_flags,
     load_cpu_kernels,
     native_isa,
@@ -169,3 +172,35 @@ def test_attention_matches_the_native_build(isa: str, monkeypatch: pytest.Monkey
         )
 
     _compare(isa, run(isa), run(native_isa()))
+
+
+def test_avx512_without_vnni_sums_the_same_integers(tmp_path: Path) -> None:
+    """AVX-512 CPUs before VNNI (Skylake-SP) sum the int8 products with vpmaddubsw +
+    vpmaddwd instead of vpdpbusd: the quantized linear alone, built for Skylake-AVX512 on a
+    CPU that runs it, equals the native build bit for bit."""
+    if native_isa() != "avx512" or "avx512_vnni" not in cpu_flags():
+        pytest.skip("needs an AVX-512 VNNI CPU: the native build is the VNNI one")
+    from torch.utils.cpp_extension import load
+
+    load(
+        name="pagedserve_quant_skx",
+        sources=[str(Path(cpu_ext.__file__).parent / "cpu" / "linear_quant.cpp")],
+        extra_cflags=["-O3", "-march=skylake-avx512", "-std=c++20", "-DPAGEDSERVE_OPS=pagedserve_quant_skx"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
+    skx = torch.ops.pagedserve_quant_skx
+    native = load_cpu_kernels(strict=True, isa="avx512")
+    assert native is not None and native.int8_dot_products == "avx512_vnni"
+    assert INT8_DOT_PRODUCTS[int(skx.quant_int_dot_products())] == "avx512bw"
+    gen = torch.Generator().manual_seed(1)
+    dense = torch.randn(100, 576, generator=gen) / 24
+    for weight in (quantize_4bit(dense), quantize_int8(dense, 32), quantize_int8(dense)):
+        packed = pack_quant_panels(weight, native.panel_width).packed
+        for rows in (1, 7, 34):
+            x = torch.randn(rows, 576, generator=gen)
+            for int8 in (False, True):
+                got, want = torch.empty(rows, 100), torch.empty(rows, 100)
+                skx.quant_panel_linear(got, x, packed, NO_BIAS, int8)
+                native.quant_panel_linear(want, x, packed, NO_BIAS, int8)
+                assert torch.equal(got, want), (weight.kind, rows, int8)
