@@ -108,6 +108,9 @@ class Request:
         # Structured output: this sample's matcher (the engine sets it); it advances on each
         # token appended, and only then, so preemption and recompute leave it in step.
         self.grammar: OutputGrammar | None = None
+        # A sample whose first token was drawn from its primary's logits row, before it computed
+        # its prompt (LLMEngine, parallel sampling): its prompt's end, until it is computed.
+        self.first_chunk_end: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,6 +119,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def compute_end(self) -> int:
+        """The token the scheduler computes this request's next chunks up to: its last token,
+        except for a sample whose first token was drawn before its prompt was computed, whose
+        prompt is computed first (without sampling) and the token then decoded alone: the
+        steps, and so the arithmetic, of a sample that computes its prompt and samples itself."""
+        end = self.first_chunk_end
+        return end if end is not None and self.num_computed_tokens < end else self.num_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

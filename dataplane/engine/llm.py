@@ -200,7 +200,7 @@ class LLM:
                     if r.request_id in pending:
                         pending.discard(r.request_id)
                         bar.update(1)
-                if not result.num_batched_tokens and pending:
+                if not result.num_batched_tokens and not result.new_tokens and pending:
                     # The scheduler refuses what can never fit, so an empty step here is a bug.
                     raise RuntimeError(f"scheduler made no progress with {len(pending)} requests pending")
         except BaseException:

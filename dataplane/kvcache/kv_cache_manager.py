@@ -138,14 +138,15 @@ class KVCacheManager:
         """The longest run of cached blocks that starts the request's tokens, as
         (block ids, tokens they hold).
 
-        Capped at `num_tokens - 1` tokens so at least one token is computed and yields
-        logits: a last full block the cap cuts into is not a hit. Each hit is verified by
+        Capped at `compute_end - 1` tokens (`num_tokens - 1` but for a sample whose first
+        token was drawn before its prompt was computed: its prompt's) so at least one token is
+        computed and yields logits: a last full block the cap cuts into is not a hit. Each hit is verified by
         its key (parent hash, tokens, extra keys), not just its hash. Changes nothing in the
         pool; `allocate_slots(..., new_computed_blocks=...)` commits the hit.
         """
         if request.block_table:
             raise ValueError(f"{request} already holds blocks")
-        hit = self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        hit = self._cached_prefix(request, (request.compute_end - 1) // self.block_size)
         return hit, len(hit) * self.block_size
 
     def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
@@ -167,7 +168,7 @@ class KVCacheManager:
         the blocks `get_computed_blocks` may return)."""
         if not self.enable_prefix_caching:
             return 0
-        limit = min(len(request.block_table), (request.num_tokens - 1) // self.block_size)
+        limit = min(len(request.block_table), (request.compute_end - 1) // self.block_size)
         n = 0
         for block_id in request.block_table[:limit]:
             block = self.pool.blocks[block_id]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,8 @@ from pagedserve.dataplane.runner.fused_layers import bind_block_kernels, fuse_de
 from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
 from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
-from pagedserve.dataplane.runner.sampler import SampledToken, sample
-from pagedserve.dataplane.scheduler import SchedulerOutput
+from pagedserve.dataplane.runner.sampler import SampledToken, SamplerWork, sample
+from pagedserve.dataplane.scheduler import Request, SchedulerOutput
 from pagedserve.kernels import build_attention_metadata, swap_blocks
 from pagedserve.kernels.backend import resolve_backend
 from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
@@ -136,6 +136,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._token_masks: Any = None  # structured outputs' bitmask, allocated on first use
         self.mask_seconds = 0.0  # time steps waited for grammar masks (fill rest + masking)
+        self.sample_work = SamplerWork()  # the sampler's whole-vocabulary work, counted
+        # The last execute's logits rows of the requests given riders, for later draws (`draw`).
+        self.kept_rows: dict[str, torch.Tensor] = {}
 
     def _layer_kernels(self, model: Any) -> CpuKernels | None:
         """The C++ kernels for the fused layers' elementwise work and the panel-packed
@@ -189,9 +192,19 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(
+        self, out: SchedulerOutput, riders: Mapping[str, Sequence[Request]] | None = None
+    ) -> dict[str, SampledToken]:
         """Compute the scheduled tokens of every request; return the sampled token per request
-        whose computed tokens reach its total this step."""
+        whose computed tokens reach its total this step.
+
+        `riders`: scheduled request id -> requests not in the step whose next token is drawn
+        from that request's logits row too (the other samples of its prompt, first tokens:
+        LLMEngine), each with its own parameters and generator; their tokens are returned
+        under their ids. They add no row to the forward or the LM head, and the sampler's
+        work over the vocabulary is shared by the samples of one row. The row of each request
+        in `riders` is kept in `kept_rows` (until the next execute), for `draw` in later steps."""
+        self.kept_rows = {}
         inputs = StepInputs([], [], [], [], [])
         sample_rows: list[int] = []
         for item in out.scheduled:
@@ -217,22 +230,41 @@ class ModelRunner:
         hidden = self._forward(inputs)
         if not sample_rows:
             return {}
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.lm_head(hidden.index_select(0, rows)).float()  # [N, vocab]
-        params = [s.request.sampling_params for s in sampling]
+        index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.lm_head(hidden.index_select(0, index)).float()  # [N, vocab]
+        if constrained:
+            self._mask_logits(logits, constrained, filled)
+        samples = [s.request for s in sampling]
+        rows = list(range(len(sampling)))
+        for row, s in enumerate(sampling):
+            if riders and s.request.request_id in riders:
+                self.kept_rows[s.request.request_id] = logits[row].clone()
+                samples.extend(riders[s.request.request_id])
+                rows.extend([row] * len(riders[s.request.request_id]))
+        return self._sample(logits, samples, rows)
+
+    @torch.inference_mode()
+    def draw(self, row: torch.Tensor, requests: Sequence[Request]) -> dict[str, SampledToken]:
+        """The next token of each of `requests` drawn from one logits row [vocab] (a kept row:
+        `kept_rows`), each with its own parameters and generator; no forward."""
+        return self._sample(row.unsqueeze(0), list(requests), [0] * len(requests))
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], rows: list[int]
+    ) -> dict[str, SampledToken]:
+        """Request i's next token from row `rows[i]` of logits [R, vocab] (`sample`)."""
+        params = [r.sampling_params for r in requests]
         generators: list[torch.Generator | None] = [
-            None if p.greedy else self._generator_for(s.request.request_id, p.seed)
-            for s, p in zip(sampling, params, strict=True)
+            None if p.greedy else self._generator_for(r.request_id, p.seed)
+            for r, p in zip(requests, params, strict=True)
         ]
         no_history: tuple[list[int], list[int]] = ([], [])
         histories = [
-            (s.request.prompt_token_ids, s.request.output_token_ids) if p.has_penalties else no_history
-            for s, p in zip(sampling, params, strict=True)
+            (r.prompt_token_ids, r.output_token_ids) if p.has_penalties else no_history
+            for r, p in zip(requests, params, strict=True)
         ]
-        if constrained:
-            self._mask_logits(logits, constrained, filled)
-        tokens = sample(logits, params, generators, histories)
-        return {s.request.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+        tokens = sample(logits, params, generators, histories, rows, self.sample_work)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _start_mask_fill(self, rows: list[tuple[int, Any]]) -> Any:
         """Structured outputs: start filling the constrained rows' token bitmask, on a worker

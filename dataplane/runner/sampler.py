@@ -85,46 +85,151 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+@dataclass
+class SamplerWork:
+    """What the sampler computed over the whole vocabulary, counted across calls: rows of
+    probabilities (temperature, top-k/p, min-p: a sort each), rows of log-softmax, and top-k
+    picks of logprobs. One per distinct logits row (and filter, or k), not one per sample:
+    samples that read the same row share them (`sample`)."""
+
+    samples: int = 0
+    prob_rows: int = 0
+    log_softmax_rows: int = 0
+    top_logprob_rows: int = 0
+
+
+# Positions of a row read to tell rows apart before comparing them whole (a cheap first key).
+_FINGERPRINT_POINTS = 64
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _distinct_rows(logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
+    """For each of `rows` (indices into logits [R, V]), the first of `rows` holding the same
+    row bit for bit (itself when none before it does): rows with equal bits give equal results
+    in every per-row computation, so one stands for all of them."""
+    used = sorted(set(rows))
+    if len(used) <= 1:
+        return list(rows)
+    vocab = logits.shape[-1]
+    step = max(1, vocab // _FINGERPRINT_POINTS)
+    bits = logits.view(_BITS[logits.element_size()])  # -0.0 and 0.0 differ, a NaN equals itself
+    picked = bits[:, ::step].index_select(0, torch.tensor(used, device=logits.device)).cpu()
+    keys = {row: picked[j].numpy().tobytes() for j, row in enumerate(used)}
+    canonical: dict[int, int] = {}
+    firsts: dict[bytes, list[int]] = {}
+    for row in used:
+        same = firsts.setdefault(keys[row], [])
+        for first in same:
+            if torch.equal(bits[first], bits[row]):
+                canonical[row] = first
+                break
+        else:
+            same.append(row)
+            canonical[row] = row
+    return [canonical[r] for r in rows]
+
+
+def _filter_key(p: SamplingParams, vocab: int) -> tuple[float, int, float, float]:
+    return (p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    rows: Sequence[int] | None = None,
+    work: SamplerWork | None = None,
 ) -> list[SampledToken]:
-    """One token per row. Greedy rows take the argmax; the others draw with their own generator,
-    so a seeded request gets the same tokens whatever else shares its batch.
+    """One token per sample. Greedy samples take the argmax; the others draw with their own
+    generator, so a seeded request gets the same tokens whatever else shares its batch.
 
-    Each row's logit_bias, then its penalties, apply first (greedy rows included); logprobs
+    `rows[i]` is the row of `logits` [R, V] sample i reads (default: row i; several samples
+    may read one row, e.g. the n samples of one prompt drawing their first tokens). Each
+    sample's logit_bias, then its penalties, apply first (greedy samples included); logprobs
     stay those of the model's raw distribution. `histories[i]` = (prompt ids, output ids) of
-    row i; needed only for rows with penalties.
+    sample i; needed only for samples with penalties.
+
+    The work over the whole vocabulary is done once per distinct row (bit for bit, found by
+    content, so equal rows computed twice are shared too): the filtered probabilities once per
+    (row, temperature, top-k, top-p, min-p), the log-softmax once per raw row, its top-k once
+    per (raw row, k). Each sample then only draws from its row with its own generator (or
+    takes the argmax) and reads its logprobs, so the results are those of computing every
+    sample alone. `work` counts what was computed.
     """
-    # logits: [N, vocab]
+    # logits: [R, vocab]
+    n = len(params)
+    vocab = logits.shape[-1]
+    rows = list(range(n)) if rows is None else list(rows)
+    if len(rows) != n or len(generators) != n:
+        raise ValueError(f"{n} samples need {n} rows and generators, got {len(rows)} and {len(generators)}")
     raw = logits
-    if any(p.logit_bias for p in params):
-        logits = apply_logit_bias(logits, params)
-    penalised = [i for i, p in enumerate(params) if p.has_penalties]
-    if penalised:
-        if histories is None:
+    # Samples with a bias or penalties read a row of their own: their raw row, adjusted.
+    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
+    if adjusted:
+        if histories is None and any(params[i].has_penalties for i in adjusted):
             raise ValueError("penalties need the token histories")
-        logits = logits.clone() if logits is raw else logits
-        for i in penalised:
-            logits[i] = apply_penalties(logits[i], params[i], *histories[i])
-    tokens: list[int] = logits.argmax(dim=-1).tolist()
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _filtered_probs(logits.index_select(0, rows).float(), [params[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
+        own = raw.index_select(0, torch.tensor([rows[i] for i in adjusted], device=raw.device))
+        own_params = [params[i] for i in adjusted]
+        if any(p.logit_bias for p in own_params):
+            own = apply_logit_bias(own, own_params)
+        for j, i in enumerate(adjusted):
+            if params[i].has_penalties:
+                assert histories is not None
+                own[j] = apply_penalties(own[j], params[i], *histories[i])
+        logits = torch.cat([raw, own])
+        sample_rows = list(rows)
+        for j, i in enumerate(adjusted):
+            sample_rows[i] = raw.shape[0] + j
+    else:
+        sample_rows = rows
+    if work is not None:
+        work.samples += n
+
+    # Greedy samples: the argmax of their rows.
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens = [0] * n
+    if greedy:
+        best: list[int] = logits.argmax(dim=-1).tolist()  # every row: at most the samples' rows, once each
+        for i in greedy:
+            tokens[i] = best[sample_rows[i]]
+    # The others: one row of probabilities per distinct (row, filter), a draw per sample.
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        sample_rows = _distinct_rows(logits, sample_rows)  # (greedy samples need no sharing: one argmax)
+        groups: dict[tuple[int, tuple[float, int, float, float]], int] = {}
+        for i in drawn:
+            groups.setdefault((sample_rows[i], _filter_key(params[i], vocab)), i)
+        firsts = list(groups.values())
+        index = torch.tensor([sample_rows[i] for i in firsts], device=logits.device)
+        probs = _filtered_probs(logits.index_select(0, index).float(), [params[i] for i in firsts])
+        if work is not None:
+            work.prob_rows += len(firsts)
+        slot = {key: j for j, key in enumerate(groups)}
+        for i in drawn:
+            j = slot[(sample_rows[i], _filter_key(params[i], vocab))]
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
     out = [SampledToken(t) for t in tokens]
-    logprob_rows = [i for i, p in enumerate(params) if p.needs_logprobs]
-    if logprob_rows:
-        rows = torch.tensor(logprob_rows, device=logits.device)
-        logprobs = raw.index_select(0, rows).float().log_softmax(dim=-1)  # [M, V]
-        for j, i in enumerate(logprob_rows):
+    # Logprobs, under the raw distribution: one log-softmax per distinct raw row.
+    wanted = [i for i, p in enumerate(params) if p.needs_logprobs]
+    if wanted:
+        raw_rows = _distinct_rows(raw, [rows[i] for i in wanted])
+        distinct = sorted(set(raw_rows))
+        logprobs = raw.index_select(0, torch.tensor(distinct, device=raw.device)).float().log_softmax(dim=-1)
+        at = {row: j for j, row in enumerate(distinct)}
+        tops: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        if work is not None:
+            work.log_softmax_rows += len(distinct)
+        for i, row in zip(wanted, raw_rows, strict=True):
+            j = at[row]
             out[i].logprob = float(logprobs[j, tokens[i]])
             k = params[i].logprobs
             if k:
-                values, ids = logprobs[j].topk(k)
-                out[i].top_logprobs = list(zip(ids.tolist(), values.tolist(), strict=True))
+                top = tops.get((j, k))
+                if top is None:
+                    values, ids = logprobs[j].topk(k)
+                    top = tops[(j, k)] = list(zip(ids.tolist(), values.tolist(), strict=True))
+                    if work is not None:
+                        work.top_logprob_rows += 1
+                out[i].top_logprobs = list(top)
     return out

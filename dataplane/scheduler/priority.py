@@ -102,10 +102,10 @@ def blocks_to_join(kv_cache: KVCacheManager, request: Request, budget: int) -> i
     """Free device blocks the queued `request` would take to join now with up to `budget` of
     its tokens (a swapped-out one counted without prefix-cache hits: at most what it takes)."""
     if request.status is RequestStatus.SWAPPED:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = min(request.compute_end - request.num_computed_tokens, budget)
         return kv_cache.num_blocks_for(request.num_computed_tokens + num_new)
     hits, num_hit_tokens = kv_cache.get_computed_blocks(request)
-    num_new = min(request.num_tokens - num_hit_tokens, budget)
+    num_new = min(request.compute_end - num_hit_tokens, budget)
     evictable = sum(1 for b in hits if kv_cache.pool.blocks[b].ref_cnt == 0)
     return kv_cache.num_blocks_for(num_hit_tokens + num_new) - len(hits) + evictable
 

@@ -192,7 +192,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.compute_end - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out, now)
@@ -248,7 +248,7 @@ class Scheduler:
         """Swap `request` in or admit it, scheduling up to `budget` of its tokens; the tokens
         scheduled, or None, changing nothing, when the device pool cannot spare its blocks."""
         if request.status is RequestStatus.SWAPPED:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.compute_end - request.num_computed_tokens, budget)
             pairs = self.kv_cache.swap_in(request, num_new, reserve=self._reserve())
             if pairs is None:
                 return None
@@ -258,7 +258,7 @@ class Scheduler:
             self.num_blocks_swapped_in += len(pairs)
         else:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.compute_end - num_hit_tokens, budget)
             allocated = self.kv_cache.allocate_slots(
                 request, num_new, new_computed_blocks=hit_blocks, reserve=self._reserve()
             )
@@ -377,6 +377,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             request.num_computed_tokens += item.num_new_tokens
+            if request.first_chunk_end is not None and request.num_computed_tokens >= request.first_chunk_end:
+                request.first_chunk_end = None  # its prompt is computed: from here on as any sample
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
@@ -384,13 +386,14 @@ class Scheduler:
             if request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(f"token sampled for {request} before its computed tokens caught up")
             request.append_output_token(token)
-            reason = self._stop_reason(request, token)
+            reason = self.stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
         return finished
 
-    def _stop_reason(self, request: Request, token: int) -> RequestStatus | None:
+    def stop_reason(self, request: Request, token: int) -> RequestStatus | None:
+        """Why `request` ends with `token` just appended, or None if it goes on."""
         params = request.sampling_params
         if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
