@@ -22,6 +22,7 @@ from pagedserve.kernels.cpu_ext import (
     CPU_ISAS,
     INT8_DOT_PRODUCTS,
     ISA_ENV,
+    CpuKernels,
     check_isa,
     cpu_flags,
     isa_for_flags,
@@ -114,13 +115,19 @@ def _compare(isa: str, got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", runnable_isas()[1:] or ["none"])
-def test_panel_linear_matches_the_native_build(isa: str) -> None:
+def _native_and(isa: str) -> tuple[CpuKernels, CpuKernels]:
+    """The native build and the `isa` one (a skip where this CPU runs only portable)."""
     if isa == "none":
         pytest.skip("this CPU runs only the portable build")
     native = load_cpu_kernels(strict=True, isa=native_isa())
     other = load_cpu_kernels(strict=True, isa=isa)
     assert native is not None and other is not None
+    return native, other
+
+
+@pytest.mark.parametrize("isa", runnable_isas()[1:] or ["none"])
+def test_panel_linear_matches_the_native_build(isa: str) -> None:
+    native, other = _native_and(isa)
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(100, 576, generator=gen) / 24
     bias = torch.randn(100, generator=gen)
@@ -137,11 +144,7 @@ def test_panel_linear_matches_the_native_build(isa: str) -> None:
 def test_quantized_linear_matches_the_native_build_in_floats_and_in_integers(isa: str) -> None:
     """The integer sums are exact on every build (vpdpbusd, vpmaddubsw, the generic form) and
     the float epilogue runs in one order, so int8 activations give the same bits too."""
-    if isa == "none":
-        pytest.skip("this CPU runs only the portable build")
-    native = load_cpu_kernels(strict=True, isa=native_isa())
-    other = load_cpu_kernels(strict=True, isa=isa)
-    assert native is not None and other is not None
+    native, other = _native_and(isa)
     gen = torch.Generator().manual_seed(5)
     dense = torch.randn(100, 576, generator=gen) / 24
     bias = torch.randn(100, generator=gen)
