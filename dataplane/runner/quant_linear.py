@@ -196,8 +196,13 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "meta":
+            continue
+        if t.is_mkldnn:  # a oneDNN-packed weight (PackedLinear): opaque, no storage to ask
+            total += t.numel() * t.element_size()
+            continue
         key = t.untyped_storage().data_ptr()
-        if key in seen or t.device.type == "meta":
+        if key in seen:
             continue
         seen.add(key)
         total += t.untyped_storage().nbytes()

@@ -13,6 +13,7 @@ from pagedserve.dataplane.runner.cpu_linear import (
     onednn_linear_available,
     pack_linears,
 )
+from pagedserve.dataplane.runner.quant_linear import weight_bytes
 from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
 
 
@@ -42,6 +43,16 @@ def test_pack_linears_replaces_every_linear_in_place() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 3
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_weight_bytes_counts_onednn_packed_weights_too() -> None:
+    """A oneDNN-packed weight is an opaque tensor without a storage to ask: counted by its
+    elements (the engine's start-up log once failed on it where oneDNN won a shape)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4, bias=False))
+    assert weight_bytes(model) == (8 * 16 + 16 + 16 * 4) * 4
+    pack_linears(model)
+    assert weight_bytes(model) == (8 * 16 + 16 + 16 * 4) * 4
 
 
 def test_only_fp32_cpu_is_packed() -> None:
