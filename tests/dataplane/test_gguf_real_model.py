@@ -2,12 +2,14 @@
 served quantized, against the same file de-quantized to fp32 by transformers
 (`SmolLM2-135M-Instruct`).
 
-No activation is quantized: every weight the quantized model multiplies by equals the fp32
-model's bit for bit (checked), and the quantized kernel equals the fp32 panel kernel on the
-de-quantized weight bit for bit (tests/kernels/test_cpu_quant_linear.py). What remains is the
+With `quantized_matmul="float32"` no activation is quantized: every weight the quantized model
+multiplies by equals the fp32 model's bit for bit (checked), and the quantized kernel equals
+the fp32 panel kernel on the de-quantized weight bit for bit
+(tests/kernels/test_cpu_quant_linear.py). What remains is the
 order of accumulation where the fp32 engine runs a layer half as one fused op or a shape on
 oneDNN: logits then differ by float32 rounding only, bounded here by 1e-3 on the first
-token's log-probabilities, and greedy tokens may part only at a numerical tie.
+token's log-probabilities, and greedy tokens may part only at a numerical tie. With int8
+activations (the default on x86) the LM head's logits stay within the rounding's bound.
 """
 
 from __future__ import annotations
@@ -113,3 +115,40 @@ def test_perplexity_of_a_requantized_file_is_within_1_percent_of_fp32(type_name:
     base = engine_perplexity(DEFAULT_MODEL, ids, 256)
     quantized = engine_perplexity(str(path), ids, 256)
     assert abs(quantized / base - 1) < 0.01, (quantized, base)
+
+
+def test_next_token_logits_with_int8_activations_stay_within_the_rounding_bound() -> None:
+    """The default file's LM head (Q8_0, tied) on the real final hidden states of 12 chat
+    prompts, by integer dot products: each hidden value is rounded to a step of its block's
+    max |x| / 127, so each logit moves at most sum over k of |w[v, k]| * step(k) / 2 from the
+    de-quantized fp32 product (plus float32 slack); the same holds for every layer's
+    matmuls (tests/kernels/test_cpu_quant_linear.py). The bound is the worst case, every
+    rounding of a row pulling one way; the roundings are unbiased, so the mean error is a
+    small part of it."""
+    from pagedserve.kernels.cpu_ext import load_cpu_kernels
+    from pagedserve.kernels.quant import pack_quant_panels, quant_panel_linear, round_activations
+
+    ops = load_cpu_kernels(strict=True)
+    assert ops is not None
+    folder = resolve_model_path(QUANTIZED)
+    gguf = gguf_weights_file(folder)
+    assert gguf is not None
+    model = load_gguf_model(folder, gguf, "sdpa")
+    head = model.lm_head.weight_q
+    llm = LLM(DEFAULT_MODEL, kv_cache_memory=64 << 20)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    hidden = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            hidden.append(model.model(torch.tensor([prompt])).last_hidden_state[0, -1])
+    x = torch.stack(hidden).contiguous()  # [12, 576], the rows the LM head reads
+    got = quant_panel_linear(ops, x, pack_quant_panels(head, ops.panel_width), int8_activations=True)
+    dense = head.dequantize().double()
+    exact = x.double() @ dense.T
+    _, steps = round_activations(x, head.group)
+    step = steps.double().repeat_interleave(x.shape[1] // steps.shape[1], dim=1)
+    bound = (step / 2) @ dense.abs().T  # [12, vocab]
+    error = (got.double() - exact).abs()
+    assert bool((error <= bound * (1 + 1e-6) + 1e-4).all())
+    assert float(error.max()) > 0
+    assert float(error.mean()) < 0.25 * float(bound.mean())
