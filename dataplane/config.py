@@ -151,6 +151,14 @@ class SchedulerConfig:
 
     max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)
     max_num_batched_tokens: int = setting(2048, "most tokens (prefill and decode) in one step", minimum=1)
+    max_prefill_tokens_while_decoding: int | None = setting(
+        None,
+        "most prompt tokens a step computes while other requests are decoding (a burst of new "
+        "requests then prefills over several steps): bounds the running streams' inter-token "
+        "gaps at the cost of the newcomers' time to first token (default: no bound beyond "
+        "max_num_batched_tokens)",
+        minimum=1,
+    )
     max_model_len: int | None = setting(
         None, "longest prompt plus output (default: the model's limit)", minimum=1
     )

@@ -140,6 +140,7 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             preemption_mode=config.scheduler.preemption_mode,
             watermark=config.scheduler.watermark,
+            max_prefill_tokens_while_decoding=config.scheduler.max_prefill_tokens_while_decoding,
         )
         self.swap_seconds = 0.0
         self._whole_step_faults = 0  # steps in a row whose one request faulted (see _isolate_fault)

@@ -124,6 +124,7 @@ class Scheduler:
         swap_cost_per_token: float = SWAP_COST_PER_TOKEN,
         swap_overhead_tokens: float = SWAP_OVERHEAD_TOKENS,
         priority_aging_s: float = PRIORITY_AGING_S,
+        max_prefill_tokens_while_decoding: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
@@ -137,6 +138,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
+            raise ValueError(
+                f"max_prefill_tokens_while_decoding must be at least 1, got {max_prefill_tokens_while_decoding}"
+            )
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.preemption_mode = preemption_mode
         self.watermark_blocks = math.ceil(watermark * kv_cache.num_total_blocks)
         self.swap_cost_per_token = swap_cost_per_token
@@ -189,10 +195,22 @@ class Scheduler:
             for queue in (self.running, self.swapped, self.waiting):
                 ranks.order(queue)
         budget = self.max_num_batched_tokens
+        # Prompt tokens this step may still compute: bounded while requests decode (their next
+        # token waits for the whole step), so a burst of prompts prefills over several steps.
+        prefill = (
+            budget
+            if self.max_prefill_tokens_while_decoding is None or not any(_decoding(r) for r in self.running)
+            else self.max_prefill_tokens_while_decoding
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.compute_end - request.num_computed_tokens, budget)
+            if not _decoding(request):
+                num_new = min(num_new, prefill)
+                if num_new == 0:
+                    i += 1  # a prompt chunk past this step's bound: it goes on next step
+                    continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out, now)
@@ -202,13 +220,15 @@ class Scheduler:
                 break
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            if not _decoding(request, num_new):
+                prefill -= num_new
             i += 1
 
         # Resuming or admitting right after a preemption would only evict someone again next
         # step (and keeps a step's swap-outs and swap-ins apart).
         if out.preempted:
             return out
-        self._join(out, budget, now, ranks)
+        self._join(out, min(budget, prefill), now, ranks)
         return out
 
     def _join(self, out: SchedulerOutput, budget: int, now: float, ranks: Priorities | None) -> None:
@@ -485,6 +505,13 @@ class Scheduler:
             assert r.queued_at is not None, f"queued {r} has no queue time"
         for r in self.running:
             assert r.queued_at is None, f"running {r} still counts queue time"
+
+
+def _decoding(request: Request, num_new: int | None = None) -> bool:
+    """Whether `request` computes one token of its output next (or, with `num_new`, whether
+    those tokens are that one token), not a chunk of its prompt (or of a recomputed context)."""
+    left = request.compute_end - request.num_computed_tokens
+    return left == 1 and request.num_computed_tokens >= request.num_prompt_tokens and num_new in (None, 1)
 
 
 def _take(queue: deque[Request], request: Request) -> None:

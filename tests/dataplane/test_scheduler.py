@@ -623,3 +623,54 @@ def test_scheduler_keeps_serving_after_refusals() -> None:
         finished += step(s).finished
     assert finished == ["a", "b"]
     assert s.kv_cache.pool.num_free_blocks == 4
+
+
+# -- prompt tokens bounded while others decode ----------------------------------------------
+
+
+def distinct_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:
+    """A request whose prompt shares no block with another's (no prefix-cache hits)."""
+    base = 1000 * (1 + sum(map(ord, request_id)))
+    prompt = [base + i for i in range(num_prompt_tokens)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_a_burst_of_prompts_prefills_a_bounded_number_of_tokens_per_step_while_others_decode() -> None:
+    kv = KVCacheManager(BlockPool(64), 4)
+    s = Scheduler(kv, 256, 8, 64, max_prefill_tokens_while_decoding=6)
+    s.add_request(make_request("guard", 3, max_tokens=20))
+    assert step(s).plan == [("guard", 3, True)]  # nothing decodes yet: no bound
+    for name in ("a", "b", "c"):
+        s.add_request(distinct_request(name, 5, max_tokens=2))
+    # guard decodes; 6 prompt tokens a step go to the newcomers, in arrival order, chunked
+    assert step(s).plan == [("guard", 1, True), ("a", 5, True), ("b", 1, False)]
+    # a decodes now (not a prompt token): b's 4 and 2 of c's make the 6
+    second = step(s)
+    assert second.plan == [("guard", 1, True), ("a", 1, True), ("b", 4, True), ("c", 2, False)]
+    assert second.finished == ["a"]  # max_tokens 2
+    last = step(s)
+    assert last.plan == [("guard", 1, True), ("b", 1, True), ("c", 3, True)]
+    assert last.finished == ["b"]
+
+
+def test_without_the_bound_the_burst_prefills_in_one_step() -> None:
+    s = make_scheduler(num_blocks=64)
+    s.add_request(make_request("guard", 3, max_tokens=20))
+    step(s)
+    for name in ("a", "b", "c"):
+        s.add_request(distinct_request(name, 5, max_tokens=2))
+    assert step(s).plan == [("guard", 1, True), ("a", 5, True), ("b", 5, True), ("c", 5, True)]
+
+
+def test_the_bound_applies_only_while_a_request_decodes() -> None:
+    kv = KVCacheManager(BlockPool(64), 4)
+    s = Scheduler(kv, 256, 8, 64, max_prefill_tokens_while_decoding=2)
+    for name in ("a", "b"):
+        s.add_request(distinct_request(name, 5, max_tokens=3))
+    assert step(s).plan == [("a", 5, True), ("b", 5, True)]  # prompts alone: the whole budget
+    assert step(s).plan == [("a", 1, True), ("b", 1, True)]
+
+
+def test_the_bound_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be at least 1, got 0"):
+        Scheduler(KVCacheManager(BlockPool(8), 4), 64, 4, 16, max_prefill_tokens_while_decoding=0)

@@ -49,6 +49,7 @@ class Config:
     max_model_len: int
     special_rate: float = 0.25  # chance a sampled token is EOS or STOP
     enable_prefix_caching: bool = True
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Harness:
             cfg.max_model_len,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=cfg.max_prefill_tokens_while_decoding,
         )
         self.submitted: list[Request] = []
         self.outputs: dict[int, list[int]] = {}  # id(request) -> tokens we fed it
@@ -260,8 +262,29 @@ class Harness:
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len(s.running) <= cfg.max_num_seqs
         assert len({id(r) for r in scheduled}) == len(scheduled)
-        # Scheduled requests are the front of the running list: oldest first, admissions last.
-        assert scheduled == s.running[: len(scheduled)]
+        # Scheduled requests are the front of the running list: oldest first, admissions last;
+        # with prompt tokens bounded while requests decode, less the prompt chunks past it.
+        bound = cfg.max_prefill_tokens_while_decoding
+        if bound is None:
+            assert scheduled == s.running[: len(scheduled)]
+        else:
+            assert scheduled == [r for r in s.running if r in scheduled]
+            # Running ones decoding their next token (checked before the step updates them; a
+            # request admitted now may look so after a prefix-cache hit, but no bound is set
+            # by those).
+            decoding = [
+                x
+                for x in out.scheduled
+                if x.request in prev_running
+                and x.num_new_tokens == 1
+                and x.request.num_computed_tokens >= x.request.num_prompt_tokens
+            ]
+            if decoding:
+                prompt_tokens = sum(x.num_new_tokens for x in out.scheduled if x not in decoding)
+                assert prompt_tokens <= bound
+                event("prompt tokens bounded while decoding")
+            if len(scheduled) < len(s.running):
+                event("a prompt chunk waited for the bound")
         for x in out.scheduled:
             r = x.request
             assert x.num_new_tokens >= 1
@@ -447,6 +470,7 @@ def configs(draw: st.DrawFn) -> Config:
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 48)),
+        max_prefill_tokens_while_decoding=draw(st.none() | st.none() | st.integers(1, 16)),
         max_model_len=max(2, max_model_len),
         special_rate=draw(st.sampled_from([0.0, 0.05, 0.3])),
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),

@@ -98,6 +98,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-num-batched-tokens=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "maxPrefillTokensWhileDecoding" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--max-prefill-tokens-while-decoding=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- $v = index $s "maxModelLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-model-len=%d" (int64 $v) | toJson }}
