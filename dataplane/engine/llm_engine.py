@@ -14,6 +14,7 @@ from pagedserve.common.log import StartupPhases, get_logger
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig
+from pagedserve.dataplane.engine.first_tokens import FirstTokenDraws
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
 from pagedserve.dataplane.engine.startup import (
     eos_token_ids,
@@ -42,12 +43,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 MAX_ISOLATED_REQUESTS = 256
 """The most requests a faulted step is rerun one by one for (a batch is at most max_num_seqs)."""
-FIRST_TOKEN_DRAW_ELEMENTS = 1 << 19
-"""Per step, the most vocabulary entries that the first-token draws of n > 1 requests' samples
-sweep (each draw sweeps the whole vocabulary with the sample's own generator: ~1.2 ms at
-49,152 entries on the 2-core test machine): 10 draws a step for the default model. The
-samples past it draw in the next steps from their primary's logits row, kept, so one
-request's n draws are spread over steps rather than held against every stream's next token."""
 
 
 class LLMEngine:
@@ -180,8 +175,9 @@ class LLMEngine:
         # Parallel sampling: siblings of a primary request wait here until the primary has
         # computed the prompt, then join and reuse its cached full blocks (ref counts rise).
         self._pending_siblings: dict[str, list[Request]] = {}
-        # A primary's logits row, kept while its siblings draw their first tokens from it.
-        self._first_rows: dict[str, torch.Tensor] = {}
+        self._first_tokens = FirstTokenDraws(
+            self.runner, self.scheduler, self._pending_siblings, model.config.vocab_size
+        )
         self._samples: dict[str, list[Request]] = {}
         self._grammars: CompileService | None = None
 
@@ -305,7 +301,7 @@ class LLMEngine:
         request, or None when the id is unknown (or already released)."""
         samples = self._samples.pop(request_id, None)
         self._pending_siblings.pop(request_id, None)
-        self._first_rows.pop(request_id, None)
+        self._first_tokens.rows.pop(request_id, None)
         if samples is None:
             return None
         for r in samples:
@@ -345,14 +341,11 @@ class LLMEngine:
             self.runner.swap(out.swap_out, out.swap_in)
             self.swap_seconds += time.perf_counter() - start
         # The step's first-token draws: older requests' samples (kept rows) first, then riders.
-        draws = self._draws_per_step()
-        older = sum(len(self._undrawn(rid)) for rid in self._first_rows)
-        riders = self._first_token_riders(out, max(0, draws - older))
-        draws -= sum(len(r) for r in riders.values())
+        riders, draws = self._first_tokens.plan(out)
         if out.is_empty:
-            if not self._first_rows:
+            if not self._first_tokens.rows:
                 return StepResult({}, [], 0, len(out.preempted))
-            drawn, done = self._draw_first_tokens(draws)  # from the kept rows: no forward
+            drawn, done = self._first_tokens.draw(draws)  # from the kept rows: no forward
             self._admit_siblings()
             self._retire(done)
             return StepResult({rid: t.token_id for rid, t in drawn.items()}, done, 0, len(out.preempted))
@@ -372,13 +365,10 @@ class LLMEngine:
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
         finished = self.scheduler.update_from_output(out, token_ids)
         if riders:
-            finished.extend(self._take_first_tokens(riders, sampled))
-            for rid in riders:
-                row = self.runner.kept_rows.pop(rid, None)
-                if row is not None and self._undrawn(rid):
-                    self._first_rows[rid] = row
-        if self._first_rows and draws > 0:
-            drawn, done = self._draw_first_tokens(draws)
+            finished.extend(self._first_tokens.take(riders, sampled))
+            self._first_tokens.keep(riders)
+        if self._first_tokens.rows and draws > 0:
+            drawn, done = self._first_tokens.draw(draws)
             token_ids.update((rid, t.token_id) for rid, t in drawn.items())
             finished.extend(done)
         self.runner.fill_masks_ahead(out.scheduled)
@@ -433,97 +423,19 @@ class LLMEngine:
                 return rid
         return engine_id
 
-    def _draws_per_step(self) -> int:
-        return max(1, FIRST_TOKEN_DRAW_ELEMENTS // self.runner.model.config.vocab_size)
-
-    def _first_token_riders(self, out: SchedulerOutput, draws: int) -> dict[str, list[Request]]:
-        """The samples waiting for a primary that samples its first token this step: up to
-        `draws` of them draw their first tokens from its logits row in the same step (the row
-        they would compute themselves later: same prompt, no output yet, same bias and
-        penalties; the sampler shares its work over the vocabulary); the row is kept for the
-        others, who draw from it in the next steps (`_draw_first_tokens`). A structured-output
-        request's samples wait as before (their masks are per sample)."""
-        riders: dict[str, list[Request]] = {}
-        for item in out.scheduled:
-            primary = item.request
-            siblings = self._pending_siblings.get(primary.request_id)
-            if siblings and item.samples and not primary.num_output_tokens and primary.grammar is None:
-                riders[primary.request_id] = [s for s in siblings if not s.status.finished][: max(0, draws)]
-                draws -= len(riders[primary.request_id])
-        return riders
-
-    def _undrawn(self, rid: str) -> list[Request]:
-        """The samples of request `rid` still to draw their first token from its kept row."""
-        return [
-            s
-            for s in self._pending_siblings.get(rid, [])
-            if not s.status.finished and not s.num_output_tokens
-        ]
-
-    def _draw_first_tokens(self, draws: int) -> tuple[dict[str, SampledToken], list[Request]]:
-        """Up to `draws` first tokens from the kept rows, oldest request first, without a
-        forward; returns the tokens and the samples they finished. A row whose draw raises is
-        dropped: its samples then compute their prompt and sample as any request does."""
-        sampled: dict[str, SampledToken] = {}
-        finished: list[Request] = []
-        for rid, row in list(self._first_rows.items()):
-            undrawn = self._undrawn(rid)
-            take = undrawn[: max(0, draws)]
-            if len(take) == len(undrawn):
-                del self._first_rows[rid]
-            if not take:
-                continue
-            try:
-                tokens = self.runner.draw(row, take)
-            except Exception as exc:
-                log.warning("first_token_draw_failed", request_id=rid, error=repr(exc)[:500])
-                self._first_rows.pop(rid, None)
-                continue
-            sampled.update(tokens)
-            finished.extend(self._take_first_tokens({rid: take}, tokens))
-            draws -= len(take)
-        return sampled, finished
-
-    def _take_first_tokens(
-        self, riders: dict[str, list[Request]], sampled: dict[str, SampledToken]
-    ) -> list[Request]:
-        """Each rider's first token, as the scheduler would take it: appended, its logprobs
-        kept, its stop checked. One that ends with it (max_tokens 1, EOS, a stop token) is
-        finished without computing anything; the others join later as before, and compute
-        their prompt before decoding the token (`Request.first_chunk_end`). Returns those
-        that finished."""
-        finished: list[Request] = []
-        for siblings in riders.values():
-            for sibling in siblings:
-                token = sampled.get(sibling.request_id)
-                if token is None or sibling.status.finished:
-                    continue  # the step was rerun without riders (a fault): it samples later
-                if token.logprob is not None:
-                    sibling.output_logprobs.append(token.logprob)
-                    if token.top_logprobs is not None:
-                        sibling.output_top_logprobs.append(token.top_logprobs)
-                sibling.append_output_token(token.token_id)
-                reason = self.scheduler.stop_reason(sibling, token.token_id)
-                if reason is None:
-                    sibling.first_chunk_end = sibling.num_prompt_tokens
-                else:
-                    sibling.status = reason
-                    finished.append(sibling)
-        return finished
-
     def _admit_siblings(self) -> None:
         for rid, siblings in list(self._pending_siblings.items()):
             primary = self._samples[rid][0]
             if primary.num_output_tokens or primary.status.finished:
                 ready = siblings
-                if rid in self._first_rows:  # those still to draw from its row wait for it
-                    waiting = self._undrawn(rid)
+                if rid in self._first_tokens.rows:  # those still to draw from its row wait for it
+                    waiting = self._first_tokens.undrawn(rid)
                     ready = [s for s in siblings if s not in waiting]
                     self._pending_siblings[rid] = waiting
                 if not self._pending_siblings[rid] or ready is siblings:
                     del self._pending_siblings[rid]
                 for sibling in ready:
-                    if not sibling.status.finished:  # a first token ended it (_take_first_tokens)
+                    if not sibling.status.finished:  # a first token ended it (FirstTokenDraws.take)
                         self.scheduler.add_request(sibling)
 
     def has_unfinished_requests(self) -> bool:

@@ -47,12 +47,12 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pagedserve.common import admission_rules
 from pagedserve.dataplane.config import PREEMPTION_MODES
 from pagedserve.dataplane.kvcache import KVCacheManager, cdiv
 from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.scheduler.output import ScheduledRequest, SchedulerOutput
 from pagedserve.dataplane.scheduler.priority import (
     PRIORITY_AGING_S,
     Priorities,
@@ -69,41 +69,6 @@ from pagedserve.dataplane.scheduler.priority import (
 # worth of bookkeeping) that makes recomputing a victim of a few tokens the cheaper choice.
 SWAP_COST_PER_TOKEN = 0.25
 SWAP_OVERHEAD_TOKENS = 8.0
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan. `preempted` lists every victim in preemption order, `swapped_out` those
-    of them preempted by swap; `swapped_in` the requests resumed from the host pool (also in
-    `scheduled`). `swap_out` holds (device block, host block) and `swap_in` (host block,
-    device block) copies, to be made swap-outs first, before the step's forward."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swapped_out: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

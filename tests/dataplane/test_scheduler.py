@@ -82,6 +82,7 @@ TORCH_FREE_MODULES = [
     "pagedserve.dataplane.scheduler",
     "pagedserve.dataplane.request",
     "pagedserve.dataplane.scheduler.scheduler",
+    "pagedserve.dataplane.scheduler.output",
     "pagedserve.common.sampling_params",
     "pagedserve.dataplane.config",
 ]

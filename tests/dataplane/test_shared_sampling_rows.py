@@ -20,7 +20,7 @@ import torch
 from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane import LLM
-from pagedserve.dataplane.engine import llm_engine
+from pagedserve.dataplane.engine import first_tokens
 from pagedserve.dataplane.engine.llm_engine import LLMEngine
 from pagedserve.dataplane.runner.sampler import (
     SampledToken,
@@ -188,11 +188,11 @@ def outputs(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple[o
 
 def no_riders(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine as it was: every sample computes its prompt, then samples its first token."""
-    monkeypatch.setattr(engine, "_first_token_riders", lambda out, draws: {})
+    monkeypatch.setattr(engine._first_tokens, "riders", lambda out, draws: {})
 
 
 def draws_per_step(monkeypatch: pytest.MonkeyPatch, draws: int) -> None:
-    monkeypatch.setattr(llm_engine, "FIRST_TOKEN_DRAW_ELEMENTS", draws * VOCAB)
+    monkeypatch.setattr(first_tokens, "FIRST_TOKEN_DRAW_ELEMENTS", draws * VOCAB)
 
 
 @pytest.mark.parametrize("draws", [None, 5])  # the default bound (256 draws at this vocabulary), 5 a step
