@@ -245,7 +245,7 @@ inline int64_t activation_block(int64_t group) {
   return group % 32 == 0 ? 32 : 0;
 }
 
-// x's rows rounded to int8 per block: q = round(x / scale) (ties to even), scale = the block's
+// x's rows rounded to int8 per block: q = round(x * (1 / scale)) (ties to even), scale = the block's
 // max |x| / 127; and per row and weight group the sum of the rounded x (sum of scale * sum q,
 // in block order), which a group's min multiplies.
 struct Int8Rows {
