@@ -351,7 +351,7 @@ class LLMEngine:
             return StepResult({rid: t.token_id for rid, t in drawn.items()}, done, 0, len(out.preempted))
         faulted: dict[str, str] = {}
         try:
-            sampled = self.runner.execute(out, riders) if riders else self.runner.execute(out)
+            sampled = self.runner.execute(out, riders)
             self._whole_step_faults = 0
         except Exception as exc:
             riders = {}  # each request's rerun draws its own token only
@@ -427,14 +427,13 @@ class LLMEngine:
         for rid, siblings in list(self._pending_siblings.items()):
             primary = self._samples[rid][0]
             if primary.num_output_tokens or primary.status.finished:
-                ready = siblings
-                if rid in self._first_tokens.rows:  # those still to draw from its row wait for it
-                    waiting = self._first_tokens.undrawn(rid)
-                    ready = [s for s in siblings if s not in waiting]
+                # Those still to draw from the primary's kept row wait for it.
+                waiting = self._first_tokens.undrawn(rid) if rid in self._first_tokens.rows else []
+                if waiting:
                     self._pending_siblings[rid] = waiting
-                if not self._pending_siblings[rid] or ready is siblings:
+                else:
                     del self._pending_siblings[rid]
-                for sibling in ready:
+                for sibling in (s for s in siblings if s not in waiting):
                     if not sibling.status.finished:  # a first token ended it (FirstTokenDraws.take)
                         self.scheduler.add_request(sibling)
 

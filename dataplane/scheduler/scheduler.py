@@ -171,7 +171,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.compute_end - request.num_computed_tokens, budget)
-            if not _decoding(request):
+            decoding = _decoding(request)
+            if not decoding:
                 num_new = min(num_new, prefill)
                 if num_new == 0:
                     i += 1  # a prompt chunk past this step's bound: it goes on next step
@@ -185,7 +186,7 @@ class Scheduler:
                 break
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-            if not _decoding(request, num_new):
+            if not decoding:
                 prefill -= num_new
             i += 1
 
@@ -472,11 +473,11 @@ class Scheduler:
             assert r.queued_at is None, f"running {r} still counts queue time"
 
 
-def _decoding(request: Request, num_new: int | None = None) -> bool:
-    """Whether `request` computes one token of its output next (or, with `num_new`, whether
-    those tokens are that one token), not a chunk of its prompt (or of a recomputed context)."""
+def _decoding(request: Request) -> bool:
+    """Whether `request` computes one token of its output next, not a chunk of its prompt (or
+    of a recomputed context)."""
     left = request.compute_end - request.num_computed_tokens
-    return left == 1 and request.num_computed_tokens >= request.num_prompt_tokens and num_new in (None, 1)
+    return left == 1 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
 def _take(queue: deque[Request], request: Request) -> None:
