@@ -34,8 +34,6 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include <string_view>
-
 #include "panel_quant.h"
 
 namespace {
@@ -46,16 +44,9 @@ void quant_panel_linear(Tensor out, Tensor x, Tensor packed, Tensor bias, bool i
   quant_matmul(quant_problem("quant_panel_linear", out, x, packed, bias, int8_activations), /*accumulate=*/false);
 }
 
-// How this build sums the integer products (panel_quant.h kIntDotProducts), for logs and tests:
-// "avx512_vnni", "avx512bw", "avx_vnni", "avx2" (vpmaddubsw) or "generic".
-int64_t quant_int_dot_products() {
-  const std::string_view kind = kIntDotProducts;
-  const std::string_view kinds[] = {"generic", "avx2", "avx_vnni", "avx512bw", "avx512_vnni"};
-  for (int64_t i = 0; i < 5; ++i) {
-    if (kinds[i] == kind) return i;
-  }
-  return -1;
-}
+// How this build sums the integer products (panel_quant.h kIntDotProducts, numbered as
+// kernels/cpu_ext.py INT8_DOT_PRODUCTS), for logs and tests.
+int64_t quant_int_dot_products() { return kIntDotProducts; }
 
 }  // namespace
 

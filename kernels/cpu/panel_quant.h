@@ -177,17 +177,19 @@ constexpr bool kUnsignedDot = true;
 constexpr bool kUnsignedDot = false;
 #endif
 
-// How this build sums the products, for logs and tests.
+// How this build sums the products, for logs and tests, numbered as
+// kernels/cpu_ext.py INT8_DOT_PRODUCTS: 0 generic, 1 avx2 (vpmaddubsw + vpmaddwd), 2 avx_vnni,
+// 3 avx512bw (the same on AVX-512 without VNNI), 4 avx512_vnni.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-constexpr const char* kIntDotProducts = "avx512_vnni";
+constexpr int64_t kIntDotProducts = 4;
 #elif defined(__AVX512F__)
-constexpr const char* kIntDotProducts = "avx512bw";
+constexpr int64_t kIntDotProducts = 3;
 #elif defined(__AVXVNNI__)
-constexpr const char* kIntDotProducts = "avx_vnni";
+constexpr int64_t kIntDotProducts = 2;
 #elif defined(__AVX2__)
-constexpr const char* kIntDotProducts = "avx2";
+constexpr int64_t kIntDotProducts = 1;
 #else
-constexpr const char* kIntDotProducts = "generic";
+constexpr int64_t kIntDotProducts = 0;
 #endif
 
 // acc + per 32-bit lane the 4 products of w's bytes and x's bytes (x signed; w unsigned where
