@@ -40,8 +40,17 @@ from pagedserve.controlplane.tenants import DEFAULT_TENANT
 
 T = TypeVar("T")
 
-Place = Callable[[], T | None]
-"""Tries to place the request now: a placement (budget reserved), or None if nothing fits."""
+
+class HeldBack:
+    """A placer's answer: the request's tenant already has enough waiting on the data planes
+    with room (its dispatch cap); other tenants' requests may go past it meanwhile."""
+
+
+HELD_BACK = HeldBack()
+
+Place = Callable[[], T | HeldBack | None]
+"""Tries to place the request now: a placement (budget reserved), None if nothing fits, or
+HELD_BACK when only its tenant's own dispatch cap holds it."""
 
 _arrivals = itertools.count()
 
@@ -127,7 +136,7 @@ class AdmissionQueue(Generic[T]):
         best = self._best_priority()
         if best is None or priority < best:
             placed = place()
-            if placed is not None:
+            if placed is not None and not isinstance(placed, HeldBack):
                 if not self._queues.get(tenant):
                     self._lift(tenant)
                 self._charge(tenant, cost, hold)
@@ -143,10 +152,13 @@ class AdmissionQueue(Generic[T]):
         future = asyncio.get_running_loop().create_future()
         waiter: _Waiter[T] = _Waiter(place, future, priority, tenant, cost, hold)
         queue = self._queues.setdefault(tenant, [])
-        if not queue:
+        first = not queue
+        if first:
             self._lift(tenant)
         bisect.insort(queue, waiter, key=lambda w: w.order)  # behind its priority or better
         self._size += 1
+        if first and best is not None:
+            self.poke()  # its tenant's new head may go where the heads before it are held back
         limit = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
         admitted = False
         try:
@@ -171,9 +183,11 @@ class AdmissionQueue(Generic[T]):
         return placed, waited
 
     def poke(self) -> None:
-        """Place waiting requests, in order, while they fit."""
+        """Place waiting requests, in order, while they fit; a tenant whose head is held back
+        by its own dispatch cap is passed over until the next poke."""
+        held: set[str] = set()
         while True:
-            head = self._head()
+            head = self._head(held)
             if head is None:
                 return
             if head.future.done():  # cancelled or timed out
@@ -187,6 +201,9 @@ class AdmissionQueue(Generic[T]):
                 continue
             if placed is None:
                 return
+            if isinstance(placed, HeldBack):
+                held.add(head.tenant)
+                continue
             self._remove(head)
             self._charge(head.tenant, head.cost, head.hold)
             head.future.set_result(placed)
@@ -203,10 +220,11 @@ class AdmissionQueue(Generic[T]):
     def _best_priority(self) -> int | None:
         return min((q[0].priority for q in self._queues.values() if q), default=None)
 
-    def _head(self) -> _Waiter[T] | None:
-        """The next to examine: best priority; then the tenant holding the least now, then
-        the one served least so far (both in tokens over its weight); then the earliest."""
-        heads = [q[0] for q in self._queues.values() if q]
+    def _head(self, passed: frozenset[str] | set[str] = frozenset()) -> _Waiter[T] | None:
+        """The next to examine, of tenants not `passed`: best priority; then the tenant holding
+        the least now, then the one served least so far (both in tokens over its weight);
+        then the earliest."""
+        heads = [q[0] for t, q in self._queues.items() if q and t not in passed]
         if not heads:
             return None
         return min(heads, key=lambda w: (w.priority, self.held(w.tenant), self.counter(w.tenant), w.seq))

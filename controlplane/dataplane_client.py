@@ -40,10 +40,13 @@ RequestEvent = dataplane_pb2.TokenDelta | dataplane_pb2.RequestFinished | datapl
 class RequestHandle:
     """A request in flight on one data plane: its events arrive on `events`, in order."""
 
-    def __init__(self, request_id: str, connection: DataPlaneConnection, priority: int = 0) -> None:
+    def __init__(
+        self, request_id: str, connection: DataPlaneConnection, priority: int = 0, tenant: str = ""
+    ) -> None:
         self.request_id = request_id
         self.connection = connection
         self.priority = priority  # (placement: a better one may preempt it there)
+        self.tenant = tenant  # (placement: the tenant's share of the batch there)
         self.events: asyncio.Queue[RequestEvent] = asyncio.Queue()
 
 
@@ -123,7 +126,7 @@ class DataPlaneConnection:
         """Send a request to the data plane; its events arrive on the returned handle."""
         if not self.healthy or self._outgoing is None:
             raise RuntimeError(f"data plane {self.address} is not connected")
-        handle = RequestHandle(command.request_id, self, command.priority)
+        handle = RequestHandle(command.request_id, self, command.priority, command.tenant)
         self.handles[command.request_id] = handle
         self._outgoing.put_nowait(dataplane_pb2.ConnectRequest(submit=command))
         return handle

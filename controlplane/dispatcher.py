@@ -21,19 +21,19 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
-from pagedserve.common.block_hash import first_block_extra_keys, hash_request_blocks
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
-from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.admission import HELD_BACK, AdmissionQueue, HeldBack
 from pagedserve.controlplane.auth import tenant_names
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost, RequestEvent
 from pagedserve.controlplane.deadlines import timeout_ms
 from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.link_snapshots import PromptHashes, link_snapshots, prompt_hashes
 from pagedserve.controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
 from pagedserve.controlplane.prefix_index import PrefixIndex
 from pagedserve.controlplane.request import GenerationRequest
@@ -51,20 +51,6 @@ _RETIRE_POLL_S = 0.05
 # which says where the request was, normally comes first.
 DEADLINE_GRACE_S = 5.0
 _SHUTTING_DOWN = "the control plane is shutting down; retry the request"
-
-PromptHashes = Callable[[int, str], list[bytes]]
-"""The chained block hashes of a request's prompt for a (block_size, hash seed)."""
-
-
-def prompt_hashes(request: GenerationRequest) -> PromptHashes:
-    """Memoized per data-plane hashing scheme: a request is placed (and re-placed) many times."""
-    extra = first_block_extra_keys(request.cache_salt)
-
-    @functools.cache
-    def hashes(block_size: int, seed: str) -> list[bytes]:
-        return list(hash_request_blocks(request.prompt_token_ids, block_size, seed, extra))
-
-    return hashes
 
 
 @dataclass(frozen=True)
@@ -106,6 +92,7 @@ class Dispatcher:
         self.tenants = TenantLimits(policies)
         pending = config.tenant_dispatch_tokens
         self._pending_tokens = pending if pending and len(names) > 1 else None
+        self._several_tenants = len(names) > 1
         self.admission: AdmissionQueue[Reservation] = AdmissionQueue(
             config.max_queue_len,
             config.queue_timeout_s,
@@ -309,53 +296,30 @@ class Dispatcher:
         ]
 
     # -- placement ------------------------------------------------------------------------------
-    def snapshots(self, hashes: PromptHashes) -> list[LinkSnapshot]:
-        """Every link that has told us its configuration, as placement sees it for one request."""
-        out = []
-        for link in self.connections.values():
-            info = link.info
-            if info is None or link.address in self._retiring or link.closing:
-                continue  # (a retiring data plane finishes its requests but takes no new one)
-            cacheable = info.enable_prefix_caching and link.healthy
-            prompt = hashes(info.block_size, info.prefix_hash_seed) if cacheable else []
-            out.append(
-                LinkSnapshot(
-                    address=link.address,
-                    healthy=link.healthy,
-                    draining=link.stats.draining,
-                    block_size=info.block_size,
-                    num_blocks=info.num_blocks,
-                    max_model_len=info.max_model_len,
-                    max_num_seqs=info.max_num_seqs,
-                    free_blocks=link.budget.reported_free_blocks,
-                    reserved_blocks=link.budget.reserved_blocks,
-                    total_blocks=link.budget.total_blocks or info.num_blocks,
-                    prompt_blocks=len(prompt),
-                    cached_blocks=self.index.cached_prefix_blocks(link.address, prompt),
-                    num_running=link.stats.num_running,
-                    num_waiting=link.stats.num_waiting,
-                    in_flight=len(link.handles),
-                    worst_priority=max((h.priority for h in link.handles.values()), default=None),
-                    pending=link.budget.num_reserved,
-                    pending_tokens=link.budget.reserved_blocks * info.block_size,
-                    pending_token_limit=self._pending_tokens,
-                )
-            )
-        return out
+    def snapshots(self, hashes: PromptHashes, tenant: str = "") -> list[LinkSnapshot]:
+        """Every link that has told us its configuration, as placement sees it for one request
+        (of `tenant`: with several tenants, what it holds there counts apart)."""
+        links = [c for c in self.connections.values() if c.address not in self._retiring]
+        return link_snapshots(links, self.index, hashes, tenant, self._pending_tokens, self.admission.weights)
 
     def _place(
         self, request: GenerationRequest, exclude: frozenset[str], hashes: PromptHashes
-    ) -> Reservation | None:
-        """The admission queue's placer: a reservation, None to wait, or ServiceError."""
+    ) -> Reservation | HeldBack | None:
+        """The admission queue's placer: a reservation, None to wait (HELD_BACK: only its
+        tenant's dispatch cap stops it), or ServiceError."""
         plan = plan_placement(
-            request, self.snapshots(hashes), self.config.routing, self.config.decode_reserve_blocks, exclude
+            request,
+            self.snapshots(hashes, request.tenant),
+            self.config.routing,
+            self.config.decode_reserve_blocks,
+            exclude,
         )
         if isinstance(plan, Refusal):
             raise ServiceError(plan.code, plan.message, param=plan.param)
         if isinstance(plan, Wait):
-            return None
+            return HELD_BACK if plan.held_back else None
         link = self.connections[plan.dataplane]
-        link.budget.reserve(request.request_id, plan.need_blocks)
+        link.budget.reserve(request.request_id, plan.need_blocks, request.tenant)
         return Reservation(link, request.request_id, plan.need_blocks, plan.cached_blocks)
 
     @staticmethod
@@ -404,6 +368,10 @@ class Dispatcher:
         self, request: GenerationRequest, trace_context: Mapping[str, str] | None
     ) -> AsyncGenerator[GenerationEvent, None]:
         command = request.to_proto(trace_context)  # the wire message, made once for every attempt
+        if self._several_tenants:
+            # The data plane shares its batch between the tenants it is sent (fair_share.py).
+            command.tenant = request.tenant
+            command.tenant_weight = self.admission.weights.get(request.tenant, 1.0)
         hashes = prompt_hashes(request)
         exclude: frozenset[str] = frozenset()
         streamed = False

@@ -46,6 +46,7 @@ class LinkSnapshot:
     pending: int = 0
     pending_tokens: int = 0
     pending_token_limit: int | None = None
+    share_slots: int = 0  # with tenants: those and this are the request's tenant's (router.Candidate)
 
     @property
     def available_blocks(self) -> int:
@@ -72,10 +73,14 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Wait:
-    """Some data plane could run the request, but none has the blocks for it now: queue it."""
+    """Some data plane could run the request, but none has the blocks for it now: queue it.
+    `held_back`: one has them, but the request's tenant has its fill waiting there already."""
+
+    held_back: bool = False
 
 
 WAIT = Wait()
+HELD_BACK = Wait(held_back=True)
 
 
 def plan_placement(
@@ -95,10 +100,10 @@ def plan_placement(
     now: the prompt's uncached blocks plus `decode_reserve_blocks` per sample. Priorities: a
     data plane where this replica runs a request of a strictly worse priority counts as having
     them too, since its scheduler preempts that work for this request (or queues it first).
-    Tenants: a data plane where this replica's requests still waiting for a first token
-    reserve `pending_token_limit` tokens, or outnumber its free batch slots, has no room
-    either (router.Candidate.fits): the rest wait in the admission queue, where tenants take
-    turns, rather than in the data plane's first-come-first-served one.
+    Tenants: a data plane where this replica's requests of the request's tenant still waiting
+    for a first token reserve `pending_token_limit` tokens, or outnumber both its free batch
+    slots and the tenant's share of the batch left there, has no room either
+    (router.Candidate.fits): the rest wait in the admission queue, where tenants take turns.
     """
     usable = [s for s in links if s.healthy and not s.draining and s.address not in exclude]
     if not usable:
@@ -134,6 +139,7 @@ def plan_placement(
                 pending=s.pending,
                 pending_tokens=s.pending_tokens,
                 pending_token_limit=s.pending_token_limit,
+                share_slots=s.share_slots,
             )
         )
     if not candidates:
@@ -141,7 +147,7 @@ def plan_placement(
         return Refusal("INVALID_ARGUMENT", reason, param)
     best = choose(candidates, weights)
     if best is None:
-        return WAIT
+        return HELD_BACK if any(c.held_back for c in candidates) else WAIT
     return Placement(best.dataplane, best.need_blocks, best.cached_blocks)
 
 

@@ -18,7 +18,7 @@ loaded data plane.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pagedserve.controlplane.config import RoutingWeights
@@ -44,21 +44,46 @@ class Candidate:
     # or fill its free batch slots (MIN_PENDING at least, so a slot that frees finds one
     # there): the rest wait in the control plane's fair queue rather than in the data plane's
     # first-come-first-served one, where they would sit ahead of every other tenant's.
+    # Those are counted per tenant (the request's), and a tenant may also fill `share_slots`,
+    # what its weighted share of the batch leaves it there: the data plane's scheduler makes
+    # room for those by preempting a tenant over its share.
     pending: int = 0
     pending_tokens: int = 0
     pending_token_limit: int | None = None
+    share_slots: int = 0
 
     @property
     def fits(self) -> bool:
         if self.preempts:
             return True
-        if self.pending_token_limit is not None:
-            free_slots = self.max_num_seqs - self.num_running
-            if self.pending_tokens >= self.pending_token_limit or self.pending >= max(
-                MIN_PENDING, free_slots
-            ):
-                return False
-        return self.need_blocks <= self.available_blocks
+        return not self.capped and self.need_blocks <= self.available_blocks
+
+    @property
+    def capped(self) -> bool:
+        """The request's tenant has its fill of requests waiting here for a first token."""
+        if self.pending_token_limit is None:
+            return False
+        free_slots = self.max_num_seqs - self.num_running
+        return self.pending_tokens >= self.pending_token_limit or self.pending >= max(
+            MIN_PENDING, free_slots, self.share_slots
+        )
+
+    @property
+    def held_back(self) -> bool:
+        """It has the blocks, and only its tenant's cap holds the request back."""
+        return not self.preempts and self.capped and self.need_blocks <= self.available_blocks
+
+
+def share_slots(
+    max_num_seqs: int, tenant: str, weights: Mapping[str, float], in_flight: Mapping[str, int]
+) -> int:
+    """Batch slots `tenant` may still take on a data plane by its weighted share: its share of
+    `max_num_seqs` among the tenants with requests in flight there (itself included), less its
+    own in flight there. `weights`: a tenant not named has weight 1."""
+    present = {t for t, n in in_flight.items() if n > 0} | {tenant}
+    total = sum(weights.get(t, 1.0) for t in present)
+    fair = max_num_seqs * weights.get(tenant, 1.0) / total
+    return int(fair) - in_flight.get(tenant, 0)
 
 
 def score(c: Candidate, weights: RoutingWeights) -> float:

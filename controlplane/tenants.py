@@ -27,10 +27,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.common.tenant_share import MAX_TENANT_WEIGHT
+
 DEFAULT_TENANT = "default"  # every request when API keys are off
 EVERY_TENANT = "*"  # the settings line for tenants without one of their own
 SETTINGS = ("weight", "max_concurrency", "tokens_per_minute")
-MAX_WEIGHT = 1e6
+MAX_WEIGHT = MAX_TENANT_WEIGHT  # (the data plane checks the same bound on the link)
 _INT = re.compile(r"[0-9]{1,12}")
 
 

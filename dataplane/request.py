@@ -98,6 +98,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.priority = priority
+        # Its tenant ("" when none was named) and the tenant's weight: with two or more tenants
+        # present the scheduler shares the batch between them (dataplane/scheduler/fair_share.py).
+        self.tenant = ""
+        self.tenant_weight = 1.0
         self.queued_at: float | None = None
         self.waited_s = 0.0
         # Filled by the engine when the sampling params ask for logprobs (or best_of ranking).

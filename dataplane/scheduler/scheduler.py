@@ -39,19 +39,24 @@ preempt running ones of a strictly worse priority (a priority preemption, counte
 A waiting request joins in the step that preempted for it (the victims' swap-outs are copied
 before the forward that writes its blocks); a swapped-out one resumes the step after, so that
 swap-outs and swap-ins still never meet. All priorities equal: nothing of this applies.
+
+Tenants (dataplane/scheduler/fair_share.py): with two or more, the tenant holding least joins
+next and may preempt one over its share (counted apart). One tenant: nothing of this applies.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 
 from pagedserve.common import admission_rules
 from pagedserve.dataplane.config import PREEMPTION_MODES
-from pagedserve.dataplane.kvcache import KVCacheManager, cdiv
+from pagedserve.dataplane.kvcache import KVCacheManager
 from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.scheduler.fair_share import Shares, several_tenants
+from pagedserve.dataplane.scheduler.integrity import check_integrity
 from pagedserve.dataplane.scheduler.output import ScheduledRequest, SchedulerOutput
 from pagedserve.dataplane.scheduler.priority import (
     PRIORITY_AGING_S,
@@ -62,6 +67,7 @@ from pagedserve.dataplane.scheduler.priority import (
     mixed,
     sole_blocks,
 )
+from pagedserve.dataplane.scheduler.stopping import stop_reason
 
 # The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
 # one way between the pools costs about a quarter of recomputing it (a PCIe copy against a
@@ -125,6 +131,7 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.num_priority_preemptions = 0  # (also counted in num_preemptions and by mode)
+        self.num_fair_share_preemptions = 0  # (likewise)
 
     # -- submission --------------------------------------------------------------------------
     def max_total_tokens(self, request: Request) -> int:
@@ -198,22 +205,35 @@ class Scheduler:
         return out
 
     def _join(self, out: SchedulerOutput, budget: int, now: float, ranks: Priorities | None) -> None:
-        """Resume swapped-out requests, then admit waiting ones (new arrivals and requests
-        preempted by recompute), in queue order, while blocks, the budget and `max_num_seqs`
-        allow; the first that cannot join stops the rest (a large request at the head is not
-        starved by smaller ones behind it). With priorities, one that cannot join may preempt
-        worse-priority running requests (`_preempt_for`), and then nothing else joins."""
+        """Resume swapped-out requests, then admit waiting ones (new, or recomputing), in queue
+        order, while blocks, the budget and `max_num_seqs` allow; the first that cannot join
+        stops the rest (so smaller ones behind cannot starve it). With priorities it may
+        preempt worse-priority running requests (`_preempt_for`), and nothing else joins; with
+        tenants, those of a tenant over its share (`_preempt_for_share`), and joining goes on."""
+        shares = Shares(self.running) if several_tenants(self.requests.values()) else None
         while budget > 0:
-            request = self._next_to_join(ranks)
-            if request is None:
-                return
+            request = (
+                self._next_to_join(ranks)
+                if shares is None
+                else shares.next_to_join(self.swapped, self.waiting, ranks)
+            )
+            if request is None or (
+                out.preempted and (request.status is RequestStatus.SWAPPED or request in out.preempted)
+            ):
+                return  # (a step's swap-outs and swap-ins never meet; no victim rejoins at once)
             joined = (
                 self._join_one(request, budget, now, out) if len(self.running) < self.max_num_seqs else None
             )
             if joined is None:
-                if ranks is not None:
-                    self._preempt_for(request, budget, now, ranks, out)
-                return
+                if ranks is not None and self._preempt_for(request, budget, now, ranks, out):
+                    return
+                if shares is None:
+                    return
+                joined = self._preempt_for_share(request, budget, now, shares, out)
+                if joined is None:
+                    return
+            elif shares is not None:
+                shares.joined(request)
             budget -= joined
 
     def _next_to_join(self, ranks: Priorities | None) -> Request | None:
@@ -308,22 +328,22 @@ class Scheduler:
 
     def _preempt_for(
         self, request: Request, budget: int, now: float, ranks: Priorities, out: SchedulerOutput
-    ) -> None:
+    ) -> bool:
         """`request`, next to join, lacks blocks or a batch slot: preempt the running requests
         it outranks, worst effective priority first (the most recently admitted among equals),
         until it fits; then a waiting one joins in this step, a swapped-out one in the next.
         Nothing is preempted when even all of them would not make room: evicting then would
-        slow them down for nobody."""
+        slow them down for nobody. Whether anything was preempted."""
         victims = ranks.victims(request, self.running)
         if not victims:
-            return
+            return False
         freed = sum(sole_blocks(self.kv_cache, v) for v in victims)
         reserve = self.watermark_blocks if len(victims) < len(self.running) else 0
         if (
             self.kv_cache.pool.num_free_blocks + freed
             < blocks_to_join(self.kv_cache, request, budget) + reserve
         ):
-            return
+            return False
         for victim in victims:
             self._unschedule(victim, out)
             self.running.remove(victim)
@@ -336,9 +356,44 @@ class Scheduler:
                     blocks_to_join(self.kv_cache, request, budget) + self._reserve()
                     <= self.kv_cache.pool.num_free_blocks
                 ):
-                    return
+                    return True
             elif self._join_one(request, budget, now, out) is not None:
-                return
+                return True
+        return True
+
+    def _preempt_for_share(
+        self, request: Request, budget: int, now: float, shares: Shares, out: SchedulerOutput
+    ) -> int | None:
+        """`request`, next to join, lacks blocks or a batch slot: preempt running requests of
+        tenants over their share (`Shares.victims`) until it fits, and admit it if it waits;
+        the tokens it was scheduled, or None (a swapped-out one resumes next step, its blocks
+        now free). Nothing is preempted unless the victims make room for it."""
+        needed = blocks_to_join(self.kv_cache, request, budget)
+        chosen: list[Request] = []
+        freed = 0
+        for victim in shares.victims(request, self.running):
+            chosen.append(victim)
+            freed += sole_blocks(self.kv_cache, victim)
+            reserve = self.watermark_blocks if len(chosen) < len(self.running) else 0
+            if (
+                len(self.running) - len(chosen) < self.max_num_seqs
+                and self.kv_cache.pool.num_free_blocks + freed >= needed + reserve
+            ):
+                break
+        else:
+            return None
+        for victim in chosen:
+            self._unschedule(victim, out)
+            self.running.remove(victim)
+            shares.left(victim)
+            self._preempt(victim, out, now)
+            self.num_fair_share_preemptions += 1
+        if request.status is RequestStatus.SWAPPED:
+            return None
+        joined = self._join_one(request, budget, now, out)
+        if joined is not None:
+            shares.joined(request)
+        return joined
 
     def _unschedule(self, request: Request, out: SchedulerOutput) -> None:
         """Take the running `request` out of this step's plan, if it is in it, and give back
@@ -380,18 +435,7 @@ class Scheduler:
 
     def stop_reason(self, request: Request, token: int) -> RequestStatus | None:
         """Why `request` ends with `token` just appended, or None if it goes on."""
-        params = request.sampling_params
-        if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and (not request.grammar.accept(token) or request.grammar.terminated):
-            # Complete (a stop token accepted), or a token the mask should have excluded (only
-            # possible if every token was masked): either way nothing valid can follow.
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return stop_reason(request, token, self.max_model_len)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.running.remove(request)
@@ -431,46 +475,8 @@ class Scheduler:
         return bool(self.requests)
 
     def check_integrity(self) -> None:
-        self.kv_cache.check_integrity()
-        pool = self.kv_cache.pool
-        holders = Counter(b for r in [*self.running, *self.waiting] for b in r.block_table)
-        assert len(holders) == pool.num_used_blocks, (
-            f"requests hold {len(holders)} blocks but the pool has {pool.num_used_blocks} in use"
-        )
-        for block_id, n in holders.items():
-            assert pool.blocks[block_id].ref_cnt == n, f"{pool.blocks[block_id]} is in {n} block tables"
-        for r in self.waiting:
-            assert not r.block_table and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
-            assert not r.host_block_table, f"waiting {r} holds host blocks"
-            assert r.status is RequestStatus.WAITING, f"{r} is in the waiting queue"
-        for r in self.running:
-            assert not r.host_block_table, f"running {r} holds host blocks"
-            assert r.status is RequestStatus.RUNNING, f"{r} is in the running list"
-        host = self.kv_cache.host_pool
-        host_holders = Counter(b for r in self.swapped for b in r.host_block_table)
-        assert len(host_holders) == sum(len(r.host_block_table) for r in self.swapped), (
-            "a host block is shared"
-        )
-        assert len(host_holders) == (0 if host is None else host.num_used_blocks), (
-            f"swapped-out requests hold {len(host_holders)} host blocks, the host pool has "
-            f"{0 if host is None else host.num_used_blocks} in use"
-        )
-        for r in self.swapped:
-            assert r.status is RequestStatus.SWAPPED, f"{r} is in the swapped queue"
-            assert not r.block_table, f"swapped-out {r} holds device blocks"
-            assert len(r.host_block_table) == cdiv(r.num_computed_tokens, self.kv_cache.block_size), (
-                f"swapped-out {r} holds the wrong number of host blocks"
-            )
-        queued = [*self.running, *self.waiting, *self.swapped]
-        assert len({id(r) for r in queued}) == len(queued), "a request is queued twice"
-        assert {r.request_id: r for r in queued} == self.requests, "queues and requests disagree"
-        assert len(self.running) <= self.max_num_seqs
-        assert self.num_preemptions == self.num_swap_preemptions + self.num_recompute_preemptions
-        assert self.num_priority_preemptions <= self.num_preemptions
-        for r in [*self.waiting, *self.swapped]:
-            assert r.queued_at is not None, f"queued {r} has no queue time"
-        for r in self.running:
-            assert r.queued_at is None, f"running {r} still counts queue time"
+        """Assert the queues, the block tables and both pools agree (tests call it every step)."""
+        check_integrity(self)
 
 
 def _decoding(request: Request) -> bool:

@@ -25,12 +25,18 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.priority import priority_refusal
 from pagedserve.common.protocol import sampling_params_from_proto
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.tenant_share import tenant_refusal, wire_weight
 from pagedserve.dataplane.request import Request, RequestStatus
 from pagedserve.dataplane.server.arrivals import Arrival, Arrivals
 from pagedserve.dataplane.server.deadlines import Deadlines
 from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.groups import Group, GroupTable, SampleId, StreamRequestKey, request_finished
-from pagedserve.dataplane.server.metrics import DataPlaneMetrics, kernel_info, priority_preemptions
+from pagedserve.dataplane.server.metrics import (
+    DataPlaneMetrics,
+    fair_share_preemptions,
+    kernel_info,
+    priority_preemptions,
+)
 from pagedserve.dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
 from pagedserve.dataplane.server.streams import Sink, StreamMux
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
@@ -74,6 +80,7 @@ class EngineLoop:
             lambda: self._num_aborted,
             kernel_info(engine),
             priority_preemptions(engine),
+            fair_share_preemptions(engine),
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -287,7 +294,7 @@ class EngineLoop:
             grammars = self.engine.grammars() if constraint is not None else None
         except ValueError as exc:  # bad params (or structured outputs without a tokenizer)
             return reject("INVALID_ARGUMENT", str(exc))
-        refused = priority_refusal(command.priority)
+        refused = priority_refusal(command.priority) or tenant_refusal(command.tenant, command.tenant_weight)
         if refused is not None:
             return reject("INVALID_ARGUMENT", refused)
         if command.timeout_ms:  # (set from here on: a grammar's compile time counts too)
@@ -353,6 +360,8 @@ class EngineLoop:
         samples = self.engine.samples_of(primary.request_id)
         for sample in samples:  # (read when the scheduler next orders its queues: none has run yet)
             sample.priority = command.priority
+            sample.tenant = command.tenant
+            sample.tenant_weight = wire_weight(command.tenant_weight)
         group = Group.open(
             key,
             primary.request_id,

@@ -38,15 +38,22 @@ def kernel_info(engine: Any) -> dict[str, str] | None:
     }
 
 
-def priority_preemptions(engine: Any) -> Callable[[], int]:
-    """Reads the engine's scheduler's count of priority preemptions (0 for an engine without
-    one, such as a test's fake). Read from the scheduler, not EngineStats, which has no field
-    for it yet."""
+def scheduler_counter(engine: Any, name: str) -> Callable[[], int]:
+    """Reads a count the engine's scheduler keeps (0 for an engine without one, such as a
+    test's fake): read from the scheduler, not EngineStats, which has no field for it."""
 
     def read() -> int:
-        return int(getattr(getattr(engine, "scheduler", None), "num_priority_preemptions", 0))
+        return int(getattr(getattr(engine, "scheduler", None), name, 0))
 
     return read
+
+
+def priority_preemptions(engine: Any) -> Callable[[], int]:
+    return scheduler_counter(engine, "num_priority_preemptions")
+
+
+def fair_share_preemptions(engine: Any) -> Callable[[], int]:
+    return scheduler_counter(engine, "num_fair_share_preemptions")
 
 
 class _EngineCollector(Collector):
@@ -59,12 +66,14 @@ class _EngineCollector(Collector):
         aborted: Callable[[], int],
         kernel_info: dict[str, str] | None = None,
         priority_preemptions: Callable[[], int] = lambda: 0,
+        fair_share_preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.read_stats = stats
         self.info = info
         self.aborted = aborted
         self.kernel_info = kernel_info
         self.priority_preemptions = priority_preemptions
+        self.fair_share_preemptions = fair_share_preemptions
 
     def collect(self) -> Iterator[Any]:
         stats = self.read_stats()
@@ -117,6 +126,12 @@ class _EngineCollector(Collector):
             self.priority_preemptions(),
         )
         yield counter(
+            "num_fair_share_preemptions",
+            "Requests preempted to make room for a waiting request of a tenant holding fewer "
+            "running requests per unit of weight (also counted in num_preemptions and by mode).",
+            self.fair_share_preemptions(),
+        )
+        yield counter(
             "kv_blocks_swapped_out",
             "KV blocks copied from the device pool to the host pool.",
             stats.blocks_swapped_out,
@@ -160,10 +175,13 @@ class DataPlaneMetrics:
         aborted: Callable[[], int],
         kernel_info: dict[str, str] | None = None,
         priority_preemptions: Callable[[], int] = lambda: 0,
+        fair_share_preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(
-            _EngineCollector(stats, cache_info, aborted, kernel_info, priority_preemptions)
+            _EngineCollector(
+                stats, cache_info, aborted, kernel_info, priority_preemptions, fair_share_preemptions
+            )
         )
         self.requests = RequestMetrics(self.registry, "Arrival at the data plane")
         self.step = Histogram(

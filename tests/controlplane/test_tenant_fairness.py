@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.admission import HELD_BACK, AdmissionQueue, HeldBack
 from tests.controlplane.test_admission import Pool, until_waiting
 
 COST = 100  # tokens per request (prompt + max_tokens × n)
@@ -184,5 +184,33 @@ def test_one_tenant_without_costs_is_first_come_first_served() -> None:
             q.poke()
             placed.append((await task)[0])
         assert placed == ["r0", "r1", "r2", "r3"]
+
+    asyncio.run(run())
+
+
+def test_a_tenant_held_back_by_its_own_dispatch_cap_does_not_hold_up_another() -> None:
+    async def run() -> None:
+        pool = Pool(100)
+        q: AdmissionQueue[str] = AdmissionQueue(1000, 30.0, pool.budget.release)
+        capped = {"a": True}
+
+        def placer(rid: str, tenant: str):  # type: ignore[no-untyped-def]
+            def place() -> str | HeldBack:
+                if capped.get(tenant):
+                    return HELD_BACK  # its fill already waits on the data plane
+                pool.budget.reserve(rid, 1)
+                return rid
+
+            return place
+
+        held = asyncio.create_task(q.admit(placer("a1", "a"), tenant="a", cost=COST, hold="a1"))
+        await until_waiting(q, 1)
+        # b's request queues behind a's head (same priority), then goes past it at once.
+        placed, _ = await asyncio.wait_for(q.admit(placer("b1", "b"), tenant="b", cost=COST), 5.0)
+        assert placed == "b1" and len(q) == 1 and not held.done()
+        capped["a"] = False
+        q.poke()
+        assert (await asyncio.wait_for(held, 5.0))[0] == "a1"
+        assert pool.budget.holds("a1") and pool.budget.holds("b1")
 
     asyncio.run(run())

@@ -19,7 +19,7 @@ from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.request import GenerationRequest
-from pagedserve.controlplane.router import MIN_PENDING, Candidate
+from pagedserve.controlplane.router import MIN_PENDING, Candidate, share_slots
 from pagedserve.controlplane.tenant_limits import TenantLimits
 from pagedserve.controlplane.tenants import DEFAULT_TENANT, TenantPolicy
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
@@ -254,12 +254,13 @@ def test_a_slot_and_its_tokens_come_back_on_finish_cancel_and_error() -> None:
     with_fake_dataplane(test)
 
 
-def test_with_two_tenants_a_data_plane_gets_new_requests_while_few_wait_there() -> None:
+def test_with_two_tenants_a_data_plane_gets_each_tenants_new_requests_while_few_of_its_wait_there() -> None:
     async def test(fake: FakeDataPlane, address: str) -> None:
         config = ControlPlaneConfig(
             dataplanes=(address,),
             api_keys=("ka", "kb"),
             api_key_tenants=(("ka", "a"), ("kb", "b")),
+            tenant_settings=(("b", TenantPolicy(weight=3.0)),),
             tenant_dispatch_tokens=64,  # two requests' reservations: 2 blocks of 16 each
         )
         dispatcher = Dispatcher(config)
@@ -268,17 +269,20 @@ def test_with_two_tenants_a_data_plane_gets_new_requests_while_few_wait_there() 
             assert await dispatcher.wait_ready(5.0)
             streams = {rid: dispatcher.generate(request(rid, rid[0])) for rid in ("a1", "a2", "a3", "b1")}
             firsts = {rid: asyncio.ensure_future(s.__anext__()) for rid, s in streams.items()}
-            await wait_for(lambda: len(dispatcher.admission) == 2, "two wait in the control plane")
-            assert dispatcher.admission.waiting() == {"a": 1, "b": 1}  # (the pool has the blocks)
-            sent = {(await fake.next_command()).submit.request_id for _ in range(2)}
-            assert sent == {"a1", "a2"}
-            assert dispatcher.admission.held("a") == 24 and dispatcher.admission.held("b") == 0
-            # a1's first token: it left the data plane's queue, so one more may go down; b
-            # holds nothing, a holds two requests' tokens: b1 goes before a3.
+            await wait_for(lambda: len(dispatcher.admission) == 1, "one waits in the control plane")
+            # a's two requests waiting there for a first token hold a3 back; b has none there.
+            assert dispatcher.admission.waiting() == {"a": 1}
+            sent = [(await fake.next_command()).submit for _ in range(3)]
+            assert {(c.request_id, c.tenant, c.tenant_weight) for c in sent} == {
+                ("a1", "a", 1.0),
+                ("a2", "a", 1.0),
+                ("b1", "b", 3.0),
+            }
+            # a1's first token: it left the data plane's queue, so a3 may go down.
             delta = dataplane_pb2.TokenDelta(request_id="a1", token_ids=[5])
             fake.updates.put_nowait(dataplane_pb2.ConnectResponse(deltas=[delta]))
-            assert (await fake.next_command()).submit.request_id == "b1"
-            assert dispatcher.admission.waiting() == {"a": 1}
+            assert (await fake.next_command()).submit.request_id == "a3"
+            assert dispatcher.admission.waiting() == {}
             for rid in ("a1", "a2", "a3", "b1"):  # the clients go away
                 firsts[rid].cancel()
                 await asyncio.gather(firsts[rid], return_exceptions=True)
@@ -315,7 +319,12 @@ def test_requests_without_keys_are_the_default_tenant() -> None:
 
 def test_the_dispatch_cap_holds_to_a_step_of_prefill_and_the_free_batch_slots() -> None:
     def fits(
-        pending: int, pending_tokens: int, running: int, limit: int | None = 2048, preempts: bool = False
+        pending: int,
+        pending_tokens: int,
+        running: int,
+        limit: int | None = 2048,
+        preempts: bool = False,
+        share_slots: int = 0,
     ) -> bool:
         return Candidate(
             dataplane="d",
@@ -332,6 +341,7 @@ def test_the_dispatch_cap_holds_to_a_step_of_prefill_and_the_free_batch_slots() 
             pending=pending,
             pending_tokens=pending_tokens,
             pending_token_limit=limit,
+            share_slots=share_slots,
         ).fits
 
     assert fits(pending=7, pending_tokens=336, running=8)  # 8 free slots
@@ -341,3 +351,16 @@ def test_the_dispatch_cap_holds_to_a_step_of_prefill_and_the_free_batch_slots() 
     assert not fits(pending=2, pending_tokens=2048, running=0)  # a step of prefill queued
     assert fits(pending=2, pending_tokens=2048, running=0, limit=None)  # one tenant: no cap
     assert fits(pending=9, pending_tokens=4096, running=16, preempts=True)  # a better priority
+    # What the tenant's weighted share of the batch leaves it (its in flight counted) may wait
+    # there too: the data plane's scheduler preempts a tenant over its share to make room.
+    assert fits(pending=6, pending_tokens=288, running=16, share_slots=7)
+    assert not fits(pending=7, pending_tokens=336, running=16, share_slots=7)
+
+
+def test_a_tenants_share_of_a_batch() -> None:
+    # 32 seats between the tenants in flight there and the newcomer, by weight, less its own.
+    assert share_slots(32, "b", {}, {"a": 40}) == 16
+    assert share_slots(32, "b", {}, {"a": 40, "b": 6}) == 10
+    assert share_slots(32, "b", {"b": 3.0}, {"a": 40}) == 24
+    assert share_slots(32, "b", {}, {"a": 40, "c": 1, "gone": 0}) == 10  # 32 / 3
+    assert share_slots(32, "a", {}, {"a": 40}) == -8  # alone, and past the whole batch

@@ -64,6 +64,7 @@ class Submit:
     diverge_at: int | None = None  # from here on the prompt takes tokens from a small random tail
     tail_seed: int = 0
     salt: str | None = None
+    tenant: str = ""  # two or more present: the scheduler shares the batch between them
 
     def prompt(self) -> list[int]:
         rng = random.Random(self.tail_seed)
@@ -124,6 +125,7 @@ class Harness:
         self.cleared: set[BlockHash] = set()
         self.num_hit_tokens = 0
         self.num_shared = 0  # shared blocks seen at checks, summed
+        self.num_fair_share_preemptions = 0
 
     # -- operations --------------------------------------------------------------------------
     def submit(self, op: Submit) -> None:
@@ -136,6 +138,7 @@ class Harness:
             max_tokens=op.max_tokens, ignore_eos=op.ignore_eos, stop_token_ids=(STOP,) if op.stop else ()
         )
         request = Request(rid, op.prompt(), params, EOS if op.eos else None, cache_salt=op.salt)
+        request.tenant = op.tenant
         total = min(op.prompt_len + op.max_tokens, cfg.max_model_len)
         if rid in self.s.requests:
             refusal: str | None = "already in use"
@@ -294,7 +297,22 @@ class Harness:
             assert len(r.block_table) == cdiv(r.num_computed_tokens + x.num_new_tokens, cfg.block_size)
 
         n = len(out.preempted)
-        if n:
+        fair = s.num_fair_share_preemptions - self.num_fair_share_preemptions
+        self.num_fair_share_preemptions = s.num_fair_share_preemptions
+        if fair:
+            # For a request of a tenant holding less: victims of other tenants, each waiting at
+            # the head of the queue with nothing computed, and none of their tenants joined.
+            event("fair-share preemption")
+            assert fair == n
+            joined = [r for r in scheduled if r not in prev_running]
+            assert joined and not {r.tenant for r in out.preempted} & {r.tenant for r in joined}
+            assert set(map(id, list(s.waiting)[:n])) == set(map(id, out.preempted))
+            for r in out.preempted:
+                assert r in prev_running and r not in scheduled
+                assert (
+                    r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and r.block_table == []
+                )
+        elif n:
             event("preempted")
             # Victims are the most recently admitted running requests, newest first ...
             assert out.preempted == prev_running[::-1][:n]
@@ -492,6 +510,7 @@ def submits_for(cfg: Config) -> st.SearchStrategy[Submit]:
         diverge_at=st.none() | st.none() | st.integers(0, capacity),
         tail_seed=st.integers(0, 3),
         salt=st.none() | st.none() | st.sampled_from(["x", "y"]),
+        tenant=st.sampled_from(["", "", "a", "b"]),
     )
 
 

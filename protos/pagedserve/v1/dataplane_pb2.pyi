@@ -76,6 +76,8 @@ class SubmitCommand(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TENANT_WEIGHT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique within the stream."""
     cache_salt: _builtins.str
@@ -94,6 +96,15 @@ class SubmitCommand(_message.Message):
     priority (swap or recompute, as the data plane's preemption_mode says); queued time ages
     a request's effective priority so that none starves (docs/operations.md).
     """
+    tenant: _builtins.str
+    """The tenant the control plane admitted the request for (its API key's), at most 128
+    characters, and that tenant's weight, in (0, 1e6] (0: the default, 1). With requests of
+    two or more tenants present, the scheduler shares its batch between them by weight: the
+    tenant holding the fewest running requests per unit of weight joins next, and may preempt
+    running requests of a tenant over its share. Empty for every request: one tenant, and
+    scheduling is first come, first served as before. Else INVALID_ARGUMENT naming the field.
+    """
+    tenant_weight: _builtins.float
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -112,10 +123,12 @@ class SubmitCommand(_message.Message):
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout_ms: _builtins.int = ...,
         priority: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        tenant_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "tenant", b"tenant", "tenant_weight", b"tenant_weight", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

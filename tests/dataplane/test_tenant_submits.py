@@ -1,0 +1,64 @@
+"""`SubmitCommand.tenant` / `tenant_weight` on the data plane without a model: the engine loop
+gives every sample of a request its tenant and weight (0 on the wire: 1), refuses a name or a
+weight out of bounds INVALID_ARGUMENT naming the field, and the fair-share preemption counter
+reaches Prometheus."""
+
+from __future__ import annotations
+
+from pagedserve.common.tenant_share import MAX_TENANT_LEN, MAX_TENANT_WEIGHT
+from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
+from pagedserve.dataplane.scheduler import Scheduler
+from pagedserve.dataplane.server.engine_loop import EngineLoop
+from pagedserve.dataplane.server.metrics import fair_share_preemptions
+from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from tests.dataplane.test_engine_loop import FakeEngine, Sink, engine, loop, settle
+
+__all__ = ["engine", "loop"]  # the fixtures, used by name
+
+
+def submit(loop: EngineLoop, stream: str, request_id: str, tenant: str, weight: float, n: int = 1) -> None:
+    loop.submit(
+        stream,
+        dataplane_pb2.SubmitCommand(
+            request_id=request_id,
+            prompt_token_ids=[1, 2, 3],
+            sampling_params=common_pb2.SamplingParams(max_tokens=4, n=n),
+            tenant=tenant,
+            tenant_weight=weight,
+        ),
+    )
+
+
+def test_every_sample_gets_the_tenant_and_bounds_are_checked(loop: EngineLoop, engine: FakeEngine) -> None:
+    sink = Sink()
+    stream = loop.connect(sink)
+    submit(loop, stream, "a", "tenant-a", 2.5, n=3)
+    submit(loop, stream, "unset", "", 0.0)
+    submit(loop, stream, "longest", "t" * MAX_TENANT_LEN, MAX_TENANT_WEIGHT)
+    submit(loop, stream, "long-name", "t" * (MAX_TENANT_LEN + 1), 1.0)
+    submit(loop, stream, "negative", "b", -1.0)
+    submit(loop, stream, "huge", "b", MAX_TENANT_WEIGHT * 2)
+    submit(loop, stream, "nan", "b", float("nan"))
+    settle(loop)
+    assert [(s.tenant, s.tenant_weight) for s in engine.samples_of("s1.1")] == [("tenant-a", 2.5)] * 3
+    assert [(s.tenant, s.tenant_weight) for s in engine.samples_of("s1.2")] == [("", 1.0)]
+    assert [s.tenant_weight for s in engine.samples_of("s1.3")] == [MAX_TENANT_WEIGHT]
+    assert sink.rejected() == [(rid, "INVALID_ARGUMENT") for rid in ("long-name", "negative", "huge", "nan")]
+    messages = [r.message for m in sink.messages if m for r in m.rejected]
+    assert messages[0] == f"tenant must be at most {MAX_TENANT_LEN} characters, got {MAX_TENANT_LEN + 1}"
+    assert all(m.startswith("tenant_weight must be in (0, 1e+06]") for m in messages[1:]), messages
+    assert engine.added == ["s1.1", "s1.2", "s1.3"]
+
+
+def test_the_fair_share_preemption_counter_is_scraped(loop: EngineLoop) -> None:
+    value = loop.metrics.registry.get_sample_value("pagedserve_num_fair_share_preemptions_total")
+    assert value == 0.0  # the fake engine has no scheduler: 0
+    scheduler = Scheduler(KVCacheManager(BlockPool(4), 4), 64, 4, 64)
+    scheduler.num_fair_share_preemptions = 5
+
+    class Engine:
+        pass
+
+    real = Engine()
+    real.scheduler = scheduler  # type: ignore[attr-defined]
+    assert fair_share_preemptions(real)() == 5
