@@ -395,6 +395,7 @@ class Frontend:
                         "request_finished",
                         request_id=gen.label,
                         internal_request_id=gen.request_id,
+                        tenant=gen.tenant,
                         index=event.index,
                         finish_reason=event.finish_reason,
                         prompt_tokens=event.prompt_tokens,
