@@ -95,6 +95,11 @@ def dashboard() -> dict[str, Any]:
                 f"sum by (pod) (rate(pagedserve_num_priority_preemptions_total{{{DP}}}{RATE}))",
                 "for priority {{pod}}",
             ),
+            # ... and for a waiting request of a tenant holding less than its share of the batch.
+            (
+                f"sum by (pod) (rate(pagedserve_num_fair_share_preemptions_total{{{DP}}}{RATE}))",
+                "for a tenant's share {{pod}}",
+            ),
             # Requests the scheduler dropped at their deadline (work nobody would read).
             (
                 f"sum by (pod) (rate(pagedserve_deadline_exceeded_requests_total{{{DP}}}{RATE}))",
