@@ -229,9 +229,11 @@ def test_engine_outputs_equal_the_unshared_engine(
         assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
 
 
-def test_first_tokens_cost_one_row_and_no_forward(model_path: Path) -> None:
-    """n=128 x logprobs=20 x max_tokens=1: one step, the primary's prompt alone in the forward,
-    one log-softmax and one top-k for the 128 samples, each with its own draw."""
+def test_first_tokens_cost_one_row_and_no_forward(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n=128 x logprobs=20 x max_tokens=1: one step (with a draw budget for all 128), the
+    primary's prompt alone in the forward, one log-softmax and one top-k for the 128 samples,
+    each with its own draw."""
+    monkeypatch.setattr(first_tokens, "FIRST_TOKEN_DRAW_ELEMENTS", 128 * VOCAB)
     llm = new_llm(model_path)
     engine = llm.engine
     guard = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, logprobs=1), "guard")
