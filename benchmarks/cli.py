@@ -56,6 +56,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.grpc_overhead",
         "the offline workload through `pagedserve serve` vs the offline engine: tok/s ratio, added latency",
     ),
+    "priority": (
+        "pagedserve.benchmarks.priority",
+        "a priority-0 request on a KV pool full of priority-10 streams: its TTFT vs 2 decode steps + its prefill",
+    ),
     "tenants": (
         "pagedserve.benchmarks.tenants",
         "per-tenant fairness: tenant a floods, tenant b's TTFT vs a's throughput (a alone, a floods + b, a = b)",
