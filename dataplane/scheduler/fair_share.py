@@ -27,18 +27,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 from pagedserve.dataplane.request import Request
-from pagedserve.dataplane.scheduler.priority import Priorities
+from pagedserve.dataplane.scheduler.priority import Priorities, varies
 
 
 def several_tenants(requests: Iterable[Request]) -> bool:
     """Whether the requests belong to more than one tenant (else nothing here applies)."""
-    first: str | None = None
-    for r in requests:
-        if first is None:
-            first = r.tenant
-        elif r.tenant != first:
-            return True
-    return False
+    return varies(r.tenant for r in requests)
 
 
 class Shares:

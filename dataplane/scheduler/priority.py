@@ -23,7 +23,7 @@ arrival of its own effective rank, and it never preempts a better-priority runni
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, MutableSequence
+from collections.abc import Hashable, Iterable, MutableSequence
 
 from pagedserve.dataplane.kvcache import KVCacheManager
 from pagedserve.dataplane.request import Request, RequestStatus
@@ -75,15 +75,16 @@ class Priorities:
             queue.extend(ranked)
 
 
+def varies(values: Iterable[Hashable]) -> bool:
+    """Whether `values` holds two different ones (stops at the first that differs)."""
+    iterator = iter(values)
+    first = next(iterator, None)
+    return any(v != first for v in iterator)
+
+
 def mixed(requests: Iterable[Request]) -> bool:
     """Whether the requests have more than one priority (else nothing is reordered)."""
-    first: int | None = None
-    for r in requests:
-        if first is None:
-            first = r.priority
-        elif r.priority != first:
-            return True
-    return False
+    return varies(r.priority for r in requests)
 
 
 def enqueue(request: Request, now: float) -> None:

@@ -1,14 +1,19 @@
 """`SubmitCommand.priority` on the data plane without a model: the engine loop gives every
 sample of a request its priority, refuses one out of range INVALID_ARGUMENT naming the field,
-and the priority-preemption counter reaches Prometheus."""
+and the priority- and fair-share-preemption counters reach Prometheus."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 from pagedserve.common.priority import MAX_PRIORITY, MIN_PRIORITY
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.scheduler import Scheduler
 from pagedserve.dataplane.server.engine_loop import EngineLoop
-from pagedserve.dataplane.server.metrics import priority_preemptions
+from pagedserve.dataplane.server.metrics import fair_share_preemptions, priority_preemptions
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 from tests.dataplane.test_engine_loop import FakeEngine, Sink, engine, loop, settle
 
@@ -45,15 +50,23 @@ def test_every_sample_gets_the_priority_and_bounds_are_checked(loop: EngineLoop,
     assert engine.added == ["s1.1", "s1.2", "s1.3"]
 
 
-def test_the_priority_preemption_counter_is_scraped(loop: EngineLoop) -> None:
-    value = loop.metrics.registry.get_sample_value("pagedserve_num_priority_preemptions_total")
-    assert value == 0.0  # the fake engine has no scheduler: 0
+@pytest.mark.parametrize(
+    ("metric", "attribute", "reader"),
+    [
+        ("pagedserve_num_priority_preemptions_total", "num_priority_preemptions", priority_preemptions),
+        ("pagedserve_num_fair_share_preemptions_total", "num_fair_share_preemptions", fair_share_preemptions),
+    ],
+)
+def test_the_preemption_counters_are_scraped(
+    loop: EngineLoop, metric: str, attribute: str, reader: Callable[[Any], Callable[[], int]]
+) -> None:
+    assert loop.metrics.registry.get_sample_value(metric) == 0.0  # the fake engine has no scheduler: 0
     scheduler = Scheduler(KVCacheManager(BlockPool(4), 4), 64, 4, 64)
-    scheduler.num_priority_preemptions = 3
+    setattr(scheduler, attribute, 3)
 
     class Engine:
         pass
 
     real = Engine()
     real.scheduler = scheduler  # type: ignore[attr-defined]
-    assert priority_preemptions(real)() == 3
+    assert reader(real)() == 3

@@ -1,15 +1,12 @@
 """`SubmitCommand.tenant` / `tenant_weight` on the data plane without a model: the engine loop
 gives every sample of a request its tenant and weight (0 on the wire: 1), refuses a name or a
-weight out of bounds INVALID_ARGUMENT naming the field, and the fair-share preemption counter
-reaches Prometheus."""
+weight out of bounds INVALID_ARGUMENT naming the field. (Its preemption counter:
+tests/dataplane/test_priority_submits.py.)"""
 
 from __future__ import annotations
 
 from pagedserve.common.tenant_share import MAX_TENANT_LEN, MAX_TENANT_WEIGHT
-from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
-from pagedserve.dataplane.scheduler import Scheduler
 from pagedserve.dataplane.server.engine_loop import EngineLoop
-from pagedserve.dataplane.server.metrics import fair_share_preemptions
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 from tests.dataplane.test_engine_loop import FakeEngine, Sink, engine, loop, settle
 
@@ -48,17 +45,3 @@ def test_every_sample_gets_the_tenant_and_bounds_are_checked(loop: EngineLoop, e
     assert messages[0] == f"tenant must be at most {MAX_TENANT_LEN} characters, got {MAX_TENANT_LEN + 1}"
     assert all(m.startswith("tenant_weight must be in (0, 1e+06]") for m in messages[1:]), messages
     assert engine.added == ["s1.1", "s1.2", "s1.3"]
-
-
-def test_the_fair_share_preemption_counter_is_scraped(loop: EngineLoop) -> None:
-    value = loop.metrics.registry.get_sample_value("pagedserve_num_fair_share_preemptions_total")
-    assert value == 0.0  # the fake engine has no scheduler: 0
-    scheduler = Scheduler(KVCacheManager(BlockPool(4), 4), 64, 4, 64)
-    scheduler.num_fair_share_preemptions = 5
-
-    class Engine:
-        pass
-
-    real = Engine()
-    real.scheduler = scheduler  # type: ignore[attr-defined]
-    assert fair_share_preemptions(real)() == 5
