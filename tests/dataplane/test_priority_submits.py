@@ -20,7 +20,10 @@ from tests.dataplane.test_engine_loop import FakeEngine, Sink, engine, loop, set
 __all__ = ["engine", "loop"]  # the fixtures, used by name
 
 
-def submit(loop: EngineLoop, stream: str, request_id: str, priority: int, n: int = 1) -> None:
+def submit(
+    loop: EngineLoop, stream: str, request_id: str, priority: int = 0, n: int = 1, **fields: Any
+) -> None:
+    """A 3-token submit of `n` samples; `fields`: more SubmitCommand fields (tenant, ...)."""
     loop.submit(
         stream,
         dataplane_pb2.SubmitCommand(
@@ -28,6 +31,7 @@ def submit(loop: EngineLoop, stream: str, request_id: str, priority: int, n: int
             prompt_token_ids=[1, 2, 3],
             sampling_params=common_pb2.SamplingParams(max_tokens=4, n=n),
             priority=priority,
+            **fields,
         ),
     )
 

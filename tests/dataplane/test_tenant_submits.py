@@ -7,23 +7,14 @@ from __future__ import annotations
 
 from pagedserve.common.tenant_share import MAX_TENANT_LEN, MAX_TENANT_WEIGHT
 from pagedserve.dataplane.server.engine_loop import EngineLoop
-from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 from tests.dataplane.test_engine_loop import FakeEngine, Sink, engine, loop, settle
+from tests.dataplane.test_priority_submits import submit as submit_fields
 
 __all__ = ["engine", "loop"]  # the fixtures, used by name
 
 
 def submit(loop: EngineLoop, stream: str, request_id: str, tenant: str, weight: float, n: int = 1) -> None:
-    loop.submit(
-        stream,
-        dataplane_pb2.SubmitCommand(
-            request_id=request_id,
-            prompt_token_ids=[1, 2, 3],
-            sampling_params=common_pb2.SamplingParams(max_tokens=4, n=n),
-            tenant=tenant,
-            tenant_weight=weight,
-        ),
-    )
+    submit_fields(loop, stream, request_id, n=n, tenant=tenant, tenant_weight=weight)
 
 
 def test_every_sample_gets_the_tenant_and_bounds_are_checked(loop: EngineLoop, engine: FakeEngine) -> None:
