@@ -80,7 +80,7 @@ class Wait:
 
 
 WAIT = Wait()
-HELD_BACK = Wait(held_back=True)
+WAIT_HELD_BACK = Wait(held_back=True)  # (the admission queue is told so with admission.HELD_BACK)
 
 
 def plan_placement(
@@ -147,7 +147,7 @@ def plan_placement(
         return Refusal("INVALID_ARGUMENT", reason, param)
     best = choose(candidates, weights)
     if best is None:
-        return HELD_BACK if any(c.held_back for c in candidates) else WAIT
+        return WAIT_HELD_BACK if any(c.held_back for c in candidates) else WAIT
     return Placement(best.dataplane, best.need_blocks, best.cached_blocks)
 
 

@@ -8,15 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def test_priority_preempts_once_and_the_streams_keep_their_tokens(tiny: Path, tmp_path: Path) -> None:

@@ -13,13 +13,7 @@ import pagedserve.dataplane.runner.attention_hook as attention_hook
 import pagedserve.dataplane.runner.fused_layers as fused_layers
 import pagedserve.dataplane.runner.model_runner as model_runner
 from pagedserve.benchmarks.step_profile import PHASES, VARIANTS
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def test_step_profile_table_and_json(tiny: Path, tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ from pagedserve.controlplane.dataplane_client import DataPlaneConnection
 from pagedserve.controlplane.dispatcher import Dispatcher, prompt_hashes
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.placement import (
-    HELD_BACK,
     NO_DATAPLANE,
     WAIT,
+    WAIT_HELD_BACK,
     LinkSnapshot,
     Placement,
     Refusal,
@@ -142,8 +142,8 @@ def test_a_request_that_fits_nowhere_now_but_could_later_waits() -> None:
 def test_a_tenant_at_its_dispatch_cap_where_the_blocks_are_is_held_back_not_waiting() -> None:
     # A full batch of 8: 4 of the tenant's requests may wait there (router.MIN_PENDING).
     capped = snap("c", num_running=8, pending=4, pending_tokens=256, pending_token_limit=4096)
-    assert plan(req(40), capped) is HELD_BACK
-    assert plan(req(40), snap("a", free_blocks=3), capped) is HELD_BACK  # some data plane has room
+    assert plan(req(40), capped) is WAIT_HELD_BACK
+    assert plan(req(40), snap("a", free_blocks=3), capped) is WAIT_HELD_BACK  # some data plane has room
     full = snap("c", free_blocks=3, num_running=8, pending=4, pending_tokens=256, pending_token_limit=4096)
     assert plan(req(40), full) is WAIT  # blocks missing as well: an ordinary wait
     roomy = snap("c", num_running=8, pending=4, pending_token_limit=4096, share_slots=5)
