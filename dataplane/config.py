@@ -159,6 +159,16 @@ class SchedulerConfig:
         "max_num_batched_tokens)",
         minimum=1,
     )
+    prefill_stretch: float = setting(
+        0.0,
+        "while requests decode, the prompt tokens a step computes may stretch it by at most "
+        "this many decode-only steps (both timed as the engine runs), so a burst of new "
+        "requests prefills over several steps instead of stalling the running streams; it "
+        "costs the newcomers' time to first token about (1 + stretch) / stretch of their "
+        "prefill (0: off)",
+        minimum=0,
+        maximum=1000,
+    )
     max_model_len: int | None = setting(
         None, "longest prompt plus output (default: the model's limit)", minimum=1
     )

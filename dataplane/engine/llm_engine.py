@@ -33,6 +33,7 @@ from pagedserve.dataplane.runner.model_runner import ModelRunner
 from pagedserve.dataplane.runner.quant_linear import weight_bytes
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget, split_tokens
 from pagedserve.kernels import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
@@ -136,6 +137,11 @@ class LLMEngine:
             preemption_mode=config.scheduler.preemption_mode,
             watermark=config.scheduler.watermark,
             max_prefill_tokens_while_decoding=config.scheduler.max_prefill_tokens_while_decoding,
+            mixed_step_budget=(
+                MixedStepBudget(config.scheduler.prefill_stretch)
+                if config.scheduler.prefill_stretch
+                else None
+            ),
         )
         self.swap_seconds = 0.0
         self._whole_step_faults = 0  # steps in a row whose one request faulted (see _isolate_fault)
@@ -334,6 +340,7 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule, make the step's swap copies (out, then in), run the model once on the
         flattened batch, sample, retire finished requests."""
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.swap_out or out.swap_in:
             # Before the forward: swapped-out blocks may be rewritten by it, swapped-in ones read.
@@ -350,6 +357,7 @@ class LLMEngine:
             self._retire(done)
             return StepResult({rid: t.token_id for rid, t in drawn.items()}, done, 0, len(out.preempted))
         faulted: dict[str, str] = {}
+        tokens = split_tokens(out)  # (prompt, decode), before the output moves the requests on
         try:
             sampled = self.runner.execute(out, riders)
             self._whole_step_faults = 0
@@ -374,6 +382,8 @@ class LLMEngine:
         self.runner.fill_masks_ahead(out.scheduled)
         self._admit_siblings()
         self._retire(finished)
+        if self.scheduler.mixed_step_budget is not None:
+            self.scheduler.mixed_step_budget.observe(*tokens, time.perf_counter() - started)
         return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted), faulted)
 
     def _retire(self, finished: list[Request]) -> None:

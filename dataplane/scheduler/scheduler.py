@@ -67,6 +67,7 @@ from pagedserve.dataplane.scheduler.priority import (
     mixed,
     sole_blocks,
 )
+from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget, decodes_next, urgent_prompt_tokens
 from pagedserve.dataplane.scheduler.stopping import stop_reason
 
 # The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
@@ -81,7 +82,9 @@ class Scheduler:
     """`preemption_mode` and `watermark` as in SchedulerConfig (dataplane/config.py); swapping
     needs the KV cache manager's host pool. The cost model's two constants are arguments so
     tests and benchmarks can move the balance. `priority_aging_s`: seconds of queueing per
-    step of aging (0: none); `clock` reads the time aging counts (tests pass their own)."""
+    step of aging (0: none); `clock` reads the time aging counts (tests pass their own).
+    `mixed_step_budget`: prompt tokens a step may take while others decode, which the engine
+    learns from its step times (step_budget.py; the smaller of it and the fixed bound applies)."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class Scheduler:
         swap_overhead_tokens: float = SWAP_OVERHEAD_TOKENS,
         priority_aging_s: float = PRIORITY_AGING_S,
         max_prefill_tokens_while_decoding: int | None = None,
+        mixed_step_budget: MixedStepBudget | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
@@ -114,6 +118,7 @@ class Scheduler:
                 f"max_prefill_tokens_while_decoding must be at least 1, got {max_prefill_tokens_while_decoding}"
             )
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.mixed_step_budget = mixed_step_budget
         self.preemption_mode = preemption_mode
         self.watermark_blocks = math.ceil(watermark * kv_cache.num_total_blocks)
         self.swap_cost_per_token = swap_cost_per_token
@@ -167,18 +172,12 @@ class Scheduler:
             for queue in (self.running, self.swapped, self.waiting):
                 ranks.order(queue)
         budget = self.max_num_batched_tokens
-        # Prompt tokens this step may still compute: bounded while requests decode (their next
-        # token waits for the whole step), so a burst of prompts prefills over several steps.
-        prefill = (
-            budget
-            if self.max_prefill_tokens_while_decoding is None or not any(_decoding(r) for r in self.running)
-            else self.max_prefill_tokens_while_decoding
-        )
+        prefill = self._prefill_bound(budget, ranks)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.compute_end - request.num_computed_tokens, budget)
-            decoding = _decoding(request)
+            decoding = decodes_next(request)
             if not decoding:
                 num_new = min(num_new, prefill)
                 if num_new == 0:
@@ -203,6 +202,20 @@ class Scheduler:
             return out
         self._join(out, min(budget, prefill), now, ranks)
         return out
+
+    def _prefill_bound(self, budget: int, ranks: Priorities | None) -> int:
+        """Prompt tokens this step may compute: bounded while requests decode (their next
+        token waits for the whole step; dataplane/scheduler/step_budget.py), so a burst of
+        prompts prefills over several steps, unless they outrank every decoding request."""
+        bounds = [self.max_prefill_tokens_while_decoding]
+        if self.mixed_step_budget is not None:
+            bounds.append(self.mixed_step_budget.tokens())
+        bound = min((b for b in bounds if b is not None), default=None)
+        if bound is None or not any(decodes_next(r) for r in self.running):
+            return budget
+        if ranks is not None:
+            bound += urgent_prompt_tokens((self.running, self.swapped, self.waiting), self.running, ranks)
+        return min(bound, budget)
 
     def _join(self, out: SchedulerOutput, budget: int, now: float, ranks: Priorities | None) -> None:
         """Resume swapped-out requests, then admit waiting ones (new, or recomputing), in queue
@@ -477,13 +490,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Assert the queues, the block tables and both pools agree (tests call it every step)."""
         check_integrity(self)
-
-
-def _decoding(request: Request) -> bool:
-    """Whether `request` computes one token of its output next, not a chunk of its prompt (or
-    of a recomputed context)."""
-    left = request.compute_end - request.num_computed_tokens
-    return left == 1 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
 def _take(queue: deque[Request], request: Request) -> None:

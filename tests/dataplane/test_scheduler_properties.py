@@ -34,6 +34,7 @@ from pagedserve.dataplane.kvcache import (
     cdiv,
 )
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget
 
 EOS = 2
 STOP = 5
@@ -50,6 +51,18 @@ class Config:
     special_rate: float = 0.25  # chance a sampled token is EOS or STOP
     enable_prefix_caching: bool = True
     max_prefill_tokens_while_decoding: int | None = None
+    bound_by_budget: bool = False  # the bound comes as a mixed-step budget, not the fixed count
+
+
+class FixedBudget(MixedStepBudget):
+    """A mixed-step budget that always answers the same count (the scheduler alone times nothing)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(1.0)
+        self.fixed = tokens
+
+    def tokens(self) -> int | None:
+        return self.fixed
 
 
 @dataclass(frozen=True)
@@ -105,12 +118,14 @@ class Harness:
         self.cfg = cfg
         self.pool = BlockPool(cfg.num_blocks, enable_kv_events=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        bound, by_budget = cfg.max_prefill_tokens_while_decoding, cfg.bound_by_budget
         self.s = Scheduler(
             self.kv,
             cfg.max_model_len,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
-            max_prefill_tokens_while_decoding=cfg.max_prefill_tokens_while_decoding,
+            max_prefill_tokens_while_decoding=None if by_budget else bound,
+            mixed_step_budget=FixedBudget(bound) if by_budget and bound is not None else None,
         )
         self.submitted: list[Request] = []
         self.outputs: dict[int, list[int]] = {}  # id(request) -> tokens we fed it
@@ -489,6 +504,7 @@ def configs(draw: st.DrawFn) -> Config:
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 48)),
         max_prefill_tokens_while_decoding=draw(st.none() | st.none() | st.integers(1, 16)),
+        bound_by_budget=draw(st.booleans()),
         max_model_len=max(2, max_model_len),
         special_rate=draw(st.sampled_from([0.0, 0.05, 0.3])),
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),

@@ -102,6 +102,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-prefill-tokens-while-decoding=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "prefillStretch" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--prefill-stretch=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "maxModelLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-model-len=%d" (int64 $v) | toJson }}
