@@ -136,13 +136,17 @@ def dataplane_config_from_args(args: argparse.Namespace) -> DataPlaneConfig:
 
 @cli_command
 def cmd_dataplane(args: argparse.Namespace) -> int:
-    from pagedserve.common.telemetry import configure_tracing
-    from pagedserve.common.tls import read_token_file, server_tls
-    from pagedserve.dataplane.server.server import run
+    from pagedserve.dataplane.server.openmp import set_spin_count
 
     if args.exit_with_parent is not None:  # `serve`'s child: SIGTERM when `serve` dies
         exit_with_parent(args.exit_with_parent)
     config = dataplane_config_from_args(args)
+    set_spin_count(config.omp_spin_count)  # before torch (and its libgomp) is loaded
+
+    from pagedserve.common.telemetry import configure_tracing
+    from pagedserve.common.tls import read_token_file, server_tls
+    from pagedserve.dataplane.server.server import run
+
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     token = read_token_file(config.dataplane_token_file) if config.dataplane_token_file else None
     configure_tracing("pagedserve-dataplane")
