@@ -64,6 +64,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.tenants",
         "per-tenant fairness: tenant a floods, tenant b's TTFT vs a's throughput (a alone, a floods + b, a = b)",
     ),
+    "guard": (
+        "pagedserve.benchmarks.guard",
+        "a guard stream's longest inter-token gap over its median while hostile or heavy input runs (target 3x)",
+    ),
     "step-profile": (
         "pagedserve.benchmarks.step_profile",
         "one decode and one prefill step profiled by op class, fused vs transformers' layers, plus an A/B",
