@@ -14,9 +14,7 @@ tokens (greedy, the same prompt): a case that changed another client's output fa
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import signal
 import socket
 import statistics
 import subprocess
@@ -29,6 +27,7 @@ from typing import Any
 
 from pagedserve.benchmarks.guard_cases import CASES
 from pagedserve.benchmarks.report import Report
+from pagedserve.benchmarks.server_process import start_serve, stop
 
 TARGET_RATIO = 3.0
 # Token ids, not text: any model serves them, a tiny random-weight one (no tokenizer) included.
@@ -68,24 +67,8 @@ def _start(
         cmd += ["--model", args.model]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    cmd += list(args.serve_args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "gRPC on " in line:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-            return proc, line.split("gRPC on ", 1)[1].split()[0]
-    raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, address, _ = start_serve(cmd + list(args.serve_args))
+    return proc, address
 
 
 class Guard:
@@ -193,7 +176,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         finally:
             if guard is not None:
                 guard.stop()
-            _stop(proc)
+            stop(proc)
     assert guard is not None
     outputs = guard.outputs
     identical = sum(out == outputs[0] for out in outputs)

@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -116,7 +117,21 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+def start_serve(cmd: list[str]) -> tuple[subprocess.Popen[str], str, str]:
+    """Run `cmd` (a `pagedserve serve` command line with --grpc-port 0 --http-port 0 welcome)
+    in a session of its own until it prints where it serves: (process, gRPC address, HTTP
+    URL). Its later output is read and dropped, so the pipe never fills."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC on " in line:
+            threading.Thread(target=proc.stdout.read, name="serve-output", daemon=True).start()
+            grpc_address = line.split("gRPC on ", 1)[1].split()[0]
+            return proc, grpc_address, line.split("HTTP on ", 1)[1].split()[0]
+    raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
+
+
+def stop(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     """SIGTERM the server's group, SIGKILL what is left after `grace_s`, and return once
     nothing in the group is alive (bounded: a process stuck in the kernel is reported)."""
     pgid = proc.pid  # the leader of a new session: its pid is the group's id

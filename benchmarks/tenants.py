@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from typing import Any
 
 from pagedserve.benchmarks.report import Report
 from pagedserve.benchmarks.serve_load import percentile
+from pagedserve.benchmarks.server_process import start_serve, stop
 
 KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
 
@@ -114,22 +113,7 @@ def _start(
     cmd += ["--max-queue-len", str(4 * (args.flood + args.victim))]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "gRPC on " in line:
-            return proc, line.split("gRPC on ", 1)[1].split()[0], line.split("HTTP on ", 1)[1].split()[0]
-    raise RuntimeError(f"pagedserve serve exited with {proc.wait()} before serving")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return start_serve(cmd)
 
 
 async def _send(
@@ -305,7 +289,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
                 try:
                     rounds = asyncio.run(_rounds(args, address, _scraped_in_progress(http_url)))
                 finally:
-                    _stop(proc)
+                    stop(proc)
             rows = [
                 [
                     name,
