@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,9 @@ from typing import Any
 from pagedserve.benchmarks.guard_cases import CASES
 from pagedserve.benchmarks.report import Report
 from pagedserve.benchmarks.server_process import start_serve, stop
+from pagedserve.clients.python.client import GenerationClient, StreamChunk
+from pagedserve.common.lifecycle import free_port
+from pagedserve.common.models import DEFAULT_MODEL
 
 TARGET_RATIO = 3.0
 # Token ids, not text: any model serves them, a tiny random-weight one (no tokenizer) included.
@@ -52,12 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(
     args: argparse.Namespace, token_file: Path, dataplane_port: int
 ) -> tuple[subprocess.Popen[str], str]:
@@ -75,10 +71,7 @@ class Guard:
     """Greedy requests one after another; each token's arrival time, per request."""
 
     def __init__(self, address: str, max_tokens: int) -> None:
-        from pagedserve.clients.python.client import GenerationClient, StreamChunk
-
         self.client = GenerationClient(address, timeout=600)
-        self.chunk_type = StreamChunk
         self.max_tokens = max_tokens
         self.stamps: list[tuple[float, int]] = []  # (time, request number)
         self.outputs: list[list[int]] = []
@@ -101,7 +94,7 @@ class Guard:
                 for item in self.client.generate_stream(
                     GUARD_PROMPT, max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True
                 ):
-                    if isinstance(item, self.chunk_type):
+                    if isinstance(item, StreamChunk):
                         self.stamps.append((time.monotonic(), k))
                         tokens += item.token_ids
                 self.outputs.append(tokens)
@@ -154,12 +147,10 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         token_file = Path(tmp) / "dataplane-token"
         token_file.write_text(secrets.token_hex(32) + "\n")
         token_file.chmod(0o600)
-        dataplane_port = _free_port()
+        dataplane_port = free_port()
         proc, address = _start(args, token_file, dataplane_port)
         guard: Guard | None = None
         try:
-            from pagedserve.common.models import DEFAULT_MODEL
-
             guard = Guard(address, args.guard_tokens)
             guard.start()
             cases = []

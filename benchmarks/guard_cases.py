@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from pagedserve.clients.python.client import GenerationClient
+from pagedserve.common.lifecycle import free_port
 from pagedserve.common.tls import read_token_file, token_metadata
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2, dataplane_pb2_grpc, generation_pb2
 
@@ -113,11 +114,7 @@ def kill_control_plane(dataplane: str, token_file: str, model: str) -> Callable[
     SIGKILLed 1 s later; each round starts a new one."""
 
     def start() -> tuple[subprocess.Popen[bytes], GenerationClient, int]:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "pagedserve", "controlplane", "--dataplane", dataplane]
         cmd += ["--dataplane-token-file", token_file, "--model", model, "--grpc-port", str(port)]
         cmd += ["--http-port", "0"]

@@ -357,7 +357,8 @@ class LLMEngine:
             self._retire(done)
             return StepResult({rid: t.token_id for rid, t in drawn.items()}, done, 0, len(out.preempted))
         faulted: dict[str, str] = {}
-        tokens = split_tokens(out)  # (prompt, decode), before the output moves the requests on
+        mixed = self.scheduler.mixed_step_budget  # (None: --prefill-stretch off, nothing timed)
+        tokens = split_tokens(out) if mixed is not None else None  # before the output moves them on
         try:
             sampled = self.runner.execute(out, riders)
             self._whole_step_faults = 0
@@ -382,8 +383,8 @@ class LLMEngine:
         self.runner.fill_masks_ahead(out.scheduled)
         self._admit_siblings()
         self._retire(finished)
-        if self.scheduler.mixed_step_budget is not None:
-            self.scheduler.mixed_step_budget.observe(*tokens, time.perf_counter() - started)
+        if mixed is not None and tokens is not None:
+            mixed.observe(*tokens, time.perf_counter() - started)
         return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted), faulted)
 
     def _retire(self, finished: list[Request]) -> None:

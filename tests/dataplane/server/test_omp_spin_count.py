@@ -35,7 +35,11 @@ print(json.dumps({"applied": applied, "env": os.environ.get("GOMP_SPINCOUNT"), "
 """
 
 
-def run(code: str, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+def run_with_stderr(
+    code: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[dict[str, object], str]:
+    """`code` in a fresh interpreter without GOMP_SPINCOUNT (unless `env` sets it): the JSON
+    object its last line prints, and its stderr."""
     base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     done = subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -45,7 +49,11 @@ def run(code: str, *args: str, env: dict[str, str] | None = None) -> dict[str, o
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def run(code: str, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    return run_with_stderr(code, *args, env=env)[0]
 
 
 @pytest.fixture(autouse=True)
@@ -81,16 +89,9 @@ torch.ones(2) @ torch.ones(2)
 from pagedserve.dataplane.server.openmp import set_spin_count
 print(json.dumps({"applied": set_spin_count(3000), "env": os.environ.get("GOMP_SPINCOUNT")}))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip()) == {"applied": None, "env": None}
-    assert "libgomp is already loaded: GOMP_SPINCOUNT=3000 not applied" in done.stderr
+    got, stderr = run_with_stderr(code)
+    assert got == {"applied": None, "env": None}
+    assert "libgomp is already loaded: GOMP_SPINCOUNT=3000 not applied" in stderr
 
 
 def test_pagedserve_dataplane_sets_it_before_the_server_imports_torch() -> None:
