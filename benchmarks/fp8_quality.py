@@ -37,7 +37,7 @@ from pagedserve.benchmarks.workloads import PASSAGES_FILE, chat_prompts
 from pagedserve.common.models import resolve_model_path
 from pagedserve.common.settings import ArgumentParser, parse_bytes
 from pagedserve.dataplane import LLM, SamplingParams
-from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.dataplane.models import PagedStep
 from pagedserve.dataplane.runner.model_loader import load_tokenizer
 from pagedserve.kernels import build_attention_metadata
 
@@ -64,14 +64,9 @@ def perplexity(llm: LLM, token_ids: Sequence[int], chunk: int) -> float:
         end = min(n, start + chunk)
         meta = build_attention_metadata([end - start], [end], [table], block_size, runner.device)
         step = PagedStep(meta, runner.kv_caches, runner.backends, kv_scales=runner.kv_scales)
-        hidden = runner.decoder(
-            input_ids=ids[start:end].unsqueeze(0),
-            position_ids=torch.arange(start, end, device=runner.device).unsqueeze(0),
-            use_cache=False,
-            paged_step=step,
-        ).last_hidden_state[0]
+        hidden = runner.model(ids[start:end], torch.arange(start, end, device=runner.device), step)
         targets = ids[start + 1 : end + 1]
-        logits = runner.lm_head(hidden[: targets.shape[0]]).float()
+        logits = runner.model.compute_logits(hidden[: targets.shape[0]]).float()
         nll -= float(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum())
     return math.exp(nll / (n - 1))
 

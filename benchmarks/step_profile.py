@@ -1,4 +1,4 @@
-"""Where one engine step's time goes: an op-class profile, fused layers vs transformers' layers.
+"""Where one engine step's time goes: an op-class profile, the owned model vs transformers' layers.
 
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
@@ -8,8 +8,8 @@ threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the sa
 What it does, in one process:
 
 1. Two `ModelRunner`s on `--model` (fp32, CPU, `--threads` torch threads): one as the
-   engine builds it (`fuse_decoder_layers`, dataplane/runner/fused_layers.py) and one that
-   keeps transformers' decoder layers (served by the attention hook). Both get the same KV
+   engine builds it (the owned model, dataplane/models/llama.py) and one on transformers'
+   modules (`model_impl="transformers"`, served by the attention hook). Both get the same KV
    pool shape, sized for the two synthetic steps below.
 2. Two synthetic `SchedulerOutput`s, the same for both runners: a decode step
    (`--decode-seqs` sequences, `--context` tokens each, one new token per sequence, every row
@@ -19,12 +19,12 @@ What it does, in one process:
    so a step can be replayed.
 3. Profile: for each step class and runner, after one warm-up step, `--decode-steps` /
    `--prefill-steps` steps under `torch.profiler`, with `record_function` ranges around our
-   phases: the decoder's linear layers, the LM head, RMSNorm (the module, or the fused
-   layers' norms, the second with the residual add it is fused with), rotary (transformers'
-   `apply_rotary_pos_emb`, or the fused layers'), the activation (the module, or the fused layers' SiLU x up), the KV cache write,
+   phases: the decoder's linear layers, the LM head, RMSNorm (the module, or the
+   owned layers' norms, the second with the residual add it is fused with), rotary (transformers'
+   `apply_rotary_pos_emb`, or the owned layers'), the activation (the module, or the owned layers' SiLU x up), the KV cache write,
    paged attention, the attention metadata and sampling. "other" is the step's wall time
    minus those (residual adds, transformers' `act * up`, views, Python). Printed
-   as ms per step and share of the step. The fused layers run our C++ elementwise kernels
+   as ms per step and share of the step. The owned layers run our C++ elementwise kernels
    (kernels/cpu/layer_ops.cpp) on the CPU in fp32, as the engine does. The engine runs each
    layer's halves around attention as one C++ op each (kernels/cpu/decoder_block.cpp), which
    no range can see into, so the profile runs those halves op by op: the same kernels in the
@@ -32,7 +32,7 @@ What it does, in one process:
    engine's path).
 4. A/B without the profiler: `--decode-pairs` / `--prefill-pairs` paired steps, alternating
    which runner goes first; the speed-up is the median transformers-layers step time over
-   the median fused-layers step time.
+   the median owned-model step time.
 """
 
 from __future__ import annotations
@@ -59,15 +59,15 @@ PHASES: dict[str, str] = {
     "linear": "linear layers (q/k/v/o/gate/up/down)",
     "attention": "paged attention",
     "lm_head": "LM head",
-    "rmsnorm": "RMSNorm (fused layers: with the residual add before it)",
+    "rmsnorm": "RMSNorm (owned layers: with the residual add before it)",
     "rotary": "rotary (q and k)",
     "kv_write": "KV cache write",
-    "activation": "activation (fused layers: SiLU x up)",
+    "activation": "activation (owned layers: SiLU x up)",
     "sampling": "sampling",
     "metadata": "attention metadata",
     "other": "other (residual adds, views, Python)",
 }
-VARIANTS: dict[str, str] = {"transformers": "transformers layers", "fused": "fused layers"}
+VARIANTS: dict[str, str] = {"transformers": "transformers layers", "owned": "owned layers"}
 STEP_RANGE = "step"
 LABEL_PREFIX = "pagedserve/"  # our record_function names, apart from the profiler's own ops
 
@@ -126,18 +126,15 @@ def synthetic_step(
     return SchedulerOutput(scheduled=scheduled)
 
 
-def build_runner(model_path: Path, fused: bool, num_blocks: int, block_size: int) -> Any:
-    """A fp32 CPU ModelRunner; `fused=False` keeps transformers' decoder layers."""
+def build_runner(model_path: Path, owned: bool, num_blocks: int, block_size: int) -> Any:
+    """A fp32 CPU ModelRunner on the owned model, or (`owned=False`) on transformers' modules."""
     import torch
 
-    import pagedserve.dataplane.runner.model_runner as model_runner
     from pagedserve.dataplane.runner.model_loader import load_model
+    from pagedserve.dataplane.runner.model_runner import ModelRunner
 
-    model = load_model(model_path, "float32", "cpu")
-    with ExitStack() as stack:
-        if not fused:
-            stack.enter_context(_patched(model_runner, "fuse_decoder_layers", lambda _model, **_: 0))
-        return model_runner.ModelRunner(model, num_blocks, block_size, torch.float32, "cpu")
+    model = load_model(model_path, "float32", "cpu", model_impl="pagedserve" if owned else "transformers")
+    return ModelRunner(model, num_blocks, block_size, torch.float32, "cpu")
 
 
 @contextmanager
@@ -156,7 +153,7 @@ def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _labelled(fn: Callable[..., Any], key: str, open_keys: set[str]) -> Callable[..., Any]:
-    """fn inside a `key` range, unless a `key` range is open already (the fused layers' torch
+    """fn inside a `key` range, unless a `key` range is open already (the owned layers' torch
     fallbacks call the activation module inside silu_and_mul): a nested range of the same
     key would count its time twice."""
     from torch.profiler import record_function
@@ -179,25 +176,25 @@ def _labelled(fn: Callable[..., Any], key: str, open_keys: set[str]) -> Callable
 def phase_ranges(runner: Any) -> Iterator[None]:
     """Wrap the runner's phases in `record_function` ranges for the block (and unwrap after,
     so the A/B runs without them). The module-level functions are patched where they are
-    looked up: attention_hook for the KV write and attention, model_runner for metadata and
-    sampling, fused_layers for its RMSNorm."""
+    looked up: models.attention for the KV write and attention, model_runner for metadata and
+    sampling, models.llama for the owned layers' elementwise work."""
     from torch import nn
 
-    import pagedserve.dataplane.runner.attention_hook as attention_hook
-    import pagedserve.dataplane.runner.fused_layers as fused_layers
+    import pagedserve.dataplane.models.attention as attention
+    import pagedserve.dataplane.models.llama as llama
     import pagedserve.dataplane.runner.model_runner as model_runner
     from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear
 
     functions = [
-        (attention_hook, "write_kv_cache", "kv_write"),
-        (attention_hook, "paged_attention", "attention"),
+        (attention, "write_kv_cache", "kv_write"),
+        (attention, "paged_attention", "attention"),
         (model_runner, "build_attention_metadata", "metadata"),
         (model_runner, "sample", "sampling"),
-        (fused_layers, "rms_norm", "rmsnorm"),
-        (fused_layers, "input_rms_norm", "rmsnorm"),
-        (fused_layers, "add_rms_norm", "rmsnorm"),
-        (fused_layers, "apply_rotary", "rotary"),
-        (fused_layers, "silu_and_mul", "activation"),
+        (llama, "rms_norm", "rmsnorm"),
+        (llama, "input_rms_norm", "rmsnorm"),
+        (llama, "add_rms_norm", "rmsnorm"),
+        (llama, "apply_rotary", "rotary"),
+        (llama, "silu_and_mul", "activation"),
     ]
     # transformers' layers look apply_rotary_pos_emb up in their modeling module.
     for m in runner.model.modules():
@@ -213,14 +210,14 @@ def phase_ranges(runner: Any) -> Iterator[None]:
     with ExitStack() as stack:
         # The block ops (one C++ call per layer half) hide the phases: run the halves op by op.
         for layer in runner.model.modules():
-            if isinstance(layer, fused_layers.FusedDecoderLayer):
+            if isinstance(layer, llama.LlamaDecoderLayer):
                 stack.enter_context(_patched(layer, "attention_input_args", None))
                 stack.enter_context(_patched(layer, "mlp_args", None))
         for module, name, key in functions:
             stack.enter_context(_patched(module, name, _labelled(getattr(module, name), key, open_keys)))
         for m in runner.model.modules():
             kind = type(m).__name__
-            if m is runner.lm_head:
+            if m is runner.model.output_embeddings():
                 key = "lm_head"
             elif isinstance(m, nn.Linear | PackedLinear | PanelLinear):
                 key = "linear"
@@ -264,7 +261,7 @@ def profile_steps(runner: Any, step: Any, num_steps: int) -> dict[str, Any]:
 
 def ab_speedup(runners: dict[str, Any], step: Any, pairs: int) -> dict[str, Any]:
     """Paired steps, alternating which variant goes first (so neither always follows the
-    other's cache footprint); medians and transformers-over-fused speed-up."""
+    other's cache footprint); medians and transformers-over-owned speed-up."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     for name in runners:
         runners[name].execute(step)  # warm-up
@@ -278,7 +275,7 @@ def ab_speedup(runners: dict[str, Any], step: Any, pairs: int) -> dict[str, Any]
     return {
         "pairs": pairs,
         "median_ms": medians,
-        "speedup": medians["transformers"] / medians["fused"],
+        "speedup": medians["transformers"] / medians["owned"],
     }
 
 
@@ -304,7 +301,7 @@ def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[f
     import torch
 
     from pagedserve.common.models import resolve_model_path
-    from pagedserve.dataplane.runner.fused_layers import FusedDecoderLayer
+    from pagedserve.dataplane.models import LlamaDecoderLayer
 
     bs = args.block_size
     decode_blocks = args.decode_seqs * -(-args.context // bs)
@@ -312,12 +309,12 @@ def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[f
     model_path = resolve_model_path(args.model)
     runners = {
         name: phase(
-            f"load {label}", functools.partial(build_runner, model_path, name == "fused", num_blocks, bs)
+            f"load {label}", functools.partial(build_runner, model_path, name == "owned", num_blocks, bs)
         )
         for name, label in VARIANTS.items()
     }
-    fused_count = sum(isinstance(layer, FusedDecoderLayer) for layer in runners["fused"].decoder.layers)
-    vocab = int(runners["fused"].model.config.vocab_size)
+    owned_count = sum(isinstance(layer, LlamaDecoderLayer) for layer in runners["owned"].model.modules())
+    vocab = int(runners["owned"].model.config.vocab_size)
     steps = {
         "decode": (
             synthetic_step("d", args.decode_seqs, args.context, 1, 0, bs, vocab, seed=0),
@@ -355,20 +352,20 @@ def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[f
         ["op class", *(f"{steps[c][1]}, {VARIANTS[n]}" for c, n in columns)],
         rows,
         notes=[
-            f"{args.model}, fp32, {args.threads} torch threads; {fused_count} fused decoder layers; "
+            f"{args.model}, fp32, {args.threads} torch threads; {owned_count} owned decoder layers; "
             f"load average {loads}",
             "other = the step's wall time minus every range above it",
         ],
     )
     report.table(
         "Interleaved A/B (paired steps, alternating order, medians)",
-        ["step", "pairs", "transformers layers ms", "fused layers ms", "speed-up"],
+        ["step", "pairs", "transformers layers ms", "owned layers ms", "speed-up"],
         [
             [
                 a["label"],
                 str(a["pairs"]),
                 f"{a['median_ms']['transformers']:,.1f}",
-                f"{a['median_ms']['fused']:,.1f}",
+                f"{a['median_ms']['owned']:,.1f}",
                 f"{a['speedup']:.3f}x",
             ]
             for a in ab.values()
@@ -378,7 +375,7 @@ def _profile_and_report(args: argparse.Namespace, report: Report, loads: tuple[f
         "model": args.model,
         "threads": args.threads,
         "block_size": bs,
-        "fused_layers": fused_count,
+        "owned_layers": owned_count,
         "steps": {
             cls: {"label": label, "profiled_steps": n, "rows": sum(s.num_new_tokens for s in step.scheduled)}
             for cls, (step, label, n, _) in steps.items()

@@ -29,6 +29,9 @@ CPU_WEIGHT_DTYPES = ("float32", "bfloat16")
 # Quantize a float checkpoint's linear weights at load (dataplane/runner/quant_linear.py).
 QUANTIZATIONS = ("int8",)
 QUANTIZED_MATMULS = ("auto", "int8", "float32")
+# Which forward runs the model: the owned Llama family where it applies, else transformers'
+# (dataplane/models/from_transformers.py); vLLM's `--model-impl`.
+MODEL_IMPLS = ("auto", "pagedserve", "transformers")
 # How the scheduler preempts a running sequence when the device KV pool runs out (scheduler.py).
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # swap_space left unset next to a GPU: 4 GiB of host memory, vLLM's `--swap-space` default.
@@ -225,6 +228,14 @@ class ModelConfig:
         choices=ATTENTION_BACKENDS,
     )
 
+    model_impl: str = setting(
+        "auto",
+        "model implementation: pagedserve's own forward (the Llama family: Llama, Mistral, Qwen2, "
+        "Qwen3), transformers' modules with our paged attention, or auto (ours where it applies, "
+        "else transformers')",
+        choices=MODEL_IMPLS,
+    )
+
     cpu_linear: str = setting(
         "auto",
         "fp32 CPU linear kernels: auto times ours against oneDNN per shape and row band at load "
@@ -272,6 +283,8 @@ class ModelConfig:
             raise ValueError(
                 f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}"
             )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
         if self.dtype not in MODEL_DTYPES:

@@ -63,15 +63,30 @@ class LLMEngine:
             )
         self.tokenizer = load_tokenizer(self.model_path)
         model = load_model(
-            self.model_path, config.model.dtype, config.model.device, config.model.quantization
+            self.model_path,
+            config.model.dtype,
+            config.model.device,
+            config.model.quantization,
+            config.model.model_impl,
         )
-        self.startup.done("weights", model=str(self.model_path), dtype=config.model.dtype)
+        self.startup.done(
+            "weights",
+            model=str(self.model_path),
+            dtype=config.model.dtype,
+            implementation=model.implementation,
+        )
         hf = model.config
         self.max_model_len = resolve_max_model_len(config, hf)
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_token_ids = eos_token_ids(hf, gen_cfg)
         if tp > 1:
             check_divisible(hf, tp)
+            if model.implementation != "pagedserve":
+                raise ValueError(
+                    f"tensor_parallel_size {tp}: the model runs on transformers' modules "
+                    f"({type(model.hf).__name__}), which are not split; tensor parallelism needs "
+                    "one of the owned architectures (Llama, Mistral, Qwen2, Qwen3) and model_impl auto"
+                )
             if torch.device(config.model.device).type != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only so far")
 

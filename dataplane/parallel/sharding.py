@@ -1,18 +1,16 @@
-"""The Megatron split of a loaded transformers decoder, applied in place as a transform.
+"""The Megatron split of a loaded owned model (dataplane/models/llama.py), applied in place.
 
 Per decoder layer, rank r of N keeps:
-- column-parallel q/k/v_proj and gate/up_proj: its 1/N of the output rows (bias too), i.e.
-  query heads [r*H/N, (r+1)*H/N), KV heads [r*KVH/N, (r+1)*KVH/N) (the query heads of a
+- column-parallel qkv_proj and gate_up_proj: its 1/N of each part's output rows (bias too),
+  i.e. query heads [r*H/N, (r+1)*H/N), KV heads [r*KVH/N, (r+1)*KVH/N) (the query heads of a
   contiguous range use exactly the KV heads of the matching range, so GQA stays local), and
-  its 1/N of the MLP's intermediate features;
+  its 1/N of the MLP's intermediate features, gate's and up's alike;
 - row-parallel o_proj and down_proj: the matching 1/N of the input columns, wrapped in a
   `RowParallelLinear` that all-reduces the partial sums (the bias is added once, after).
 
-Embeddings, norms and the LM head stay whole. transformers' attention modules reshape their
-projections with -1 heads (Llama, Qwen2, Qwen3, Mistral), so they run on the local heads
-unchanged; their num_key_value_groups (H/KVH) is the same ratio locally. Runs before any other
-load-time transform (fusing q/k/v, oneDNN packing): those see plain, already-sharded nn.Linear
-modules, `RowParallelLinear.linear` included.
+Embeddings, norms and the LM head stay whole. Runs before the runner's load-time transforms
+(linear packing): those see plain, already-sharded nn.Linear modules, `RowParallelLinear.linear`
+included.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.dataplane.models import CausalLM, LlamaForCausalLM
 from pagedserve.dataplane.parallel.group import TensorParallelGroup
 
 
@@ -53,15 +52,21 @@ class RowParallelLinear(nn.Module):
         return out
 
 
-def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
-    """The column-parallel shard: output rows [rank*out/N, (rank+1)*out/N)."""
-    per_rank = linear.out_features // world_size
-    part = slice(rank * per_rank, (rank + 1) * per_rank)
-    shard = nn.Linear(linear.in_features, per_rank, bias=linear.bias is not None)
+def _row_parts(linear: nn.Linear, parts: list[int], rank: int, world_size: int) -> nn.Linear:
+    """The column-parallel shard of a linear whose output rows are `parts` side by side (q, k,
+    v or gate, up): this rank's 1/N of each part's rows, in the same order."""
+    keep: list[torch.Tensor] = []
+    offset = 0
+    for rows in parts:
+        per_rank = rows // world_size
+        keep.append(torch.arange(offset + rank * per_rank, offset + (rank + 1) * per_rank))
+        offset += rows
+    index = torch.cat(keep).to(linear.weight.device)
+    shard = nn.Linear(linear.in_features, len(index), bias=linear.bias is not None)
     shard = shard.to(device=linear.weight.device, dtype=linear.weight.dtype)
-    shard.weight = nn.Parameter(linear.weight.detach()[part].clone(), requires_grad=False)
+    shard.weight = nn.Parameter(linear.weight.detach().index_select(0, index), requires_grad=False)
     if linear.bias is not None:
-        shard.bias = nn.Parameter(linear.bias.detach()[part].clone(), requires_grad=False)
+        shard.bias = nn.Parameter(linear.bias.detach().index_select(0, index), requires_grad=False)
     return shard
 
 
@@ -76,18 +81,30 @@ def _columns(linear: nn.Linear, rank: int, group: TensorParallelGroup) -> RowPar
     return RowParallelLinear(shard, bias, group)
 
 
-def shard_model(model: Any, group: TensorParallelGroup) -> int:
+def shard_model(model: CausalLM, group: TensorParallelGroup) -> int:
     """Split every decoder layer of `model` for `group`'s rank, in place; returns the number of
-    layers split. Raises ValueError when the heads or MLP do not divide evenly."""
+    layers split. Raises ValueError when the heads or MLP do not divide evenly, or the model
+    is not an owned one (transformers' modules are not split)."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(
+            f"tensor parallelism splits the owned models only (the Llama family); "
+            f"{type(model).__name__} runs on one rank"
+        )
     rank, world_size = group.rank, group.world_size
     check_divisible(model.config, world_size)
-    layers = model.get_decoder().layers
+    layers = model.decoder_layers()
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, _rows(getattr(attn, name), rank, world_size))
-        attn.o_proj = _columns(attn.o_proj, rank, group)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
-        mlp.down_proj = _columns(mlp.down_proj, rank, group)
+        d, h, kvh = layer.head_dim, layer.num_heads, layer.num_kv_heads
+        layer.qkv_proj = _row_parts(_linear(layer.qkv_proj), [h * d, kvh * d, kvh * d], rank, world_size)
+        inter = _linear(layer.gate_up_proj).out_features // 2
+        layer.gate_up_proj = _row_parts(_linear(layer.gate_up_proj), [inter, inter], rank, world_size)
+        layer.o_proj = _columns(_linear(layer.o_proj), rank, group)
+        layer.down_proj = _columns(_linear(layer.down_proj), rank, group)
+        layer.set_local_heads(h // world_size, kvh // world_size)
     return len(layers)
+
+
+def _linear(module: nn.Module) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"tensor parallelism splits float nn.Linear layers, not {type(module).__name__}")
+    return module

@@ -13,7 +13,6 @@ import argparse
 import json
 import signal
 import sys
-from typing import Any
 
 import torch
 
@@ -21,6 +20,7 @@ from pagedserve.common import settings
 from pagedserve.common.lifecycle import exit_with_parent
 from pagedserve.common.models import resolve_model_path
 from pagedserve.dataplane.config import EngineConfig
+from pagedserve.dataplane.models import CausalLM
 from pagedserve.dataplane.parallel import step_plan
 from pagedserve.dataplane.parallel.driver import LAYOUT_KEY, PLAN_LENGTH_BYTES, WorkerLayout, kv_pool_key
 from pagedserve.dataplane.parallel.group import TensorParallelGroup, join_store, threads_per_rank
@@ -31,7 +31,7 @@ from pagedserve.kernels import kv_cache_torch_dtype
 
 
 def build_worker_runner(
-    config: EngineConfig, model: Any, group: TensorParallelGroup, layout: WorkerLayout
+    config: EngineConfig, model: CausalLM, group: TensorParallelGroup, layout: WorkerLayout
 ) -> ModelRunner:
     """This rank's share of `model` behind a runner whose pools mirror rank 0's `layout`."""
     model_cfg = config.model
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(config.model.seed)
     model_cfg = config.model
     path = resolve_model_path(model_cfg.model, model_cfg.model_home)
-    model = load_model(path, model_cfg.dtype, model_cfg.device)
+    model = load_model(path, model_cfg.dtype, model_cfg.device, model_impl=model_cfg.model_impl)
     store = join_store(args.store_port, args.world_size, args.timeout_s)
     layout = WorkerLayout.from_json(store.get(LAYOUT_KEY))  # blocks until rank 0 has planned
     group = TensorParallelGroup(store, args.rank, args.world_size, args.timeout_s)

@@ -1,1 +1,1 @@
-"""Runs the model on one flattened varlen batch per step: inputs, paged attention hook, sampling."""
+"""Runs the model on one flattened varlen batch per step: inputs, load-time linear transforms, sampling."""

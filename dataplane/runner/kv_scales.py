@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.dataplane.models import CausalLM, PagedStep
 from pagedserve.kernels import build_attention_metadata
 from pagedserve.kernels.backend import ResolvedBackends, default_backend
 from pagedserve.kernels.fp8 import fp8_max
@@ -130,7 +130,9 @@ def calibration_token_ids(
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model: Any, token_ids: list[int], fp8: torch.dtype, block_size: int = 16) -> KVScales:
+def calibrate_kv_scales(
+    model: CausalLM, token_ids: list[int], fp8: torch.dtype, block_size: int = 16
+) -> KVScales:
     """Run one prefill of token_ids through the paged attention and derive per-layer scales.
 
     The pass uses a temporary cache in the model's dtype just large enough for the prompt;
@@ -166,9 +168,8 @@ def calibrate_kv_scales(model: Any, token_ids: list[int], fp8: torch.dtype, bloc
         ResolvedBackends(attention=backend, cache=backend, cache_write=backend),
         observer=observe,
     )
-    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    pos = torch.arange(n, device=device).unsqueeze(0)
-    model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, paged_step=step)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    model(ids, torch.arange(n, device=device), step)
     # A layer whose K or V is all zeros (never in practice) keeps scale 1.
     scales = torch.where(amax > 0, amax * SCALE_HEADROOM / fp8_max(fp8), torch.ones_like(amax))
     return KVScales(tuple(scales[:, 0].tolist()), tuple(scales[:, 1].tolist()), f"calibrated on {n} tokens")

@@ -1,4 +1,5 @@
-"""Builds a transformers model class from a local config + safetensors folder, with our attention."""
+"""Loads a local checkpoint (config + safetensors, or GGUF) into the model the engine runs
+(pagedserve.dataplane.models: the owned forward of its architecture, or transformers')."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 import torch
 
 from pagedserve.common.models.gguf_folder import gguf_weights_file
-from pagedserve.dataplane.runner.attention_hook import register_paged_attention
+from pagedserve.dataplane.models import CausalLM, build_causal_lm
+from pagedserve.dataplane.models.transformers_backend import register_paged_attention
 from pagedserve.dataplane.runner.quant_linear import quantize_linears
 
 DTYPES: dict[str, torch.dtype] = {
@@ -32,10 +34,13 @@ def quantized_by(path: Path, quantization: str | None) -> str | None:
     return f"quantization {quantization}" if quantization else None
 
 
-def load_model(path: Path, dtype: str, device: str, quantization: str | None = None) -> Any:
-    """Load the causal LM in `path` (never from a hub) with pagedserve's paged attention. A
-    GGUF folder's weights stay quantized (gguf_loader.py), and `quantization` ("int8")
-    quantizes a float checkpoint's linears at load: both on the CPU with float32 activations."""
+def load_model(
+    path: Path, dtype: str, device: str, quantization: str | None = None, model_impl: str = "auto"
+) -> CausalLM:
+    """Load the causal LM in `path` (never from a hub) as the model `model_impl` picks
+    (pagedserve.dataplane.models.build_causal_lm). A GGUF folder's weights stay quantized
+    (gguf_loader.py), and `quantization` ("int8") quantizes a float checkpoint's linears at
+    load: both on the CPU with float32 activations."""
     from transformers import AutoModelForCausalLM
 
     attn = register_paged_attention()
@@ -49,7 +54,7 @@ def load_model(path: Path, dtype: str, device: str, quantization: str | None = N
     if gguf is not None:
         from pagedserve.dataplane.runner.gguf_loader import load_gguf_model
 
-        return load_gguf_model(path, gguf, attn)
+        return build_causal_lm(load_gguf_model(path, gguf, attn), model_impl)
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=DTYPES[dtype],
@@ -61,7 +66,7 @@ def load_model(path: Path, dtype: str, device: str, quantization: str | None = N
     model.requires_grad_(False)
     if quantization:
         quantize_linears(model, quantization)
-    return model
+    return build_causal_lm(model, model_impl)
 
 
 def load_tokenizer(path: Path) -> Any | None:

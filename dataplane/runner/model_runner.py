@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from pagedserve.dataplane.runner.attention_hook import PagedStep
+from pagedserve.common.log import get_logger
+from pagedserve.dataplane.models import CausalLM, PagedStep
 from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
-from pagedserve.dataplane.runner.fused_layers import bind_block_kernels, fuse_decoder_layers
 from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
 from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
@@ -22,6 +22,8 @@ from pagedserve.kernels import build_attention_metadata, swap_blocks
 from pagedserve.kernels.backend import resolve_backend
 from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
 from pagedserve.kernels.fp8 import is_fp8
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
@@ -86,23 +88,26 @@ class ModelRunner:
         # get these concrete implementations. Resolving also builds (or loads the cached
         # build of) the C++ decode kernel where it is used, now rather than in the first step.
         self.backends = resolve_backend(attention_backend, self.device, model.dtype, kv_dtype)
-        self.decoder = model.get_decoder()
         # (in, out) -> the kernel per row band of the packed fp32 CPU linears (empty: none)
         self.linear_choices: dict[tuple[int, int], ShapeChoice] = {}
-        self.lm_head = model.get_output_embeddings()
-        # After any tensor-parallel sharding (the fused layers read the local shapes), before
-        # packing (which then packs the fused projections too).
+        # After any tensor-parallel sharding (the packed shapes are the local ones).
         cpu_ops = self._layer_kernels(model)
-        fuse_decoder_layers(model, cpu_ops=cpu_ops)
+        with_ops = model.use_cpu_kernels(cpu_ops)
         if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
-            # After fusing, so the fused q/k/v and gate/up shapes are the ones timed.
             bf16 = cpu_weight_dtype == "bfloat16"
             self.linear_choices = select_linears(model, cpu_ops, cpu_linear, bf16_weights=bf16)
             pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices, bf16_weights=bf16)
             # a GGUF model's quantized linears, or --quantization int8's
             pack_quant_linears(model, cpu_ops, int8_activations=int8_activations(quantized_matmul, cpu_ops))
-            self.lm_head = model.get_output_embeddings()
-            bind_block_kernels(model)
+        attention_input, mlp = model.bind_block_kernels()
+        log.info(
+            "model_layers",
+            implementation=model.implementation,
+            layers=model.num_layers,
+            cpu_elementwise_kernels=with_ops,
+            attention_input_block_ops=attention_input,
+            mlp_block_ops=mlp,
+        )
         self.block_size = block_size
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers
@@ -140,7 +145,7 @@ class ModelRunner:
         # The last execute's logits rows of the requests given riders, for later draws (`draw`).
         self.kept_rows: dict[str, torch.Tensor] = {}
 
-    def _layer_kernels(self, model: Any) -> CpuKernels | None:
+    def _layer_kernels(self, model: CausalLM) -> CpuKernels | None:
         """The C++ kernels for the fused layers' elementwise work and the panel-packed
         linears: on the CPU in fp32, where they build (the same build as the C++ decode
         attention; None logs once, and the layers use torch ops and oneDNN's linears)."""
@@ -231,7 +236,7 @@ class ModelRunner:
         if not sample_rows:
             return {}
         index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.lm_head(hidden.index_select(0, index)).float()  # [N, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, index)).float()  # [N, vocab]
         if constrained:
             self._mask_logits(logits, constrained, filled)
         samples = [s.request for s in sampling]
@@ -322,10 +327,8 @@ class ModelRunner:
         meta = build_attention_metadata(
             inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.block_size, self.device
         )
-        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
-        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         step = PagedStep(meta, self.kv_caches, self.backends, kv_scales=self.kv_scales)
-        hidden: torch.Tensor = self.decoder(
-            input_ids=ids, position_ids=pos, use_cache=False, paged_step=step
-        ).last_hidden_state[0]
+        hidden: torch.Tensor = self.model(ids, pos, step)
         return hidden

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pagedserve.dataplane.models.attention as attention
+import pagedserve.dataplane.models.llama as llama
 import pytest
 import torch
 
-import pagedserve.dataplane.runner.attention_hook as attention_hook
-import pagedserve.dataplane.runner.fused_layers as fused_layers
 import pagedserve.dataplane.runner.model_runner as model_runner
 from pagedserve.benchmarks.step_profile import PHASES, VARIANTS
 from pagedserve.cli import main
@@ -20,26 +20,25 @@ def test_step_profile_table_and_json(tiny: Path, tmp_path: Path) -> None:
     argv = ["bench", "step-profile", "--model", str(tiny), "--threads", "1", "--block-size", "4"]
     argv += ["--decode-seqs", "3", "--context", "9", "--prefill-seqs", "2", "--prefill-len", "7"]
     argv += ["--decode-steps", "2", "--prefill-steps", "1", "--decode-pairs", "2", "--prefill-pairs", "1"]
-    patched = [(attention_hook, "write_kv_cache"), (model_runner, "sample"), (fused_layers, "rms_norm")]
-    patched.append((model_runner, "fuse_decoder_layers"))
+    patched = [(attention, "write_kv_cache"), (model_runner, "sample"), (llama, "rms_norm")]
     before = [getattr(module, name) for module, name in patched]
     threads = torch.get_num_threads()
     assert main([*argv, "--out", str(tmp_path), "--no-progress"]) == 0
-    # the profiling wrappers and the unfused runner's patch are gone, the thread count restored
+    # the profiling wrappers are gone, the thread count restored
     assert [getattr(module, name) for module, name in patched] == before
     assert torch.get_num_threads() == threads
     doc = json.loads((tmp_path / "step-profile.json").read_text())
     assert doc["benchmark"] == "step-profile"
-    assert doc["fused_layers"] == 2  # both tiny Llama layers were fused in the "fused" runner
+    assert doc["owned_layers"] == 2  # both tiny Llama layers run on the owned model in the "owned" runner
     assert doc["steps"]["decode"]["rows"] == 3 and doc["steps"]["prefill"]["rows"] == 14
 
     profile_table, ab_table = doc["tables"]
     assert profile_table["header"] == [
         "op class",
         "decode 3 x 9, transformers layers",
-        "decode 3 x 9, fused layers",
+        "decode 3 x 9, owned layers",
         "prefill 2 x 7, transformers layers",
-        "prefill 2 x 7, fused layers",
+        "prefill 2 x 7, owned layers",
     ]
     assert [r[0] for r in profile_table["rows"]] == [*PHASES.values(), "**step**"]
     assert [r[:2] for r in ab_table["rows"]] == [["decode 3 x 9", "2"], ["prefill 2 x 7", "1"]]
@@ -68,11 +67,12 @@ def test_bad_sizes_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_profile_runs_the_block_ops_halves_op_by_op_and_restores_them(tiny: Path) -> None:
     """The C++ block ops hide the phases inside them: the profiled steps run each layer half
     op by op, and the runner gets its block ops back after."""
+    from pagedserve.dataplane.models import LlamaDecoderLayer
+
     from pagedserve.benchmarks.step_profile import build_runner, phase_ranges
-    from pagedserve.dataplane.runner.fused_layers import FusedDecoderLayer
 
     runner = build_runner(tiny, True, 16, 4)
-    layers = [m for m in runner.model.modules() if isinstance(m, FusedDecoderLayer)]
+    layers = [m for m in runner.model.modules() if isinstance(m, LlamaDecoderLayer)]
     bound = [(layer.attention_input_args, layer.mlp_args) for layer in layers]
     assert len(layers) == 2 and all(a is not None and m is not None for a, m in bound)
     with phase_ranges(runner):

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
+from pagedserve.dataplane.models import LlamaDecoderLayer
 from safetensors.torch import load_file, save_file
 
 from pagedserve.benchmarks.gguf_write import gguf_name
 from pagedserve.benchmarks.tiny_models import exactness_workload, make_tiny_model
 from pagedserve.common.models.gguf_folder import GgufError, check_gguf, gguf_model_folder
 from pagedserve.dataplane import LLM, SamplingParams
-from pagedserve.dataplane.runner.fused_layers import FusedDecoderLayer
 from pagedserve.dataplane.runner.gguf_loader import load_gguf_model, rotary_row_order
 from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
 
@@ -96,7 +96,7 @@ def test_greedy_tokens_equal_the_fp32_engine_on_the_dequantized_weights(
     llm = LLM(str(folder), kv_cache_memory=8 << 20, quantized_matmul="float32")
     kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
     assert "QuantPanelLinear" in kinds and "QuantLinear" not in kinds  # every linear on the C++ kernel
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedDecoderLayer)]
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LlamaDecoderLayer)]
     # each half of each layer is one C++ op over the quantized panels (biases ride along)
     assert layers and all(
         layer.attention_input_args is not None and layer.mlp_args is not None for layer in layers

@@ -69,9 +69,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+    from pagedserve.dataplane.runner.model_loader import load_model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_model(path, "float32", "cpu")
 
 
 # -- the worst-case batch ------------------------------------------------------------------------

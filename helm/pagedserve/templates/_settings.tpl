@@ -30,6 +30,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--attention-backend=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "modelImpl" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--model-impl=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "cpuLinear" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--cpu-linear=%v" $v | toJson }}

@@ -1,5 +1,6 @@
-"""The fused decoder layers compute what transformers' layers compute (through our paged
-attention), on tiny random models of every architecture we fuse; others are left alone."""
+"""The owned Llama-family model computes what transformers' modules compute (through our paged
+attention), on tiny random models of every owned architecture; other architectures run on
+transformers' modules."""
 
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ from pagedserve.benchmarks.tiny_models import (
     load_reference_model,
     make_tiny_model,
     reference_greedy,
+    tiny_config,
 )
 from pagedserve.dataplane import LLM, SamplingParams
-from pagedserve.dataplane.runner.attention_hook import PagedStep
-from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
-from pagedserve.dataplane.runner.fused_layers import (
-    FusedDecoderLayer,
-    bind_block_kernels,
-    fuse_decoder_layers,
-    rms_norm,
+from pagedserve.dataplane.models import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    PagedStep,
+    TransformersCausalLM,
+    build_causal_lm,
 )
+from pagedserve.dataplane.models.layers import RotaryEmbedding, rms_norm
+from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
 from pagedserve.dataplane.runner.model_loader import load_model
 from pagedserve.kernels import build_attention_metadata, resolve_backend
 from pagedserve.kernels.cpu_ext import load_cpu_kernels
@@ -37,6 +40,12 @@ NUM_BLOCKS = 64
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_tiny_model(arch, tmp_path_factory.mktemp(arch)) for arch in ARCHS}
+
+
+def owned(path: Path, dtype: str = "float32") -> LlamaForCausalLM:
+    model = load_model(path, dtype, "cpu", model_impl="pagedserve")
+    assert isinstance(model, LlamaForCausalLM)
+    return model
 
 
 class PagedDriver:
@@ -66,10 +75,8 @@ class PagedDriver:
             "cpu",
         )
         step = PagedStep(meta, self.caches, self.backends)
-        hidden = self.model.get_decoder()(
-            input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False, paged_step=step
-        ).last_hidden_state[0]
-        return self.model.get_output_embeddings()(hidden)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), step)
+        return self.model.compute_logits(hidden)
 
 
 def chunked_schedule() -> list[list[tuple[int, int, int]]]:
@@ -84,14 +91,15 @@ def chunked_schedule() -> list[list[tuple[int, int, int]]]:
 
 @pytest.mark.parametrize("elementwise", ["torch", "cpp"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_logits_equal_unfused(model_dirs: dict[str, Path], arch: str, elementwise: str) -> None:
-    plain = load_model(model_dirs[arch], "float32", "cpu")
-    fused = load_model(model_dirs[arch], "float32", "cpu")
+def test_owned_logits_equal_transformers(model_dirs: dict[str, Path], arch: str, elementwise: str) -> None:
+    plain = load_model(model_dirs[arch], "float32", "cpu", model_impl="transformers")
+    fused = owned(model_dirs[arch])
     ops = load_cpu_kernels(strict=True) if elementwise == "cpp" else None
-    assert fuse_decoder_layers(fused, cpu_ops=ops) == fused.config.num_hidden_layers
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.get_decoder().layers)
-    assert all(layer.cpu_ops is ops for layer in fused.get_decoder().layers)
-    assert not any(isinstance(layer, FusedDecoderLayer) for layer in plain.get_decoder().layers)
+    assert fused.use_cpu_kernels(ops) == (fused.num_layers if ops is not None else 0)
+    assert [type(layer) for layer in fused.layers] == [LlamaDecoderLayer] * fused.num_layers
+    assert all(layer.cpu_ops is ops for layer in fused.decoder_layers())
+    assert isinstance(plain, TransformersCausalLM) and plain.implementation == "transformers"
+    assert not any(isinstance(m, LlamaDecoderLayer) for m in plain.modules())
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(3, 384, (16,), generator=gen).tolist() for _ in range(3)]
     tables = [list(range(0, 4)), list(range(10, 14)), list(range(20, 24))]
@@ -113,8 +121,10 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     llm = LLM(
         str(model_dirs[arch]), max_model_len=128, block_size=4, max_num_batched_tokens=6, max_num_seqs=4
     )
-    layers = llm.engine.runner.decoder.layers
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
+    model = llm.engine.runner.model
+    assert isinstance(model, LlamaForCausalLM)
+    layers = model.decoder_layers()
+    assert len(layers) == model.num_layers
     # fp32 on the CPU: the engine runs the C++ elementwise kernels, and every linear (the
     # LM head too) is the C++ panel linear
     assert all(layer.cpu_ops is not None for layer in layers)
@@ -124,7 +134,7 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     assert all(layer.mlp_args is not None for layer in layers)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PanelLinear)]
     assert len(linears) == 4 * len(layers) + 1  # qkv, o, gate_up, down per layer; the LM head
-    assert isinstance(llm.engine.runner.lm_head, PanelLinear)
+    assert isinstance(model.lm_head, PanelLinear)
     assert not any(isinstance(m, nn.Linear | PackedLinear) for m in llm.engine.runner.model.modules())
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
@@ -137,27 +147,42 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
 
 
-def test_head_counts_come_from_the_projection_shapes(model_dirs: dict[str, Path]) -> None:
-    """A tensor-parallel shard holds fewer heads than the config names: the layer must follow
-    the linears it finds (here q/k/v cut to their first half of heads, as a rank-0 shard)."""
-    model = load_model(model_dirs["qwen3"], "float32", "cpu")
-    cfg = model.config
-    attn = model.get_decoder().layers[0].self_attn
-    for name, heads in (("q_proj", cfg.num_attention_heads), ("k_proj", cfg.num_key_value_heads)):
-        old = getattr(attn, name)
-        half = nn.Linear(old.in_features, heads // 2 * cfg.head_dim, bias=old.bias is not None)
-        half.weight.data.copy_(old.weight[: half.out_features])
-        setattr(attn, name, half)
-    attn.v_proj = attn.k_proj
-    fuse_decoder_layers(model)
-    layer = model.get_decoder().layers[0]
-    assert (layer.num_heads, layer.num_kv_heads) == (
-        cfg.num_attention_heads // 2,
-        cfg.num_key_value_heads // 2,
-    )
-    assert (
-        layer.qkv_proj.out_features == (cfg.num_attention_heads // 2 + cfg.num_key_value_heads) * cfg.head_dim
-    )
+def test_auto_picks_the_owned_model_and_transformers_is_kept_on_request(model_dirs: dict[str, Path]) -> None:
+    auto = load_model(model_dirs["qwen3"], "float32", "cpu")
+    assert isinstance(auto, LlamaForCausalLM) and auto.implementation == "pagedserve"
+    # the q/k norms travel with their layer; nothing of transformers' modules is left
+    assert all(layer.q_norm is not None and layer.k_norm is not None for layer in auto.decoder_layers())
+    assert not any(type(m).__module__.startswith("transformers.") for m in auto.modules())
+    forced = load_model(model_dirs["qwen3"], "float32", "cpu", model_impl="transformers")
+    assert isinstance(forced, TransformersCausalLM)
+    assert type(forced.hf).__name__ == "Qwen3ForCausalLM"
+
+
+def test_rotary_tables_equal_transformers_for_every_static_rope_type() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    ropes: list[dict[str, Any]] = [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    ]
+    positions = torch.tensor([0, 1, 2, 17, 63, 200, 5])
+    for rope in ropes:
+        cfg = tiny_config("llama", rope_parameters=rope, max_position_embeddings=256)
+        want_cos, want_sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions[None])
+        cos, sin = RotaryEmbedding.from_config(cfg)(positions, torch.float32)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), rope["rope_type"]
+    dynamic = tiny_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        RotaryEmbedding.from_config(dynamic)
 
 
 def test_wrapped_output_projections_are_called_as_modules(model_dirs: dict[str, Path]) -> None:
@@ -173,18 +198,15 @@ def test_wrapped_output_projections_are_called_as_modules(model_dirs: dict[str, 
             self.calls += 1
             return self.linear(x)
 
-    model = load_model(model_dirs["llama"], "float32", "cpu")
-    layer = model.get_decoder().layers[0]
-    o_proj, down_proj = Wrapper(layer.self_attn.o_proj), Wrapper(layer.mlp.down_proj)
-    layer.self_attn.o_proj, layer.mlp.down_proj = o_proj, down_proj
-    fuse_decoder_layers(model)
-    fused = model.get_decoder().layers[0]
-    assert fused.o_proj is o_proj and fused.down_proj is down_proj
+    model = owned(model_dirs["llama"])
+    layer = model.decoder_layers()[0]
+    o_proj, down_proj = Wrapper(layer.o_proj), Wrapper(layer.down_proj)
+    layer.o_proj, layer.down_proj = o_proj, down_proj
     PagedDriver(model).step([([5, 6, 7], 0, 3, [0])])
     assert (o_proj.calls, down_proj.calls) == (1, 1)
 
 
-def test_unknown_architectures_keep_their_layers() -> None:
+def test_unknown_architectures_run_on_transformers_modules() -> None:
     class OtherLayer(nn.Module):
         pass
 
@@ -194,6 +216,9 @@ def test_unknown_architectures_keep_their_layers() -> None:
             self.layers = nn.ModuleList([OtherLayer(), OtherLayer()])
 
     class Model(nn.Module):
+        config = tiny_config("llama")
+        dtype = torch.float32
+
         def __init__(self) -> None:
             super().__init__()
             self.decoder = Decoder()
@@ -203,24 +228,23 @@ def test_unknown_architectures_keep_their_layers() -> None:
 
     model = Model()
     before = list(model.decoder.layers)
-    assert fuse_decoder_layers(model) == 0
+    wrapped = build_causal_lm(model)
+    assert isinstance(wrapped, TransformersCausalLM) and wrapped.hf is model
     assert list(model.decoder.layers) == before
-    assert fuse_decoder_layers(nn.Linear(2, 2)) == 0
-
-
-def test_fusing_twice_keeps_the_fused_layers(model_dirs: dict[str, Path]) -> None:
-    model = load_model(model_dirs["llama"], "float32", "cpu")
-    assert fuse_decoder_layers(model) == model.config.num_hidden_layers
-    before = list(model.get_decoder().layers)
-    assert fuse_decoder_layers(model) == 0
-    assert list(model.get_decoder().layers) == before
+    with pytest.raises(
+        ValueError,
+        match=r"model_impl pagedserve: Model cannot run on the owned models \(no model file for OtherLayer\)",
+    ):
+        build_causal_lm(Model(), "pagedserve")
+    with pytest.raises(ValueError, match="model_impl must be one of"):
+        build_causal_lm(Model(), "vllm")
 
 
 def test_elementwise_kernels_only_for_fp32(model_dirs: dict[str, Path]) -> None:
     ops = load_cpu_kernels(strict=True)
-    model = load_model(model_dirs["llama"], "bfloat16", "cpu")
-    fuse_decoder_layers(model, cpu_ops=ops)
-    assert all(layer.cpu_ops is None for layer in model.get_decoder().layers)
+    model = owned(model_dirs["llama"], "bfloat16")
+    assert model.use_cpu_kernels(ops) == 0
+    assert all(layer.cpu_ops is None for layer in model.decoder_layers())
 
 
 def test_rms_norm_is_bit_identical_to_transformers() -> None:
@@ -248,13 +272,13 @@ def test_block_kernels_are_bit_identical_to_the_op_by_op_layers(
     ops = load_cpu_kernels(strict=True)
     models = []
     for bind in (False, True):
-        model = load_model(model_dirs[arch], "float32", "cpu")
-        fuse_decoder_layers(model, cpu_ops=ops)
+        model = owned(model_dirs[arch])
+        model.use_cpu_kernels(ops)
         pack_linears(model, panel_ops=ops, bf16_weights=bf16_weights)
-        layers = model.config.num_hidden_layers
+        layers = model.num_layers
         if bind:
             # Qwen3's q/k norm sits between the projection and rotary: that half stays op by op.
-            assert bind_block_kernels(model) == (0 if arch == "qwen3" else layers, layers)
+            assert model.bind_block_kernels() == (0 if arch == "qwen3" else layers, layers)
         models.append(model)
     gen = torch.Generator().manual_seed(4)
     tokens = [torch.randint(3, 384, (16,), generator=gen).tolist() for _ in range(3)]
@@ -270,15 +294,15 @@ def test_block_kernels_are_bit_identical_to_the_op_by_op_layers(
 
 def test_block_kernels_need_panel_linears_and_the_cpu_kernels(model_dirs: dict[str, Path]) -> None:
     ops = load_cpu_kernels(strict=True)
-    torch_layers = load_model(model_dirs["llama"], "float32", "cpu")
-    fuse_decoder_layers(torch_layers)  # no C++ kernels: nothing to bind
-    assert bind_block_kernels(torch_layers) == (0, 0)
-    onednn = load_model(model_dirs["llama"], "float32", "cpu")
-    fuse_decoder_layers(onednn, cpu_ops=ops)
+    torch_layers = owned(model_dirs["llama"])
+    pack_linears(torch_layers, panel_ops=ops)  # no C++ kernels for the layers: nothing to bind
+    assert torch_layers.bind_block_kernels() == (0, 0)
+    onednn = owned(model_dirs["llama"])
+    onednn.use_cpu_kernels(ops)
     pack_linears(onednn)  # oneDNN-packed linears: not the panel layout the ops read
-    assert bind_block_kernels(onednn) == (0, 0)
+    assert onednn.bind_block_kernels() == (0, 0)
     assert all(
-        layer.attention_input_args is None and layer.mlp_args is None for layer in onednn.get_decoder().layers
+        layer.attention_input_args is None and layer.mlp_args is None for layer in onednn.decoder_layers()
     )
 
 
@@ -294,7 +318,7 @@ def test_bf16_weights_engine_keeps_fp32_activations_and_frees_every_block(
     )
     assert bf16.engine.config.model.cpu_weight_dtype == "bfloat16"
     panels = [m for m in bf16.engine.runner.model.modules() if isinstance(m, PanelLinear)]
-    layers = bf16.engine.runner.decoder.layers
+    layers = bf16.engine.runner.model.decoder_layers()
     assert len(panels) == 4 * len(layers) + 1 and all(p.bf16_weights for p in panels)
     assert all(p.panels.dtype == torch.bfloat16 for p in panels)
     fp32_panels = [m for m in fp32.engine.runner.model.modules() if isinstance(m, PanelLinear)]
@@ -302,7 +326,7 @@ def test_bf16_weights_engine_keeps_fp32_activations_and_frees_every_block(
         p.panels.numel() * p.panels.element_size() for p in fp32_panels
     )
     for llm in (fp32, bf16):
-        bound = llm.engine.runner.decoder.layers
+        bound = llm.engine.runner.model.decoder_layers()
         assert all(layer.attention_input_args is not None and layer.mlp_args is not None for layer in bound)
     assert all(
         args.dtype == torch.bfloat16

@@ -1,0 +1,89 @@
+"""Comments and docstrings say why, not when: none cites a commit (history lives in git and in
+the benchmark tables)."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = (
+    "controlplane",
+    "dataplane",
+    "kernels",
+    "clients",
+    "benchmarks",
+    "protos",
+    "helm",
+    "pagedserve",
+    "tests",
+)
+# A hexadecimal word of 7-40 characters with at least one digit and one letter: what `git log
+# --oneline` prints, and what a full hash is.
+HEX_WORD = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+def python_files() -> list[Path]:
+    """Our Python sources, each once (the package tree links to the areas), without the
+    generated protobuf code."""
+    seen: dict[Path, Path] = {}
+    for area in CODE:
+        for path in sorted((ROOT / area).rglob("*.py")):
+            real = path.resolve()
+            generated = real.is_relative_to(ROOT / "protos" / "pagedserve")
+            if ".venv" not in real.parts and not generated:
+                seen.setdefault(real, path)
+    return sorted(seen)
+
+
+def prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and string literal of a Python source."""
+    out: list[tuple[int, str]] = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (tokenize.COMMENT, tokenize.STRING):
+            out.append((token.start[0], token.string))
+    return out
+
+
+def commit_prefixes() -> set[str]:
+    """Every commit of this repository's history, as the 7- to 40-character prefixes a text
+    could cite; empty outside a git checkout (the word pattern alone then decides)."""
+    try:
+        run = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-list", "--all"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(run.stdout.split())
+
+
+def cites_commit(text: str, commits: set[str]) -> list[str]:
+    words = HEX_WORD.findall(text)
+    if not commits:
+        return words
+    return [w for w in words if any(c.startswith(w) for c in commits)]
+
+
+def test_no_comment_or_docstring_cites_a_commit() -> None:
+    commits = commit_prefixes()
+    found = []
+    for path in python_files():
+        for line, text in prose(path.read_text()):
+            for word in cites_commit(text, commits):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {word}")
+    assert not found, "comments/docstrings citing commits:\n" + "\n".join(found)
+
+
+def test_the_check_sees_a_cited_commit() -> None:
+    source = '# measured at 0a1b2c3, see there\nx = "plain text"\n'
+    texts = [text for _, text in prose(source)]
+    assert cites_commit(texts[0], {"0a1b2c3d0123456789abcdef0123456789abcdef"}) == ["0a1b2c3"]
+    assert cites_commit(texts[0], set()) == ["0a1b2c3"]
+    assert cites_commit("decade deadbeef is a word, 1234567 a number", set()) == []
