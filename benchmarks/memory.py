@@ -56,6 +56,7 @@ from typing import Any
 from pagedserve.benchmarks.report import Report, fmt_pct
 from pagedserve.benchmarks.traces import WORKLOADS, LengthTrace, load_trace
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.kvcache.budget import KV_DTYPE_BYTES, KVCacheShape, plan_kv_cache
 from pagedserve.dataplane.scheduler import Request, Scheduler
@@ -157,7 +158,10 @@ def replay(
     pool = BlockPool(budget.num_blocks)
     kv_cache = KVCacheManager(pool, unit, enable_prefix_caching=False)
     n_total = trace.num_requests * repeat
-    scheduler = Scheduler(kv_cache, max_model_len, max_num_seqs or n_total, max_num_batched_tokens)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs or n_total, max_num_batched_tokens=max_num_batched_tokens, watermark=0.0
+    )
+    scheduler = Scheduler(kv_cache, config, max_model_len)
 
     final: dict[str, int] = {}  # tokens whose KV a request will have written when it finishes
     refused = truncated = 0

@@ -130,11 +130,12 @@ def build_runner(model_path: Path, owned: bool, num_blocks: int, block_size: int
     """A fp32 CPU ModelRunner on the owned model, or (`owned=False`) on transformers' modules."""
     import torch
 
+    from pagedserve.dataplane.config import ModelConfig
     from pagedserve.dataplane.runner.model_loader import load_model
     from pagedserve.dataplane.runner.model_runner import ModelRunner
 
     model = load_model(model_path, "float32", "cpu", model_impl="pagedserve" if owned else "transformers")
-    return ModelRunner(model, num_blocks, block_size, torch.float32, "cpu")
+    return ModelRunner(model, ModelConfig(), num_blocks, block_size, torch.float32)
 
 
 @contextmanager

@@ -78,6 +78,8 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -100,8 +102,8 @@ class Request:
         self.priority = priority
         # Its tenant ("" when none was named) and the tenant's weight: with two or more tenants
         # present the scheduler shares the batch between them (dataplane/scheduler/fair_share.py).
-        self.tenant = ""
-        self.tenant_weight = 1.0
+        self.tenant = tenant
+        self.tenant_weight = tenant_weight
         self.queued_at: float | None = None
         self.waited_s = 0.0
         # Filled by the engine when the sampling params ask for logprobs (or best_of ranking).

@@ -1,17 +1,21 @@
-"""The engine's start-up planning: the context limit, the end-of-sequence ids, an FP8 cache's
-scales, and the KV budget of the device pool and the host (swap) pool.
+"""The engine's start-up: load the model (`load_engine_model`), plan the KV pools
+(`plan_kv`: the device pool's budget, an FP8 cache's scales, the host (swap) pool) and start
+the runner with any tensor-parallel workers (`start_runner`).
 
-Pure functions of the settings and the loaded model, so `LLMEngine.__init__` reads as the
-sequence of steps it takes and each plan is tested on its own.
+The plans are functions of the settings and the loaded model, so `LLMEngine.__init__` reads
+as the sequence of steps it takes and each plan is tested on its own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedserve.common.log import get_logger
+from pagedserve.common.log import StartupPhases, get_logger
+from pagedserve.common.models import resolve_model_path
 from pagedserve.dataplane.config import DEFAULT_GPU_SWAP_SPACE_GIB, EngineConfig
 from pagedserve.dataplane.kvcache.budget import (
     GpuMemoryPlan,
@@ -21,9 +25,14 @@ from pagedserve.dataplane.kvcache.budget import (
     plan_gpu_memory,
     plan_kv_cache,
 )
+from pagedserve.dataplane.models import CausalLM
+from pagedserve.dataplane.parallel.driver import TensorParallelDriver, WorkerLayout
+from pagedserve.dataplane.parallel.group import threads_per_rank
+from pagedserve.dataplane.parallel.sharding import check_divisible, shard_model
 from pagedserve.dataplane.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from pagedserve.dataplane.runner.memory_profile import CudaMemoryStats, profile_activation_peak
-from pagedserve.dataplane.runner.model_loader import DTYPES
+from pagedserve.dataplane.runner.model_loader import DTYPES, load_model, load_tokenizer, quantized_by
+from pagedserve.dataplane.runner.model_runner import ModelRunner
 from pagedserve.kernels import kv_cache_torch_dtype
 
 log = get_logger(__name__)
@@ -184,3 +193,139 @@ def plan_host_blocks(config: EngineConfig, shape: KVCacheShape, budget: KVCacheB
     else:
         memory = budget.kv_memory_bytes
     return memory // shape.bytes_per_block(cache.block_size)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model as the engine runs it, with what its checkpoint says about serving it."""
+
+    model: CausalLM
+    path: Path
+    tokenizer: Any | None
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_engine_model(config: EngineConfig, phases: StartupPhases) -> LoadedModel:
+    """Set torch's threads and seed, load the model and its tokenizer, and check what
+    tensor parallelism needs of them."""
+    tp = config.parallel.tensor_parallel_size
+    if config.model.num_threads or tp > 1:
+        torch.set_num_threads(threads_per_rank(config.model.num_threads, tp))
+    torch.manual_seed(config.model.seed)
+    path = resolve_model_path(config.model.model, config.model.model_home)
+    quantized = quantized_by(path, config.model.quantization)
+    if tp > 1 and quantized:
+        raise ValueError(
+            f"tensor_parallel_size {tp}: {quantized} runs on one rank so far (quantized weights "
+            "are not split); use tensor_parallel_size 1"
+        )
+    tokenizer = load_tokenizer(path)
+    m = config.model
+    model = load_model(path, m.dtype, m.device, m.quantization, m.model_impl)
+    phases.done("weights", model=str(path), dtype=m.dtype, implementation=model.implementation)
+    if tp > 1:
+        check_divisible(model.config, tp)
+        if model.implementation != "pagedserve":
+            raise ValueError(
+                f"tensor_parallel_size {tp}: the model runs on transformers' modules, which are not "
+                "split; tensor parallelism needs one of the owned architectures (Llama, Mistral, "
+                "Qwen2, Qwen3) and model_impl auto"
+            )
+        if torch.device(m.device).type != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only so far")
+    return LoadedModel(
+        model,
+        path,
+        tokenizer,
+        resolve_max_model_len(config, model.config),
+        eos_token_ids(model.config, model.generation_config),
+    )
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The device pool's budget and element type, an FP8 cache's scales, the host pool's size."""
+
+    shape: KVCacheShape
+    kv_dtype: torch.dtype
+    budget: KVCacheBudget
+    kv_scales: KVScales | None
+    num_host_blocks: int
+
+
+def plan_kv(config: EngineConfig, loaded: LoadedModel) -> KVPlan:
+    """Plan the pools (logged). Per tensor-parallel rank: each rank's pool holds 1/tp of the
+    KV heads, and the budget (kv_cache_memory, the blocks, the log) counts one rank's bytes."""
+    tp = config.parallel.tensor_parallel_size
+    hf, model, max_model_len = loaded.model.config, loaded.model, loaded.max_model_len
+    kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, DTYPES[config.model.dtype])
+    shape = KVCacheShape(
+        num_layers=hf.num_hidden_layers,
+        num_kv_heads=hf.num_key_value_heads // tp,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        bytes_per_element=kv_dtype.itemsize,
+    )
+    budget = plan_budget(config, shape, model, max_model_len)
+    # The same budget in 16-bit and fp32 elements: an FP8 pool holds 2x and 4x their blocks.
+    blocks_16, blocks_32 = budget.blocks_at(2), budget.blocks_at(4)
+    log.info(
+        "kv_cache_planned",
+        tensor_parallel_size=tp,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        element_type=str(kv_dtype).removeprefix("torch."),
+        blocks=budget.num_blocks,
+        tokens=budget.num_tokens,
+        bytes_per_token=shape.bytes_per_token,
+        blocks_vs_16bit=round(budget.num_blocks / blocks_16, 3) if blocks_16 else None,
+        blocks_vs_fp32=round(budget.num_blocks / blocks_32, 3) if blocks_32 else None,
+        max_model_len=max_model_len,
+        max_concurrency=round(budget.max_concurrency(max_model_len), 2),
+        summary=budget.describe(max_model_len),
+    )
+    scales = None
+    if config.cache.is_fp8:
+        scales = plan_kv_scales(config, loaded.tokenizer, model, hf.num_hidden_layers, kv_dtype)
+    num_host_blocks = plan_host_blocks(config, shape, budget)
+    if num_host_blocks == 0 and config.scheduler.preemption_mode == "swap":
+        raise ValueError(
+            "preemption_mode='swap' needs a host pool: swap_space (or num_cpu_blocks_override) "
+            f"leaves no room for a block of {shape.bytes_per_block(config.cache.block_size)} bytes"
+        )
+    log.info(
+        "swap_space_planned",
+        preemption_mode=config.scheduler.preemption_mode,
+        host_blocks=num_host_blocks,
+        host_bytes=num_host_blocks * shape.bytes_per_block(config.cache.block_size),
+    )
+    return KVPlan(shape, kv_dtype, budget, scales, num_host_blocks)
+
+
+def start_runner(
+    config: EngineConfig, model: CausalLM, plan: KVPlan
+) -> tuple[ModelRunner, TensorParallelDriver | None]:
+    """The runner over the planned pools. With tensor parallelism the workers start now,
+    mirror this rank's block counts and scales, and run every forward with it (this rank
+    alone schedules and samples); they are shut down if the runner cannot be built."""
+    tp = config.parallel.tensor_parallel_size
+    parallel = TensorParallelDriver(config) if tp > 1 else None
+    try:
+        if parallel is not None:
+            layout = WorkerLayout.of(plan.budget.num_blocks, plan.num_host_blocks, plan.kv_scales)
+            shard_model(model, parallel.connect(layout))
+        runner = ModelRunner(
+            model,
+            config.model,
+            plan.budget.num_blocks,
+            config.cache.block_size,
+            plan.kv_dtype,
+            kv_scales=plan.kv_scales,
+            num_host_blocks=plan.num_host_blocks,
+            tensor_parallel_size=tp,
+            step_listener=None if parallel is None else parallel.send,
+        )
+    except BaseException:
+        if parallel is not None:
+            parallel.shutdown()
+        raise
+    return runner, parallel

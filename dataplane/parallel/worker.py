@@ -38,15 +38,10 @@ def build_worker_runner(
     shard_model(model, group)
     return ModelRunner(
         model,
+        model_cfg,
         layout.num_blocks,
         config.cache.block_size,
         kv_cache_torch_dtype(config.cache.kv_cache_dtype, DTYPES[model_cfg.dtype]),
-        model_cfg.device,
-        seed=model_cfg.seed,
-        attention_backend=model_cfg.attention_backend,
-        cpu_linear=model_cfg.cpu_linear,
-        cpu_weight_dtype=model_cfg.cpu_weight_dtype,
-        quantized_matmul=model_cfg.quantized_matmul,
         kv_scales=layout.kv_scales(),
         num_host_blocks=layout.num_host_blocks,
         tensor_parallel_size=group.world_size,

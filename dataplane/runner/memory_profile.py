@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.dataplane.config import ModelConfig
 from pagedserve.dataplane.kvcache import cdiv
 from pagedserve.dataplane.request import Request
 from pagedserve.dataplane.runner.kv_scales import KVScales
@@ -177,15 +178,8 @@ def profile_activation_peak(
     stats.synchronize()
     stats.empty_cache()
     non_torch_before = _non_torch_bytes(stats)
-    runner = ModelRunner(
-        model,
-        num_blocks,
-        block_size,
-        kv_dtype,
-        str(device),
-        attention_backend=attention_backend,
-        kv_scales=scales,
-    )
+    config = ModelConfig(device=str(device), attention_backend=attention_backend)
+    runner = ModelRunner(model, config, num_blocks, block_size, kv_dtype, kv_scales=scales)
     try:
         pool_bytes = sum(t.numel() * t.element_size() for kv in runner.kv_caches for t in kv)
         stats.synchronize()

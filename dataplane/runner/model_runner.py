@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.log import get_logger
+from pagedserve.dataplane.config import ModelConfig
 from pagedserve.dataplane.models import CausalLM, PagedStep
 from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from pagedserve.dataplane.runner.kv_scales import KVScales
@@ -52,6 +53,9 @@ class ModelRunner:
     With `num_host_blocks` it also owns the host pool's tensors (the same layout on the CPU,
     pinned next to a GPU), which `swap` copies blocks into and out of.
 
+    `config` (ModelConfig) gives the device, the sampling seed and the kernel choices
+    (attention backend, CPU linear kernels and weight dtype, quantized matmul).
+
     Tensor parallelism: the model comes already sharded (dataplane/parallel/sharding.py), so
     the pool holds this rank's 1/`tensor_parallel_size` of the KV heads. On rank 0,
     `step_listener` receives each forward's `StepInputs` (with the swaps made since the last
@@ -62,16 +66,11 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
+        config: ModelConfig,
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
-        device: str,
-        seed: int = 0,
         *,
-        attention_backend: str | None = None,
-        cpu_linear: str = "auto",
-        cpu_weight_dtype: str = "float32",
-        quantized_matmul: str = "auto",
         kv_scales: KVScales | None = None,
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
@@ -83,7 +82,8 @@ class ModelRunner:
         # them just before that forward: no forward in between reads or writes those blocks).
         self._pending_swap_out: list[tuple[int, int]] = []
         self._pending_swap_in: list[tuple[int, int]] = []
-        self.device = torch.device(device)
+        self.device = torch.device(config.device)
+        attention_backend, seed = config.attention_backend, config.seed
         # The one place the backend choice meets the device and dtypes: every step's layers
         # get these concrete implementations. Resolving also builds (or loads the cached
         # build of) the C++ decode kernel where it is used, now rather than in the first step.
@@ -94,11 +94,12 @@ class ModelRunner:
         cpu_ops = self._layer_kernels(model)
         with_ops = model.use_cpu_kernels(cpu_ops)
         if cpu_ops is not None or onednn_linear_available(model.dtype, self.device):
-            bf16 = cpu_weight_dtype == "bfloat16"
-            self.linear_choices = select_linears(model, cpu_ops, cpu_linear, bf16_weights=bf16)
+            bf16 = config.cpu_weight_dtype == "bfloat16"
+            self.linear_choices = select_linears(model, cpu_ops, config.cpu_linear, bf16_weights=bf16)
             pack_linears(model, panel_ops=cpu_ops, choices=self.linear_choices, bf16_weights=bf16)
             # a GGUF model's quantized linears, or --quantization int8's
-            pack_quant_linears(model, cpu_ops, int8_activations=int8_activations(quantized_matmul, cpu_ops))
+            int8 = int8_activations(config.quantized_matmul, cpu_ops)
+            pack_quant_linears(model, cpu_ops, int8_activations=int8)
         attention_input, mlp = model.bind_block_kernels()
         log.info(
             "model_layers",

@@ -159,77 +159,115 @@ def sample(
     """
     # logits: [R, vocab]
     n = len(params)
-    vocab = logits.shape[-1]
     rows = list(range(n)) if rows is None else list(rows)
     if len(rows) != n or len(generators) != n:
         raise ValueError(f"{n} samples need {n} rows and generators, got {len(rows)} and {len(generators)}")
     raw = logits
-    # Samples with a bias or penalties read a row of their own: their raw row, adjusted.
-    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
-    if adjusted:
-        if histories is None and any(params[i].has_penalties for i in adjusted):
-            raise ValueError("penalties need the token histories")
-        own = raw.index_select(0, torch.tensor([rows[i] for i in adjusted], device=raw.device))
-        own_params = [params[i] for i in adjusted]
-        if any(p.logit_bias for p in own_params):
-            own = apply_logit_bias(own, own_params)
-        for j, i in enumerate(adjusted):
-            if params[i].has_penalties:
-                assert histories is not None
-                own[j] = apply_penalties(own[j], params[i], *histories[i])
-        logits = torch.cat([raw, own])
-        sample_rows = list(rows)
-        for j, i in enumerate(adjusted):
-            sample_rows[i] = raw.shape[0] + j
-    else:
-        sample_rows = rows
+    logits, sample_rows = _adjusted(raw, params, rows, histories)
     if work is not None:
         work.samples += n
+    tokens = _greedy_tokens(logits, params, sample_rows)
+    _draw_tokens(logits, params, generators, sample_rows, tokens, work)
+    out = [SampledToken(t) for t in tokens]
+    _add_logprobs(raw, params, rows, out, work)
+    return out
 
-    # Greedy samples: the argmax of their rows.
+
+def _adjusted(
+    raw: torch.Tensor,
+    params: list[SamplingParams],
+    rows: list[int],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Samples with a bias or penalties read a row of their own: their raw row, adjusted,
+    appended after the raw rows. Returns the rows and each sample's row among them."""
+    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
+    if not adjusted:
+        return raw, rows
+    if histories is None and any(params[i].has_penalties for i in adjusted):
+        raise ValueError("penalties need the token histories")
+    own = raw.index_select(0, torch.tensor([rows[i] for i in adjusted], device=raw.device))
+    own_params = [params[i] for i in adjusted]
+    if any(p.logit_bias for p in own_params):
+        own = apply_logit_bias(own, own_params)
+    for j, i in enumerate(adjusted):
+        if params[i].has_penalties:
+            assert histories is not None
+            own[j] = apply_penalties(own[j], params[i], *histories[i])
+    sample_rows = list(rows)
+    for j, i in enumerate(adjusted):
+        sample_rows[i] = raw.shape[0] + j
+    return torch.cat([raw, own]), sample_rows
+
+
+def _greedy_tokens(logits: torch.Tensor, params: list[SamplingParams], sample_rows: list[int]) -> list[int]:
+    """The argmax of each greedy sample's row (0 for the others, drawn later)."""
+    tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    tokens = [0] * n
     if greedy:
         best: list[int] = logits.argmax(dim=-1).tolist()  # every row: at most the samples' rows, once each
         for i in greedy:
             tokens[i] = best[sample_rows[i]]
-    # The others: one row of probabilities per distinct (row, filter), a draw per sample.
+    return tokens
+
+
+def _draw_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    sample_rows: list[int],
+    tokens: list[int],
+    work: SamplerWork | None,
+) -> None:
+    """The non-greedy samples' tokens, into `tokens`: one row of probabilities per distinct
+    (row, filter), a draw per sample with its own generator."""
     drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
-        sample_rows = _distinct_rows(logits, sample_rows)  # (greedy samples need no sharing: one argmax)
-        groups: dict[tuple[int, tuple[float, int, float, float]], int] = {}
-        for i in drawn:
-            groups.setdefault((sample_rows[i], _filter_key(params[i], vocab)), i)
-        firsts = list(groups.values())
-        index = torch.tensor([sample_rows[i] for i in firsts], device=logits.device)
-        probs = _filtered_probs(logits.index_select(0, index).float(), [params[i] for i in firsts])
-        if work is not None:
-            work.prob_rows += len(firsts)
-        slot = {key: j for j, key in enumerate(groups)}
-        for i in drawn:
-            j = slot[(sample_rows[i], _filter_key(params[i], vocab))]
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
-    out = [SampledToken(t) for t in tokens]
-    # Logprobs, under the raw distribution: one log-softmax per distinct raw row.
+    if not drawn:
+        return
+    vocab = logits.shape[-1]
+    sample_rows = _distinct_rows(logits, sample_rows)  # (greedy samples need no sharing: one argmax)
+    groups: dict[tuple[int, tuple[float, int, float, float]], int] = {}
+    for i in drawn:
+        groups.setdefault((sample_rows[i], _filter_key(params[i], vocab)), i)
+    firsts = list(groups.values())
+    index = torch.tensor([sample_rows[i] for i in firsts], device=logits.device)
+    probs = _filtered_probs(logits.index_select(0, index).float(), [params[i] for i in firsts])
+    if work is not None:
+        work.prob_rows += len(firsts)
+    slot = {key: j for j, key in enumerate(groups)}
+    for i in drawn:
+        j = slot[(sample_rows[i], _filter_key(params[i], vocab))]
+        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+
+
+def _add_logprobs(
+    raw: torch.Tensor,
+    params: list[SamplingParams],
+    rows: list[int],
+    out: list[SampledToken],
+    work: SamplerWork | None,
+) -> None:
+    """Logprobs, under the raw distribution: one log-softmax per distinct raw row, one top-k
+    per (raw row, k)."""
     wanted = [i for i, p in enumerate(params) if p.needs_logprobs]
-    if wanted:
-        raw_rows = _distinct_rows(raw, [rows[i] for i in wanted])
-        distinct = sorted(set(raw_rows))
-        logprobs = raw.index_select(0, torch.tensor(distinct, device=raw.device)).float().log_softmax(dim=-1)
-        at = {row: j for j, row in enumerate(distinct)}
-        tops: dict[tuple[int, int], list[tuple[int, float]]] = {}
-        if work is not None:
-            work.log_softmax_rows += len(distinct)
-        for i, row in zip(wanted, raw_rows, strict=True):
-            j = at[row]
-            out[i].logprob = float(logprobs[j, tokens[i]])
-            k = params[i].logprobs
-            if k:
-                top = tops.get((j, k))
-                if top is None:
-                    values, ids = logprobs[j].topk(k)
-                    top = tops[(j, k)] = list(zip(ids.tolist(), values.tolist(), strict=True))
-                    if work is not None:
-                        work.top_logprob_rows += 1
-                out[i].top_logprobs = list(top)
-    return out
+    if not wanted:
+        return
+    raw_rows = _distinct_rows(raw, [rows[i] for i in wanted])
+    distinct = sorted(set(raw_rows))
+    logprobs = raw.index_select(0, torch.tensor(distinct, device=raw.device)).float().log_softmax(dim=-1)
+    at = {row: j for j, row in enumerate(distinct)}
+    tops: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    if work is not None:
+        work.log_softmax_rows += len(distinct)
+    for i, row in zip(wanted, raw_rows, strict=True):
+        j = at[row]
+        out[i].logprob = float(logprobs[j, out[i].token_id])
+        k = params[i].logprobs
+        if k:
+            top = tops.get((j, k))
+            if top is None:
+                values, ids = logprobs[j].topk(k)
+                top = tops[(j, k)] = list(zip(ids.tolist(), values.tolist(), strict=True))
+                if work is not None:
+                    work.top_logprob_rows += 1
+            out[i].top_logprobs = list(top)

@@ -15,12 +15,8 @@ preempted, until the request fits (possibly by preempting itself when it is the 
 - by recompute: its blocks are freed and it waits at the head of the waiting queue; it
   recomputes its tokens, less the leading blocks the prefix cache still holds.
 
-`preemption_mode` "recompute" never swaps, "swap" always does while the host pool has room
-for the victim, and "auto" picks per victim by estimated cost, in tokens' worth of work:
-recomputing costs its computed tokens not held by another request in the prefix cache;
-swapping costs a fixed overhead plus each block moved out and back in (less those shared
-ones, which the swap-in finds cached) at `swap_cost_per_token` of a recompute per token.
-Without a host pool every preemption recomputes. Nothing is resumed or admitted in a step
+Which of the two is chosen per victim: preemption.py. Without a host pool every preemption
+recomputes. Nothing is resumed or admitted in a step
 that preempted, so a step's swap-outs and swap-ins never meet.
 
 The scheduler moves no data: each SchedulerOutput lists the block copies of its swap-outs
@@ -52,12 +48,13 @@ from collections import deque
 from collections.abc import Callable
 
 from pagedserve.common import admission_rules
-from pagedserve.dataplane.config import PREEMPTION_MODES
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import KVCacheManager
 from pagedserve.dataplane.request import Request, RequestStatus
 from pagedserve.dataplane.scheduler.fair_share import Shares, several_tenants
 from pagedserve.dataplane.scheduler.integrity import check_integrity
 from pagedserve.dataplane.scheduler.output import ScheduledRequest, SchedulerOutput
+from pagedserve.dataplane.scheduler.preemption import DEFAULT_SWAP_COSTS, PreemptionPolicy, SwapCosts
 from pagedserve.dataplane.scheduler.priority import (
     PRIORITY_AGING_S,
     Priorities,
@@ -70,59 +67,39 @@ from pagedserve.dataplane.scheduler.priority import (
 from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget, decodes_next, urgent_prompt_tokens
 from pagedserve.dataplane.scheduler.stopping import stop_reason
 
-# The cost model of `auto` preemption, in tokens' worth of recompute: moving one token's KV
-# one way between the pools costs about a quarter of recomputing it (a PCIe copy against a
-# prefill's matmuls), and each swap pays a fixed overhead (the transfers' set-up, a step's
-# worth of bookkeeping) that makes recomputing a victim of a few tokens the cheaper choice.
-SWAP_COST_PER_TOKEN = 0.25
-SWAP_OVERHEAD_TOKENS = 8.0
-
 
 class Scheduler:
-    """`preemption_mode` and `watermark` as in SchedulerConfig (dataplane/config.py); swapping
-    needs the KV cache manager's host pool. The cost model's two constants are arguments so
-    tests and benchmarks can move the balance. `priority_aging_s`: seconds of queueing per
+    """Plans each step from `config` (SchedulerConfig, validated there: batch and token
+    budgets, prompt-token bounds, preemption mode, watermark); `max_model_len` is the context
+    limit the engine resolved. Swapping needs the KV cache manager's host pool. `swap_costs`:
+    the preemption cost model (preemption.py); `priority_aging_s`: seconds of queueing per
     step of aging (0: none); `clock` reads the time aging counts (tests pass their own).
-    `mixed_step_budget`: prompt tokens a step may take while others decode, which the engine
-    learns from its step times (step_budget.py; the smaller of it and the fixed bound applies)."""
+    `mixed_step_budget`: prompt tokens a step may take while others decode, learned from the
+    engine's step times (step_budget.py; by default from `config.prefill_stretch`; the
+    smaller of it and the fixed bound applies)."""
 
     def __init__(
         self,
         kv_cache: KVCacheManager,
+        config: SchedulerConfig,
         max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         *,
-        preemption_mode: str = "auto",
-        watermark: float = 0.0,
-        swap_cost_per_token: float = SWAP_COST_PER_TOKEN,
-        swap_overhead_tokens: float = SWAP_OVERHEAD_TOKENS,
+        swap_costs: SwapCosts = DEFAULT_SWAP_COSTS,
         priority_aging_s: float = PRIORITY_AGING_S,
-        max_prefill_tokens_while_decoding: int | None = None,
         mixed_step_budget: MixedStepBudget | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if preemption_mode == "swap" and kv_cache.host_pool is None:
-            raise ValueError("preemption_mode='swap' needs a host pool (swap_space > 0)")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         Priorities(priority_aging_s, 0.0)  # (checks it)
+        self.preemption = PreemptionPolicy(config.preemption_mode, kv_cache, swap_costs)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
-            raise ValueError(
-                f"max_prefill_tokens_while_decoding must be at least 1, got {max_prefill_tokens_while_decoding}"
-            )
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
+        if mixed_step_budget is None and config.prefill_stretch:
+            mixed_step_budget = MixedStepBudget(config.prefill_stretch)
         self.mixed_step_budget = mixed_step_budget
-        self.preemption_mode = preemption_mode
-        self.watermark_blocks = math.ceil(watermark * kv_cache.num_total_blocks)
-        self.swap_cost_per_token = swap_cost_per_token
-        self.swap_overhead_tokens = swap_overhead_tokens
+        self.watermark_blocks = math.ceil(config.watermark * kv_cache.num_total_blocks)
         self.priority_aging_s = priority_aging_s
         self.clock = clock
         self.waiting: deque[Request] = deque()
@@ -165,12 +142,26 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The step's plan: running requests first (in queue order, preempting the most
+        recently admitted when blocks run out), then swapped-out and waiting ones join."""
         out = SchedulerOutput()
         now = self.clock()
         ranks = Priorities(self.priority_aging_s, now) if mixed(self.requests.values()) else None
         if ranks is not None:
             for queue in (self.running, self.swapped, self.waiting):
                 ranks.order(queue)
+        budget, prefill = self._schedule_running(out, now, ranks)
+        # Resuming or admitting right after a preemption would only evict someone again next
+        # step (and keeps a step's swap-outs and swap-ins apart).
+        if not out.preempted:
+            self._join(out, min(budget, prefill), now, ranks)
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput, now: float, ranks: Priorities | None
+    ) -> tuple[int, int]:
+        """Give each running request its next tokens while the budget lasts; returns the
+        token budget and the prompt-token bound left for joining requests."""
         budget = self.max_num_batched_tokens
         prefill = self._prefill_bound(budget, ranks)
         i = 0
@@ -195,13 +186,7 @@ class Scheduler:
             if not decoding:
                 prefill -= num_new
             i += 1
-
-        # Resuming or admitting right after a preemption would only evict someone again next
-        # step (and keeps a step's swap-outs and swap-ins apart).
-        if out.preempted:
-            return out
-        self._join(out, min(budget, prefill), now, ranks)
-        return out
+        return budget, prefill
 
     def _prefill_bound(self, budget: int, ranks: Priorities | None) -> int:
         """Prompt tokens this step may compute: bounded while requests decode (their next
@@ -296,31 +281,8 @@ class Scheduler:
         return self.watermark_blocks if self.running else 0
 
     # -- preemption --------------------------------------------------------------------------
-    def recompute_cost(self, request: Request) -> float:
-        """Tokens a recompute of the running `request` would compute again: its computed
-        tokens less the leading blocks another request keeps in the prefix cache."""
-        shared = self.kv_cache.num_shared_prefix_blocks(request)
-        return float(max(0, request.num_computed_tokens - shared * self.kv_cache.block_size))
-
-    def swap_cost(self, request: Request) -> float:
-        """A swap of the running `request`, in tokens' worth of recompute: the fixed overhead
-        plus its blocks moved out and back in, less the shared ones the swap-in finds cached."""
-        blocks = len(request.block_table)
-        moved = 2 * blocks - self.kv_cache.num_shared_prefix_blocks(request)
-        return self.swap_overhead_tokens + moved * self.kv_cache.block_size * self.swap_cost_per_token
-
-    def preempts_by_swap(self, request: Request) -> bool:
-        """Whether preempting the running `request` now would swap it (else recompute)."""
-        if self.preemption_mode == "recompute" or not request.block_table:
-            return False
-        if len(request.block_table) > self.kv_cache.num_free_host_blocks:
-            return False  # the host pool is full: recompute rather than fail
-        if self.preemption_mode == "swap":
-            return True
-        return self.swap_cost(request) < self.recompute_cost(request)
-
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
-        pairs = self.kv_cache.swap_out(request) if self.preempts_by_swap(request) else None
+        pairs = self.kv_cache.swap_out(request) if self.preemption.by_swap(request) else None
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)

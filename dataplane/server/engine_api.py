@@ -34,6 +34,10 @@ class Engine(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
         grammar: Any = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> Request: ...
 
     def grammars(self) -> GrammarCompiler:

@@ -352,16 +352,15 @@ class EngineLoop:
                 request_id=self._groups.engine_request_id(key),
                 cache_salt=command.cache_salt or None,
                 grammar=grammar,
+                priority=command.priority,
+                tenant=command.tenant,
+                tenant_weight=wire_weight(command.tenant_weight),
             )
         except ValueError as exc:  # a request the scheduler can never run
             self._deadlines.discard(key)
             self._reject(key, "INVALID_ARGUMENT", str(exc))
             return
         samples = self.engine.samples_of(primary.request_id)
-        for sample in samples:  # (read when the scheduler next orders its queues: none has run yet)
-            sample.priority = command.priority
-            sample.tenant = command.tenant
-            sample.tenant_weight = wire_weight(command.tenant_weight)
         group = Group.open(
             key,
             primary.request_id,

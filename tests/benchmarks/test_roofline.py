@@ -18,6 +18,7 @@ from pagedserve.benchmarks.roofline import (
     roofline_by_class,
     roofline_by_decode_rows,
 )
+from pagedserve.dataplane.config import SchedulerConfig
 
 # A llama-style shape small enough to reason about: hidden 4, 2 heads of 2, 1 kv head, MLP 8.
 CFG = SimpleNamespace(
@@ -239,7 +240,8 @@ def test_classify_sums_context_and_pairs_of_a_real_schedule() -> None:
     from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
     from pagedserve.dataplane.scheduler import Request, Scheduler
 
-    sched = Scheduler(KVCacheManager(BlockPool(16), 4), 256, 8, 8)  # block 4, budget 8 tokens
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, watermark=0.0)
+    sched = Scheduler(KVCacheManager(BlockPool(16), 4), config, 256)  # block 4, budget 8 tokens
 
     def request(rid: str, prompt: list[int]) -> Request:
         return Request(rid, prompt, SamplingParams(max_tokens=8), eos_token_id=None)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pagedserve.dataplane.models.attention as attention
-import pagedserve.dataplane.models.llama as llama
 import pytest
 import torch
 
+import pagedserve.dataplane.models.attention as attention
+import pagedserve.dataplane.models.llama as llama
 import pagedserve.dataplane.runner.model_runner as model_runner
 from pagedserve.benchmarks.step_profile import PHASES, VARIANTS
 from pagedserve.cli import main
@@ -67,9 +67,8 @@ def test_bad_sizes_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_profile_runs_the_block_ops_halves_op_by_op_and_restores_them(tiny: Path) -> None:
     """The C++ block ops hide the phases inside them: the profiled steps run each layer half
     op by op, and the runner gets its block ops back after."""
-    from pagedserve.dataplane.models import LlamaDecoderLayer
-
     from pagedserve.benchmarks.step_profile import build_runner, phase_ranges
+    from pagedserve.dataplane.models import LlamaDecoderLayer
 
     runner = build_runner(tiny, True, 16, 4)
     layers = [m for m in runner.model.modules() if isinstance(m, LlamaDecoderLayer)]

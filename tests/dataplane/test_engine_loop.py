@@ -80,6 +80,10 @@ class FakeEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         grammar: Any = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> Request:
         assert request_id is not None and request_id not in self.groups
         assert (grammar is None) == (params.constraint is None)
@@ -87,7 +91,15 @@ class FakeEngine:
         if len(prompt) > 8:
             raise ValueError("prompt too long for the fake")
         self.groups[request_id] = [
-            Request(sample_request_id(request_id, i), prompt, params, arrival_time=ARRIVAL)
+            Request(
+                sample_request_id(request_id, i),
+                prompt,
+                params,
+                arrival_time=ARRIVAL,
+                priority=priority,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
+            )
             for i in range(params.num_samples)
         ]
         self.added.append(request_id)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from pagedserve.dataplane.models import LlamaDecoderLayer
 from safetensors.torch import load_file, save_file
 
 from pagedserve.benchmarks.gguf_write import gguf_name
 from pagedserve.benchmarks.tiny_models import exactness_workload, make_tiny_model
 from pagedserve.common.models.gguf_folder import GgufError, check_gguf, gguf_model_folder
 from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.models import LlamaDecoderLayer
 from pagedserve.dataplane.runner.gguf_loader import load_gguf_model, rotary_row_order
 from pagedserve.dataplane.runner.quant_linear import QuantEmbedding, QuantLinear
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import (
     AllBlocksCleared,
     BlockHash,
@@ -387,7 +388,11 @@ def test_get_computed_blocks_refuses_a_request_that_holds_blocks() -> None:
 
 def test_scheduler_reuses_a_finished_requests_prompt_and_caches_decoded_blocks() -> None:
     pool = BlockPool(8, enable_kv_events=True)
-    s = Scheduler(KVCacheManager(pool, BS), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    s = Scheduler(
+        KVCacheManager(pool, BS),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, watermark=0.0),
+        64,
+    )
     a = req("a", [*SYSTEM, 1])
     s.add_request(a)
     out = s.schedule()

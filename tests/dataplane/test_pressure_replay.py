@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedserve.benchmarks.pressure import build_workload
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.scheduler import Request, Scheduler
 
@@ -42,7 +43,10 @@ def replay(mode: str, host_blocks: int, num_requests: int = 24) -> Replay:
     max_num_seqs 64, 2048 batched tokens, watermark 0.01, prefix caching on)."""
     host = BlockPool(host_blocks) if host_blocks else None
     kv = KVCacheManager(BlockPool(DEVICE_BLOCKS), BLOCK_SIZE, enable_prefix_caching=True, host_pool=host)
-    scheduler = Scheduler(kv, 8192, 64, 2048, preemption_mode=mode, watermark=0.01)
+    config = SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=2048, preemption_mode=mode, watermark=0.01
+    )
+    scheduler = Scheduler(kv, config, 8192)
     requests = []
     for i, (prompt, out_len) in enumerate(build_workload("chat", num_requests, 128, VOCAB, seed=0)):
         params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pagedserve.common.priority import MAX_PRIORITY, MIN_PRIORITY
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.scheduler import Scheduler
 from pagedserve.dataplane.server.engine_loop import EngineLoop
@@ -65,7 +66,9 @@ def test_the_preemption_counters_are_scraped(
     loop: EngineLoop, metric: str, attribute: str, reader: Callable[[Any], Callable[[], int]]
 ) -> None:
     assert loop.metrics.registry.get_sample_value(metric) == 0.0  # the fake engine has no scheduler: 0
-    scheduler = Scheduler(KVCacheManager(BlockPool(4), 4), 64, 4, 64)
+    scheduler = Scheduler(
+        KVCacheManager(BlockPool(4), 4), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), 64
+    )
     setattr(scheduler, attribute, 3)
 
     class Engine:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -27,7 +28,21 @@ def make_scheduler(
     max_model_len: int = 256,
 ) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), block_size)
-    return Scheduler(kv, max_model_len, max_num_seqs, max_num_batched_tokens)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, watermark=0.0
+    )
+    return Scheduler(kv, config, max_model_len)
+
+
+def bounded(prompt_tokens: int) -> SchedulerConfig:
+    """A batch of 8 and 64 tokens whose prompts take at most `prompt_tokens` a step while
+    others decode."""
+    return SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        watermark=0.0,
+        max_prefill_tokens_while_decoding=prompt_tokens,
+    )
 
 
 def make_request(
@@ -638,7 +653,7 @@ def distinct_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -
 
 def test_a_burst_of_prompts_prefills_a_bounded_number_of_tokens_per_step_while_others_decode() -> None:
     kv = KVCacheManager(BlockPool(64), 4)
-    s = Scheduler(kv, 256, 8, 64, max_prefill_tokens_while_decoding=6)
+    s = Scheduler(kv, bounded(6), 256)
     s.add_request(make_request("guard", 3, max_tokens=20))
     assert step(s).plan == [("guard", 3, True)]  # nothing decodes yet: no bound
     for name in ("a", "b", "c"):
@@ -665,7 +680,7 @@ def test_without_the_bound_the_burst_prefills_in_one_step() -> None:
 
 def test_the_bound_applies_only_while_a_request_decodes() -> None:
     kv = KVCacheManager(BlockPool(64), 4)
-    s = Scheduler(kv, 256, 8, 64, max_prefill_tokens_while_decoding=2)
+    s = Scheduler(kv, bounded(2), 256)
     for name in ("a", "b"):
         s.add_request(distinct_request(name, 5, max_tokens=3))
     assert step(s).plan == [("a", 5, True), ("b", 5, True)]  # prompts alone: the whole budget
@@ -673,5 +688,5 @@ def test_the_bound_applies_only_while_a_request_decodes() -> None:
 
 
 def test_the_bound_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be at least 1, got 0"):
-        Scheduler(KVCacheManager(BlockPool(8), 4), 64, 4, 16, max_prefill_tokens_while_decoding=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be an integer >= 1, got 0"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager
 from pagedserve.dataplane.scheduler import (
     Request,
@@ -40,9 +41,10 @@ def make_scheduler(
     aging_s: float = 1.0,
 ) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), 4, host_pool=BlockPool(host_blocks) if host_blocks else None)
-    return Scheduler(
-        kv, 256, max_num_seqs, 64, preemption_mode=preemption_mode, priority_aging_s=aging_s, clock=clock
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=64, preemption_mode=preemption_mode, watermark=0.0
     )
+    return Scheduler(kv, config, 256, priority_aging_s=aging_s, clock=clock)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:

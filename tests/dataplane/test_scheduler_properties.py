@@ -24,6 +24,7 @@ from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import (
     AllBlocksCleared,
     BlockHash,
@@ -119,12 +120,16 @@ class Harness:
         self.pool = BlockPool(cfg.num_blocks, enable_kv_events=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         bound, by_budget = cfg.max_prefill_tokens_while_decoding, cfg.bound_by_budget
+        config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            watermark=0.0,
+            max_prefill_tokens_while_decoding=None if by_budget else bound,
+        )
         self.s = Scheduler(
             self.kv,
+            config,
             cfg.max_model_len,
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            max_prefill_tokens_while_decoding=None if by_budget else bound,
             mixed_step_budget=FixedBudget(bound) if by_budget and bound is not None else None,
         )
         self.submitted: list[Request] = []

@@ -188,7 +188,7 @@ def outputs(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple[o
 
 def no_riders(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine as it was: every sample computes its prompt, then samples its first token."""
-    monkeypatch.setattr(engine._first_tokens, "riders", lambda out, draws: {})
+    monkeypatch.setattr(engine.groups.first_tokens, "riders", lambda out, draws: {})
 
 
 def draws_per_step(monkeypatch: pytest.MonkeyPatch, draws: int) -> None:

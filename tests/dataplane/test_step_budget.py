@@ -112,7 +112,10 @@ def run_step(s: Scheduler) -> list[tuple[str, int]]:
 
 def scheduler(budget: MixedStepBudget, fixed: int | None = None) -> Scheduler:
     kv = KVCacheManager(BlockPool(128), 4)
-    return Scheduler(kv, 256, 8, 64, mixed_step_budget=budget, max_prefill_tokens_while_decoding=fixed)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, max_prefill_tokens_while_decoding=fixed
+    )
+    return Scheduler(kv, config, 256, mixed_step_budget=budget)
 
 
 def test_the_scheduler_prefills_the_learned_budget_while_a_request_decodes() -> None:

@@ -33,8 +33,10 @@ from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager, cdiv
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.dataplane.scheduler.preemption import SwapCosts
 
 EOS = 2
 VOCAB = 8
@@ -127,16 +129,14 @@ class Harness:
             enable_prefix_caching=cfg.enable_prefix_caching,
             host_pool=self.host_pool,
         )
-        self.s = Scheduler(
-            self.kv,
-            cfg.max_model_len,
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
+        config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
             preemption_mode=cfg.mode,
             watermark=cfg.watermark,
-            swap_overhead_tokens=cfg.swap_overhead_tokens,
-            swap_cost_per_token=cfg.swap_cost_per_token,
         )
+        costs = SwapCosts(per_token=cfg.swap_cost_per_token, overhead_tokens=cfg.swap_overhead_tokens)
+        self.s = Scheduler(self.kv, config, cfg.max_model_len, swap_costs=costs)
         self.submitted: list[Request] = []
         self.num_submits = 0
         self.pending_siblings: dict[int, list[Request]] = {}  # id(primary) -> siblings not yet added
@@ -665,8 +665,8 @@ def test_auto_recomputes_a_victim_whose_prefix_is_shared() -> None:
     h.step(StepOp(seed=1))
     victim = s.running[-1]
     assert h.kv.num_shared_prefix_blocks(victim) >= 3
-    assert s.recompute_cost(victim) < s.swap_cost(victim)
-    assert not s.preempts_by_swap(victim)
+    assert s.preemption.recompute_cost(victim) < s.preemption.swap_cost(victim)
+    assert not s.preemption.by_swap(victim)
     h.drain()
 
 
