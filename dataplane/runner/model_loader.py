@@ -8,10 +8,14 @@ from typing import Any
 
 import torch
 
+from pagedserve.common.log import get_logger
 from pagedserve.common.models.gguf_folder import gguf_weights_file
 from pagedserve.dataplane.models import CausalLM, build_causal_lm
+from pagedserve.dataplane.models.safetensors_loader import load_owned_safetensors
 from pagedserve.dataplane.models.transformers_backend import register_paged_attention
 from pagedserve.dataplane.runner.quant_linear import quantize_linears
+
+log = get_logger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -55,6 +59,10 @@ def load_model(
         from pagedserve.dataplane.runner.gguf_loader import load_gguf_model
 
         return build_causal_lm(load_gguf_model(path, gguf, attn), model_impl)
+    if model_impl != "transformers":
+        owned = _load_owned(path, dtype, device, quantization)
+        if owned is not None:
+            return owned
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=DTYPES[dtype],
@@ -67,6 +75,29 @@ def load_model(
     if quantization:
         quantize_linears(model, quantization)
     return build_causal_lm(model, model_impl)
+
+
+def _load_owned(path: Path, dtype: str, device: str, quantization: str | None) -> CausalLM | None:
+    """The owned model read straight from the folder's safetensors, or None when its
+    architecture has none here (dataplane/models/safetensors_loader.py)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model = load_owned_safetensors(
+        path, config, DTYPES[dtype], torch.device(device), register_paged_attention()
+    )
+    if model is None:
+        return None
+    model.eval()
+    if quantization:
+        quantize_linears(model, quantization)
+    log.info(
+        "model_implementation",
+        implementation="pagedserve",
+        architecture=config.architectures,
+        weights="safetensors",
+    )
+    return model
 
 
 def load_tokenizer(path: Path) -> Any | None:
