@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
@@ -117,7 +118,8 @@ class ControlPlaneConfig:
     reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
     served_model_names: tuple[str, ...] = setting(
         (),
-        "model names clients may use, repeatable; the first is reported (default: the --model name)",
+        "model names clients may use, repeatable; the first is reported (default: the --model name; "
+        "for a local folder or .gguf file its name, the path as given also accepted)",
         flag="--served-model-name",
     )
     tool_call_parser: str = setting(
@@ -166,3 +168,19 @@ class ControlPlaneConfig:
     def dataplane_token(self) -> str | None:
         """The shared token the links send to the data planes (read from its file), or None."""
         return None if self.dataplane_token_file is None else read_token_file(self.dataplane_token_file)
+
+
+def model_names(
+    model: str, served_model_names: tuple[str, ...] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the names a server lists and reports, the names it also accepts) for `model` (a store
+    name, a local folder or a .gguf file). `served_model_names` win; a local folder is served
+    under its folder's name (a GGUF file under its name less `.gguf`) and its path as given is
+    still accepted, so clients need not know where the model lies on the server."""
+    if served_model_names:
+        return served_model_names, ()
+    path = Path(model)
+    name = path.stem if path.suffix == ".gguf" else path.name
+    if not name or name == model:
+        return (model,), ()
+    return (name,), (model,)

@@ -36,7 +36,7 @@ from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, GrpcAuthInterceptor
-from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.config import ControlPlaneConfig, model_names
 from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.frontend import Frontend
@@ -249,11 +249,13 @@ async def start_control_plane(
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     keys = ApiKeys(config.api_keys, config.api_key_tenants) if config.api_keys else None
     dispatcher = Dispatcher(config, resolver=resolver)
+    names, aliases = model_names(config.model, config.served_model_names)
     frontend = Frontend(
         dispatcher,
         tokenizer,
         config.model,
-        served_model_names=config.served_model_names,
+        served_model_names=names,
+        model_aliases=aliases,
         tool_call_parser=config.tool_call_parser,
         request_timeout_s=config.request_timeout_s,
     )

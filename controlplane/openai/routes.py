@@ -94,7 +94,8 @@ class OpenAIRoutes:
 
     async def model(self, model: str) -> dict[str, Any]:
         self.frontend.check_model(model)
-        return next(card for card in self._cards() if card["id"] == model)
+        cards = self._cards()  # (an alias, a local model's path, is its served name's card)
+        return next((card for card in cards if card["id"] == model), cards[0])
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
