@@ -58,7 +58,7 @@ from pagedserve.common.lifecycle import (
 )
 from pagedserve.common.settings import setting
 from pagedserve.controlplane.cli import add_controlplane_args, config_from_args, ready_line
-from pagedserve.dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
+from pagedserve.dataplane.config import ENDPOINT_SETTINGS, DataPlaneConfig
 
 _READY_POLL_S = 0.05
 _STOP_CHILD_S = 15.0  # a SIGTERMed child's time to exit, with no signal's deadline to keep
@@ -103,19 +103,21 @@ def add_serve_parser(sub: Any) -> None:
     )
     add_controlplane_args(serve, own_dataplane=True)
     settings.add_arguments(serve, SupervisionConfig, title="supervision")
-    add_engine_args(serve)
+    # Every data-plane setting but the child's endpoint, which `serve` sets (ENDPOINT_SETTINGS).
+    settings.add_arguments(serve, DataPlaneConfig, title="data plane", skip=ENDPOINT_SETTINGS)
     serve.set_defaults(func=cmd_serve)
 
 
 def dataplane_config(args: argparse.Namespace) -> DataPlaneConfig:
-    """The child's config: the engine settings given to `serve`, on a loopback port (chosen
-    here, so the control plane knows the address before the child starts)."""
-    return DataPlaneConfig(
-        host="127.0.0.1",
-        port=args.dataplane_port or free_port("127.0.0.1"),
-        engine=engine_config_from_args(args),
-        dataplane_token_file=args.dataplane_token_file,
-    )
+    """The child's config: the data-plane and engine settings given to `serve`, on a loopback
+    port (chosen here, so the control plane knows the address before the child starts)."""
+    values = {name: value for name, value in vars(args).items() if name not in ENDPOINT_SETTINGS}
+    values |= {
+        "host": "127.0.0.1",
+        "port": args.dataplane_port or free_port("127.0.0.1"),
+        "dataplane_token_file": args.dataplane_token_file,
+    }
+    return settings.from_arguments(DataPlaneConfig, values)
 
 
 def child_command(config: DataPlaneConfig) -> list[str]:
