@@ -91,6 +91,14 @@ class ControlPlaneConfig:
         "as it is accepted (0: no cap; behind a proxy every client shares the proxy's address)",
         minimum=0,
     )
+    dataplane_wait_s: float = setting(
+        90.0,
+        "start-up: seconds a request that arrives before any data plane has connected waits for "
+        "one (it then runs; past this, or its deadline, it fails UNAVAILABLE); 0: fail at once",
+        flag="--dataplane-wait",
+        minimum=0,
+        maximum=3600,
+    )
     max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
     queue_timeout_s: float = setting(
         60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0

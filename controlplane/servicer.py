@@ -58,6 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         start = time.monotonic()
         remaining = context.time_remaining()
         self.frontend.check_model(request.model or None)  # proto3: "" is unset
+        await self.frontend.dispatcher.wait_for_startup(None if remaining is None else start + remaining)
         prompt, use = self._prompt_ids(request)
         sampling = sampling_fields_from_proto(request.sampling_params)
         forced = forced_tool_constraint(use, sampling)

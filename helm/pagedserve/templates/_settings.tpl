@@ -148,6 +148,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--http-max-connections-per-client=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "dataplaneWaitS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--dataplane-wait=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "maxQueueLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-queue-len=%d" (int64 $v) | toJson }}
