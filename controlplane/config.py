@@ -10,6 +10,7 @@ from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
 from pagedserve.controlplane.tenants import TenantPolicy, check_settings
+from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
 
@@ -135,6 +136,13 @@ class ControlPlaneConfig:
         "the format the model writes tool calls in (auto: read from its chat template; "
         "hermes when the template names none)",
         choices=PARSER_CHOICES,
+    )
+    max_tool_calls: int = setting(
+        DEFAULT_MAX_TOOL_CALLS,
+        'the most calls a forced tool_choice "required" answer may hold when parallel_tool_calls is '
+        'true (the grammar ends the answer there; its choice then has stop_reason "max_tool_calls")',
+        minimum=1,
+        maximum=MAX_TOOL_CALLS_LIMIT,
     )
     dataplane_token_file: str | None = setting(
         None,

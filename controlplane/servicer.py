@@ -43,7 +43,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if kind == "text":
             return self.frontend.encode_text(request.text), NO_TOOLS
         if kind == "chat":
-            use = chat_tool_use(request.chat)
+            use = dataclasses.replace(
+                chat_tool_use(request.chat), max_calls=self.frontend.dispatcher.config.max_tool_calls
+            )
             messages = chat_messages(request.chat)
             return self.frontend.encode_chat(messages, tool_use=use), use
         if kind == "token_ids":

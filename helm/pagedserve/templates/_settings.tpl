@@ -195,4 +195,8 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tool-call-parser=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "maxToolCalls" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--max-tool-calls=%d" (int64 $v) | toJson }}
+{{- end }}
 {{- end }}
