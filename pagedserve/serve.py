@@ -56,6 +56,7 @@ from pagedserve.common.lifecycle import (
     free_port,
     print_error,
 )
+from pagedserve.common.log_format import LoggingConfig
 from pagedserve.common.settings import setting
 from pagedserve.controlplane.cli import add_controlplane_args, config_from_args, ready_line
 from pagedserve.dataplane.config import ENDPOINT_SETTINGS, DataPlaneConfig
@@ -103,6 +104,7 @@ def add_serve_parser(sub: Any) -> None:
     )
     add_controlplane_args(serve, own_dataplane=True)
     settings.add_arguments(serve, SupervisionConfig, title="supervision")
+    settings.add_arguments(serve, LoggingConfig, title="logging")  # (the child logs the same way)
     # Every data-plane setting but the child's endpoint, which `serve` sets (ENDPOINT_SETTINGS).
     settings.add_arguments(serve, DataPlaneConfig, title="data plane", skip=ENDPOINT_SETTINGS)
     serve.set_defaults(func=cmd_serve)
