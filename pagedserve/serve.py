@@ -69,6 +69,12 @@ _KILLED_CHILD_S = 5.0  # a SIGKILLed child is gone by then (else it is left, not
 _DEADLINE_EARLY_S = 0.75
 
 
+STOPPED_STARTING = (
+    "pagedserve: stopping: the data plane had not loaded the model yet (requests waiting for it "
+    "are refused); Ctrl-C again (or a second SIGTERM) stops at once"
+)
+
+
 @dataclass(frozen=True)
 class SupervisionConfig:
     """How `serve` keeps its data plane running: a dead one is restarted after
@@ -186,6 +192,8 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
             print_error(supervisor.failure)
             return EXIT_ERROR
         _log().info("serve_stopping", signal=signal.Signals(stopped.result()).name)
+        if not ready:  # (once serving, the control plane's shutdown says what it waits for)
+            print(STOPPED_STARTING, flush=True)
         if ready:
             # As `pagedserve controlplane`: NOT_SERVING, new work refused, streams under way get
             # the shutdown grace (a second signal ends it) while the data plane still runs.
