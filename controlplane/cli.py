@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import cli_command
+from pagedserve.common.log_format import LoggingConfig
 from pagedserve.controlplane.config import ControlPlaneConfig
 
 DEFAULT_GRPC_PORT = 50051
@@ -125,6 +126,7 @@ def add_controlplane_parser(sub: Any) -> None:
         formatter_class=settings.HelpFormatter,
     )
     add_controlplane_args(cp)
+    settings.add_arguments(cp, LoggingConfig, title="logging")
     cp.set_defaults(func=cmd_controlplane)
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
 from pagedserve.controlplane.tenants import TenantPolicy, check_settings
+from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
 
@@ -90,6 +92,14 @@ class ControlPlaneConfig:
         "as it is accepted (0: no cap; behind a proxy every client shares the proxy's address)",
         minimum=0,
     )
+    dataplane_wait_s: float = setting(
+        90.0,
+        "start-up: seconds a request that arrives before any data plane has connected waits for "
+        "one (it then runs; past this, or its deadline, it fails UNAVAILABLE); 0: fail at once",
+        flag="--dataplane-wait",
+        minimum=0,
+        maximum=3600,
+    )
     max_queue_len: int = setting(1024, "requests that may wait for KV budget", minimum=0)
     queue_timeout_s: float = setting(
         60.0, "seconds a request may wait for KV budget", flag="--queue-timeout", exclusive_minimum=0
@@ -117,7 +127,8 @@ class ControlPlaneConfig:
     reconnect_backoff_max_s: float = setting(2.0, "longest reconnect delay", cli=False)
     served_model_names: tuple[str, ...] = setting(
         (),
-        "model names clients may use, repeatable; the first is reported (default: the --model name)",
+        "model names clients may use, repeatable; the first is reported (default: the --model name; "
+        "for a local folder or .gguf file its name, the path as given also accepted)",
         flag="--served-model-name",
     )
     tool_call_parser: str = setting(
@@ -125,6 +136,13 @@ class ControlPlaneConfig:
         "the format the model writes tool calls in (auto: read from its chat template; "
         "hermes when the template names none)",
         choices=PARSER_CHOICES,
+    )
+    max_tool_calls: int = setting(
+        DEFAULT_MAX_TOOL_CALLS,
+        'the most calls a forced tool_choice "required" answer may hold when parallel_tool_calls is '
+        'true (the grammar ends the answer there; its choice then has stop_reason "max_tool_calls")',
+        minimum=1,
+        maximum=MAX_TOOL_CALLS_LIMIT,
     )
     dataplane_token_file: str | None = setting(
         None,
@@ -166,3 +184,19 @@ class ControlPlaneConfig:
     def dataplane_token(self) -> str | None:
         """The shared token the links send to the data planes (read from its file), or None."""
         return None if self.dataplane_token_file is None else read_token_file(self.dataplane_token_file)
+
+
+def model_names(
+    model: str, served_model_names: tuple[str, ...] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the names a server lists and reports, the names it also accepts) for `model` (a store
+    name, a local folder or a .gguf file). `served_model_names` win; a local folder is served
+    under its folder's name (a GGUF file under its name less `.gguf`) and its path as given is
+    still accepted, so clients need not know where the model lies on the server."""
+    if served_model_names:
+        return served_model_names, ()
+    path = Path(model)
+    name = path.stem if path.suffix == ".gguf" else path.name
+    if not name or name == model:
+        return (model,), ()
+    return (name,), (model,)

@@ -108,6 +108,8 @@ class Dispatcher:
         self._finished.set()
         self._cut: str | None = None  # why every generation under way was ended (`cut`)
         self.changed = asyncio.Event()  # set whenever a data-plane link reports (health, stats)
+        self._started = asyncio.Event()  # set once a data plane has served, or on shutdown
+        self.waiting_for_startup = 0  # requests waiting in `wait_for_startup` now
 
     # -- data-plane set -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -193,6 +195,26 @@ class Dispatcher:
     def _on_link_change(self) -> None:
         self.admission.poke()
         self.changed.set()
+        if not self._started.is_set() and (self.healthy or not self._accepting):
+            self._started.set()
+
+    async def wait_for_startup(self, deadline: float | None = None) -> None:
+        """Start-up: until a data plane first serves, a new request waits here for one, at most
+        `dataplane_wait_s` (or until its `deadline`, monotonic), rather than failing at once in
+        the window between the ports opening and the model loading; it then runs, or is refused
+        UNAVAILABLE as before. Once one has served (or on shutdown) nothing waits: a data plane
+        lost later fails or re-routes requests at once, and clients retry."""
+        if self._started.is_set():
+            return
+        bound = self.config.dataplane_wait_s
+        if deadline is not None:
+            bound = min(bound, max(0.0, deadline - time.monotonic()))
+        self.waiting_for_startup += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._started.wait(), bound)
+        finally:
+            self.waiting_for_startup -= 1
 
     async def remove_dataplane(self, address: str) -> None:
         """Close the link to `address` now (requests in flight there are lost)."""

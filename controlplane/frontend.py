@@ -121,15 +121,18 @@ class Frontend:
         served_model_names: tuple[str, ...] = (),
         tool_call_parser: str = "auto",
         request_timeout_s: float | None = None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         """`served_model_names` (vLLM's --served-model-name): the names clients may use; the
-        first is the one responses report. Default: the model's own name. `tool_call_parser`:
+        first is the one responses report. Default: the model's own name. `model_aliases`:
+        names also accepted, never listed (a local model's path). `tool_call_parser`:
         the format the model writes tool calls in (`auto`: read from its chat template).
         `request_timeout_s`: the server's default deadline (controlplane/deadlines.py)."""
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names or (model_name,)
         self.model_name = self.served_model_names[0]
+        self.model_aliases = model_aliases
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(dispatcher)
         self.refusals = RefusalLog()
         self.tool_call_format = resolve_parser(tool_call_parser, tokenizer.chat_template)
@@ -146,7 +149,7 @@ class Frontend:
             )
         if len(model) > MAX_NAME_CHARS:  # never echoed: it could fill a gRPC status or a log line
             raise invalid_argument(f"{field_name}: at most {MAX_NAME_CHARS} characters", field_name)
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.model_aliases:
             served = ", ".join(repr(n) for n in self.served_model_names)
             raise ServiceError(
                 "NOT_FOUND",

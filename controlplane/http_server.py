@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
+from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
@@ -112,6 +113,22 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class StartupWait:
+    """Start-up: a POST under /v1/ (a generation) that arrives before any data plane has served
+    waits for one (`Dispatcher.wait_for_startup`) before it is read and validated, since
+    validation needs what the data planes report (the context length). Plain ASGI, so that
+    streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, dispatcher: Dispatcher) -> None:
+        self.app = app
+        self.dispatcher = dispatcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+            await self.dispatcher.wait_for_startup()
+        await self.app(scope, receive, send)
+
+
 def _replay(messages: list[Message], receive: Receive) -> Receive:
     pending = list(messages)
 
@@ -130,6 +147,7 @@ def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, frontend)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(StartupWait, dispatcher=dispatcher)  # (inside the key check, added below)
 
     if api_keys is not None:
 

@@ -36,7 +36,7 @@ from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, GrpcAuthInterceptor
-from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.config import ControlPlaneConfig, model_names
 from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.frontend import Frontend
@@ -138,6 +138,7 @@ class ControlPlane:
             await self.health.enter_graceful_shutdown()
         waiting = self.dispatcher.in_progress
         log.info("controlplane_stopping", in_progress=waiting, grace_s=grace_s)
+        print(stopping_line(waiting, grace_s, hurry is not None), flush=True)
         finished = asyncio.ensure_future(self.dispatcher.wait_finished(grace_s))
         waiters: set[asyncio.Future[Any]] = {finished} if hurry is None else {finished, hurry}
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -174,6 +175,20 @@ class ControlPlane:
             stops.append(self.http.stop(flush_s))
         await asyncio.gather(*stops)
         await self.dispatcher.stop()
+
+
+def stopping_line(in_progress: int, grace_s: float, can_hurry: bool) -> str:
+    """The one line a person at the terminal reads when a stop begins: what it waits for, how
+    long at most, and (`can_hurry`: a signal started it) that a second Ctrl-C cuts it short."""
+    if in_progress:
+        plural = "" if in_progress == 1 else "s"
+        line = (
+            f"pagedserve: stopping: waiting up to {grace_s:g} s for {in_progress} request{plural} "
+            "in progress to finish (new ones are refused)"
+        )
+    else:
+        line = "pagedserve: stopping: no requests in progress"
+    return line + "; Ctrl-C again (or a second SIGTERM) stops at once" if can_hurry else line
 
 
 async def create_server(frontend: Frontend, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
@@ -234,11 +249,13 @@ async def start_control_plane(
     tokenizer = Tokenizer(resolve_model_path(config.model, config.model_home))
     keys = ApiKeys(config.api_keys, config.api_key_tenants) if config.api_keys else None
     dispatcher = Dispatcher(config, resolver=resolver)
+    names, aliases = model_names(config.model, config.served_model_names)
     frontend = Frontend(
         dispatcher,
         tokenizer,
         config.model,
-        served_model_names=config.served_model_names,
+        served_model_names=names,
+        model_aliases=aliases,
         tool_call_parser=config.tool_call_parser,
         request_timeout_s=config.request_timeout_s,
     )

@@ -43,7 +43,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if kind == "text":
             return self.frontend.encode_text(request.text), NO_TOOLS
         if kind == "chat":
-            use = chat_tool_use(request.chat)
+            use = dataclasses.replace(
+                chat_tool_use(request.chat), max_calls=self.frontend.dispatcher.config.max_tool_calls
+            )
             messages = chat_messages(request.chat)
             return self.frontend.encode_chat(messages, tool_use=use), use
         if kind == "token_ids":
@@ -58,6 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         start = time.monotonic()
         remaining = context.time_remaining()
         self.frontend.check_model(request.model or None)  # proto3: "" is unset
+        await self.frontend.dispatcher.wait_for_startup(None if remaining is None else start + remaining)
         prompt, use = self._prompt_ids(request)
         sampling = sampling_fields_from_proto(request.sampling_params)
         forced = forced_tool_constraint(use, sampling)

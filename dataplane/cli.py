@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.common import settings
 from pagedserve.common.lifecycle import cli_command, exit_with_parent
+from pagedserve.common.log_format import LoggingConfig
 from pagedserve.dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
 
 # --help shows every default (settings declare theirs once, in dataplane/config.py).
@@ -118,6 +119,7 @@ def add_dataplane_parsers(sub: Any) -> None:
         formatter_class=HELP_FORMAT,
     )
     settings.add_arguments(dp, DataPlaneConfig, title="data plane")
+    settings.add_arguments(dp, LoggingConfig, title="logging")
     dp.add_argument(
         "--config-json",
         default=None,

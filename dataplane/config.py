@@ -352,6 +352,23 @@ DEFAULT_DATAPLANE_PORT = 50052
 OMP_SPIN_COUNT = 3000
 
 
+# DataPlaneConfig's settings of the process's own endpoint: `serve` sets them for its child
+# itself (a free loopback port, this start's link token; TLS and the insecure waiver have no
+# use on loopback), and its flags of the same names are the control plane's public ones. Every
+# other data-plane setting is a `serve` flag too, passed on to the child as it is.
+ENDPOINT_SETTINGS = frozenset(
+    {
+        "host",
+        "port",
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_client_ca_file",
+        "dataplane_token_file",
+        "allow_insecure_dataplane",
+    }
+)
+
+
 @dataclass(frozen=True)
 class DataPlaneConfig:
     """A data-plane process: its gRPC endpoint, TLS, metrics port and the engine it runs.

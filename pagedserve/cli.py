@@ -52,6 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "log_format"):  # a server command: its --log-format, else the parent's
+            from pagedserve.common import env
+            from pagedserve.common.log import use_log_format
+
+            use_log_format(args.log_format or env.log_format())
         result: int = args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)

@@ -56,9 +56,10 @@ from pagedserve.common.lifecycle import (
     free_port,
     print_error,
 )
+from pagedserve.common.log_format import LoggingConfig
 from pagedserve.common.settings import setting
 from pagedserve.controlplane.cli import add_controlplane_args, config_from_args, ready_line
-from pagedserve.dataplane.config import DataPlaneConfig, add_engine_args, engine_config_from_args
+from pagedserve.dataplane.config import ENDPOINT_SETTINGS, DataPlaneConfig
 
 _READY_POLL_S = 0.05
 _STOP_CHILD_S = 15.0  # a SIGTERMed child's time to exit, with no signal's deadline to keep
@@ -66,6 +67,12 @@ _KILLED_CHILD_S = 5.0  # a SIGKILLed child is gone by then (else it is left, not
 # A stop's child is SIGKILLed this much before the signal's deadline: what is left is this
 # process's own exit, the interpreter's teardown included, which no watchdog thread covers.
 _DEADLINE_EARLY_S = 0.75
+
+
+STOPPED_STARTING = (
+    "pagedserve: stopping: the data plane had not loaded the model yet (requests waiting for it "
+    "are refused); Ctrl-C again (or a second SIGTERM) stops at once"
+)
 
 
 @dataclass(frozen=True)
@@ -103,19 +110,22 @@ def add_serve_parser(sub: Any) -> None:
     )
     add_controlplane_args(serve, own_dataplane=True)
     settings.add_arguments(serve, SupervisionConfig, title="supervision")
-    add_engine_args(serve)
+    settings.add_arguments(serve, LoggingConfig, title="logging")  # (the child logs the same way)
+    # Every data-plane setting but the child's endpoint, which `serve` sets (ENDPOINT_SETTINGS).
+    settings.add_arguments(serve, DataPlaneConfig, title="data plane", skip=ENDPOINT_SETTINGS)
     serve.set_defaults(func=cmd_serve)
 
 
 def dataplane_config(args: argparse.Namespace) -> DataPlaneConfig:
-    """The child's config: the engine settings given to `serve`, on a loopback port (chosen
-    here, so the control plane knows the address before the child starts)."""
-    return DataPlaneConfig(
-        host="127.0.0.1",
-        port=args.dataplane_port or free_port("127.0.0.1"),
-        engine=engine_config_from_args(args),
-        dataplane_token_file=args.dataplane_token_file,
-    )
+    """The child's config: the data-plane and engine settings given to `serve`, on a loopback
+    port (chosen here, so the control plane knows the address before the child starts)."""
+    values = {name: value for name, value in vars(args).items() if name not in ENDPOINT_SETTINGS}
+    values |= {
+        "host": "127.0.0.1",
+        "port": args.dataplane_port or free_port("127.0.0.1"),
+        "dataplane_token_file": args.dataplane_token_file,
+    }
+    return settings.from_arguments(DataPlaneConfig, values)
 
 
 def child_command(config: DataPlaneConfig) -> list[str]:
@@ -182,6 +192,8 @@ async def _serve(args: argparse.Namespace, child: DataPlaneConfig, supervision: 
             print_error(supervisor.failure)
             return EXIT_ERROR
         _log().info("serve_stopping", signal=signal.Signals(stopped.result()).name)
+        if not ready:  # (once serving, the control plane's shutdown says what it waits for)
+            print(STOPPED_STARTING, flush=True)
         if ready:
             # As `pagedserve controlplane`: NOT_SERVING, new work refused, streams under way get
             # the shutdown grace (a second signal ends it) while the data plane still runs.

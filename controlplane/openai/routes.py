@@ -49,7 +49,6 @@ from pagedserve.controlplane.openai.structured import Structured, structured_out
 from pagedserve.controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
 from pagedserve.controlplane.request import GenerationRequest
 from pagedserve.controlplane.tools.forced import forced_constraint
-from pagedserve.controlplane.tools.output import finish_reason
 from pagedserve.protos.pagedserve.v1 import common_pb2
 
 log = get_logger(__name__)
@@ -94,7 +93,8 @@ class OpenAIRoutes:
 
     async def model(self, model: str) -> dict[str, Any]:
         self.frontend.check_model(model)
-        return next(card for card in self._cards() if card["id"] == model)
+        cards = self._cards()  # (an alias, a local model's path, is its served name's card)
+        return next((card for card in cards if card["id"] == model), cards[0])
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
@@ -364,7 +364,9 @@ class OpenAIRoutes:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         structured = self._check(body)
-        tool_use = tool_use_of(body.model_extra or {}, structured)
+        tool_use = tool_use_of(
+            body.model_extra or {}, structured, self.frontend.dispatcher.config.max_tool_calls
+        )
         forced = forced_constraint(tool_use)
         if forced is not None:
             constraint, where = forced
@@ -450,33 +452,30 @@ class OpenAIRoutes:
             last: dict[str, Any] = {} if calls is None else calls.finish(event.index)
             if calls is not None:
                 metrics.tool_calls.inc(calls.num_calls(event.index))
-            reason = (
-                openai_finish(event)
-                if calls is None
-                else finish_reason(openai_finish(event), calls.has_calls(event.index))
-            )
+            reason = openai_finish(event)
+            ends = {"finish_reason": reason} if calls is None else calls.ends(event.index, reason)
             return base(
-                [{"index": event.index, "delta": last, "logprobs": None, "finish_reason": reason}],
-                "chat.completion.chunk",
+                [{"index": event.index, "delta": last, "logprobs": None, **ends}], "chat.completion.chunk"
             )
 
         def final(choices: dict[int, _Choice]) -> dict[str, Any]:
             out = []
             for index, c in choices.items():
                 text = "".join(c.text)
+                reason = openai_finish(c.done) if c.done else None
+                ends: dict[str, Any] = {"finish_reason": reason}
                 if calls is None:
                     message: dict[str, Any] = {"role": "assistant", "content": text}
-                    reason = openai_finish(c.done) if c.done else None
                 else:
                     message = calls.message(index, text)
                     metrics.tool_calls.inc(calls.num_calls(index))
-                    reason = finish_reason(openai_finish(c.done), calls.has_calls(index)) if c.done else None
+                    ends = calls.ends(index, reason) if reason is not None else ends
                 out.append(
                     {
                         "index": index,
                         "message": message,
                         "logprobs": chat_logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": reason,
+                        **ends,
                     }
                 )
             return base(

@@ -5,26 +5,36 @@ for `tool_choice: "auto"`, the forced JSON for "required" and a named function. 
 runs whether the client streams or not, so a streamed answer's `delta.tool_calls` (the call's
 index, id and name once, then its arguments in pieces) always assemble to the message's
 `tool_calls` of the same answer unstreamed. `finish_reason` is "tool_calls" when an answer that
-was not cut short by `max_tokens` holds a call.
+was not cut short by `max_tokens` holds a call; a forced answer that holds as many calls as the
+server's `--max-tool-calls` allows (the grammar closed it there) says so in `stop_reason`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedserve.common.invalid_field import InvalidField
+from pagedserve.common.log import get_logger
 from pagedserve.controlplane.errors import clip, invalid_argument
 from pagedserve.controlplane.openai.structured import Structured
-from pagedserve.controlplane.tools.definitions import ToolUse, parse_openai_tools
-from pagedserve.controlplane.tools.output import CompletionParsers
+from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, ToolUse, parse_openai_tools
+from pagedserve.controlplane.tools.output import CompletionParsers, finish_reason
 from pagedserve.controlplane.tools.parsers import ParserOutput, ToolCallDelta
+
+log = get_logger(__name__)
+
+MAX_TOOL_CALLS_REASON = "max_tool_calls"
+"""The `stop_reason` of a choice whose calls reached the bound (vLLM's field for what ended it;
+`finish_reason` stays "tool_calls", so clients run the calls, which are whole and valid)."""
 
 
 class ChoiceToolCalls:
     """The parsers of one response's choices (created on a choice's first text)."""
 
     def __init__(self, use: ToolUse, model_format: str) -> None:
+        self._use = use
         self._parser = CompletionParsers(use, model_format)
 
     def feed(self, index: int, text: str) -> dict[str, Any]:
@@ -40,6 +50,18 @@ class ChoiceToolCalls:
 
     def num_calls(self, index: int) -> int:
         return len(self._parser(index).tool_calls)
+
+    def ends(self, index: int, reason: str) -> dict[str, Any]:
+        """The choice's finish fields, `reason` being "stop" or "length": `finish_reason`, and
+        `stop_reason` when its calls reached the bound (`ToolUse.bounded_calls`) of a request
+        that allowed more than one."""
+        calls = self.num_calls(index)
+        out: dict[str, Any] = {"finish_reason": finish_reason(reason, calls > 0)}
+        bound = self._use.bounded_calls
+        if self._use.parallel and bound is not None and calls >= bound:
+            out["stop_reason"] = MAX_TOOL_CALLS_REASON
+            log.info("tool_calls_bounded", index=index, calls=calls, max_tool_calls=bound)
+        return out
 
     def message(self, index: int, text: str) -> dict[str, Any]:
         """The unstreamed answer's message: the text parsed whole."""
@@ -83,11 +105,14 @@ def _merged(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
     return list(entries.values())
 
 
-def tool_use_of(fields: Mapping[str, Any], structured: Structured) -> ToolUse:
-    """The tools and tool_choice a request body's top-level `fields` set; a forced call with a
-    structured output is refused (both would constrain the same text)."""
+def tool_use_of(
+    fields: Mapping[str, Any], structured: Structured, max_calls: int = DEFAULT_MAX_TOOL_CALLS
+) -> ToolUse:
+    """The tools and tool_choice a request body's top-level `fields` set, under the server's
+    bound on calls; a forced call with a structured output is refused (both would constrain
+    the same text)."""
     try:
-        use = parse_openai_tools(dict(fields))
+        use = dataclasses.replace(parse_openai_tools(dict(fields)), max_calls=max_calls)
     except InvalidField as exc:
         raise invalid_argument(f"{exc.field} {clip(exc.reason, 200)}", exc.field) from None
     if use.choice.forced and structured.constraint is not None:

@@ -35,6 +35,11 @@ structured-output limit too): they all go into the prompt, and `required` compil
 one grammar."""
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """OpenAI's rule for a function name: a-z, A-Z, 0-9, underscores and dashes, 64 at most."""
+DEFAULT_MAX_TOOL_CALLS = 16
+"""The most calls a forced "required" answer may hold when parallel calls are allowed (the
+server's --max-tool-calls): the grammar closes the array there."""
+MAX_TOOL_CALLS_LIMIT = 1024
+"""The largest --max-tool-calls a server may set."""
 CHOICE_MODES = ("none", "auto", "required", "function")
 """`function`: the model must call the one named tool."""
 ANY_OBJECT_SCHEMA = '{"type":"object"}'
@@ -83,6 +88,14 @@ class ToolUse:
     tools: tuple[Tool, ...]
     choice: ToolChoice
     parallel: bool = True
+    max_calls: int = DEFAULT_MAX_TOOL_CALLS  # a forced parallel answer's bound (the server's)
+
+    @property
+    def bounded_calls(self) -> int | None:
+        """The most calls the forcing grammar allows, or None when no grammar counts them."""
+        if self.choice.mode != "required":
+            return None
+        return self.max_calls if self.parallel else 1
 
     def tool(self, name: str) -> Tool:
         return next(t for t in self.tools if t.name == name)

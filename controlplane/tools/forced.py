@@ -7,7 +7,8 @@ parses and its arguments validate against the tool's schema.
 - a named function: the output is that function's arguments (its parameters schema);
 - "required": the output is a JSON array of `{"name": <one tool's name>, "arguments": <that
   tool's parameters>}` objects, at least one, and exactly one when `parallel_tool_calls` is
-  false (the grammar enforces it: no call is ever dropped afterwards).
+  false, else at most the server's `--max-tool-calls` (the grammar enforces it: no call is
+  ever dropped afterwards).
 
 The "required" schema nests every tool's parameters under one root, so each tool's schema
 moves into the root's `$defs` (as `tool<i>`, its own `$defs` as `tool<i>_<name>`) and its
@@ -60,9 +61,10 @@ def required_schema(use: ToolUse) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
+    # At most `use.max_calls` calls (one without parallel calls): unbounded, a model that keeps
+    # calling would run until its context is full.
     array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not use.parallel:
-        array["maxItems"] = 1
+    array["maxItems"] = use.bounded_calls
     if defs:
         array["$defs"] = defs
     return array

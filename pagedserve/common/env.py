@@ -24,3 +24,9 @@ def model_home() -> Path:
 def log_level() -> str:
     """$PAGEDSERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def log_format() -> str:
+    """$PAGEDSERVE_LOG_FORMAT: auto, console or json (default auto; `--log-format` sets it for
+    the process and its children)."""
+    return os.environ.get("PAGEDSERVE_LOG_FORMAT", "auto").lower()

@@ -1,8 +1,10 @@
-"""structlog set-up: JSON lines when not on a TTY, readable console output on one."""
+"""structlog set-up: readable console lines on a terminal, JSON lines (one object each) when
+the log's stream, stderr, is not one, or as `--log-format` says."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import MutableMapping
@@ -11,8 +13,29 @@ from typing import Any
 import structlog
 
 from pagedserve.common import env
+from pagedserve.common.log_format import LOG_FORMATS
 
 _configured = False
+
+
+def resolved_format(log_format: str) -> str:
+    """console or json: `auto` decided by whether stderr is a terminal."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+    if log_format == "auto":
+        return "console" if sys.stderr.isatty() else "json"
+    return log_format
+
+
+def use_log_format(log_format: str) -> None:
+    """Log in `log_format` from now on, in this process and the processes it starts (through
+    $PAGEDSERVE_LOG_FORMAT, resolved here: a child whose stdout is a pipe to this process still
+    logs as this one does, so a terminal never gets both kinds of line)."""
+    global _configured
+    os.environ["PAGEDSERVE_LOG_FORMAT"] = resolved_format(log_format)
+    if _configured:
+        _configured = False
+        configure_logging()
 
 
 class _StderrLogger:
@@ -38,7 +61,8 @@ def configure_logging() -> None:
     global _configured
     if _configured:
         return
-    tty = sys.stderr.isatty()
+    fmt = env.log_format()
+    tty = resolved_format(fmt if fmt in LOG_FORMATS else "auto") == "console"
     renderer: Any = structlog.dev.ConsoleRenderer() if tty else structlog.processors.JSONRenderer()
     # log.exception(...): in JSON the traceback is the line's "exception" field (the console
     # renderer prints it itself)

@@ -120,6 +120,9 @@ class FakeDispatcher:
         self.connections = {"dp:1": SimpleNamespace(info=info)}
         self.requests: list[GenerationRequest] = []
 
+    async def wait_for_startup(self, deadline: float | None = None) -> None:
+        """A data plane has served (the start-up wait is tested in tests/e2e/scaling)."""
+
     async def generate(
         self, request: GenerationRequest, trace_context: Mapping[str, str] | None = None
     ) -> AsyncIterator[GenerationEvent]:

@@ -3,6 +3,7 @@ Model-free: the schema is compiled by the grammar backend itself to show it is o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -11,6 +12,7 @@ import pytest
 from pagedserve.common.invalid_field import InvalidField
 from pagedserve.controlplane.tools.definitions import (
     ANY_OBJECT_SCHEMA,
+    DEFAULT_MAX_TOOL_CALLS,
     MAX_TOOLS,
     Tool,
     ToolChoice,
@@ -172,9 +174,23 @@ def test_one_call_only_without_parallel_calls() -> None:
     jsonschema.validate([call], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([call, call], schema)
-    assert "maxItems" not in required_schema(
-        parse_openai_tools({"tools": [WEATHER], "tool_choice": "required"})
-    )
+    parallel = required_schema(parse_openai_tools({"tools": [WEATHER], "tool_choice": "required"}))
+    assert parallel["maxItems"] == DEFAULT_MAX_TOOL_CALLS == 16
+
+
+def test_parallel_calls_are_bounded_by_the_servers_max_tool_calls() -> None:
+    use = parse_openai_tools({"tools": [WEATHER], "tool_choice": "required"})
+    use = dataclasses.replace(use, max_calls=3)
+    schema = required_schema(use)
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    jsonschema.validate([call] * 3, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call] * 4, schema)
+    forced = forced_constraint(use)
+    assert forced is not None
+    import xgrammar  # (as above: heavy, imported where a test needs it)
+
+    xgrammar.Grammar.from_json_schema(forced[0].value, any_whitespace=False, strict_mode=True)
 
 
 def test_root_and_property_refs_are_moved() -> None:

@@ -152,6 +152,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--http-max-connections-per-client=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "dataplaneWaitS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--dataplane-wait=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "maxQueueLen" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-queue-len=%d" (int64 $v) | toJson }}
@@ -194,5 +198,9 @@
 {{- $v = index $s "toolCallParser" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tool-call-parser=%v" $v | toJson }}
+{{- end }}
+{{- $v = index $s "maxToolCalls" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--max-tool-calls=%d" (int64 $v) | toJson }}
 {{- end }}
 {{- end }}

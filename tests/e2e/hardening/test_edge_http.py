@@ -161,7 +161,7 @@ def test_an_empty_model_is_refused_and_an_omitted_one_is_the_served_model(http: 
     )
     served = completions(http)  # no "model" at all
     assert served.status == 200, served.text
-    assert served.json()["model"] == str(model)
+    assert served.json()["model"] == model.name  # a local folder is served under its name
 
 
 def test_long_stop_strings_and_too_many_are_400_naming_stop(http: Http) -> None:
@@ -375,10 +375,11 @@ def test_structured_outputs_hold_even_on_random_weights(http: Http) -> None:
 
 
 def test_models_by_id(http: Http, model: Path) -> None:
-    card = http.get(f"/v1/models/{model}")
+    card = http.get(f"/v1/models/{model.name}")
     assert card.status == 200
+    assert http.get(f"/v1/models/{model}").json() == card.json()  # the path: its name's card
     assert card.json() == {
-        "id": str(model),
+        "id": model.name,
         "object": "model",
         "created": 0,
         "owned_by": "pagedserve",

@@ -27,6 +27,7 @@ import pytest
 from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
+from pagedserve.serve import STOPPED_STARTING
 from tests.e2e.harness import REPO, wait_until
 
 START_S = 120.0  # a cold start imports torch; two cores may be busy with other tests
@@ -280,6 +281,9 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(
         # ran) and then died of SIGINT during the interpreter's finalization.
         assert proc.exit_code(timeout_s=20) in (130, -signal.SIGINT)
         assert "listening on" not in proc.stdout  # it was interrupted while loading
+        if command == "serve":  # one line says what the stop is about
+            assert proc.stdout.count("pagedserve: stopping:") == 1
+            assert STOPPED_STARTING in proc.stdout
         assert not any(noise in proc.stderr for noise in LOG_NOISE), proc.stderr
         for child in proc.child_pids():
             wait_until(lambda child=child: gone(child), 10, "the data plane stopped")
