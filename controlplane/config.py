@@ -126,6 +126,25 @@ class ControlPlaneConfig:
         "hermes when the template names none)",
         choices=PARSER_CHOICES,
     )
+    # The Responses API's store (controlplane/responses/store.py): in memory, per tenant.
+    responses_store_max_entries: int = setting(
+        1024,
+        "Responses API: responses kept (those created with store: true) for previous_response_id, "
+        "GET and DELETE; the least recently used go first (0: no store, store and "
+        "previous_response_id are refused)",
+        minimum=0,
+    )
+    responses_store_max_bytes: int = setting(
+        64 << 20,
+        "Responses API: bytes the stored responses may hold in all (their JSON and bookkeeping)",
+        minimum=1,
+    )
+    responses_store_ttl_s: float = setting(
+        3600.0,
+        "Responses API: seconds a stored response is kept",
+        flag="--responses-store-ttl",
+        exclusive_minimum=0,
+    )
     dataplane_token_file: str | None = setting(
         None,
         "send the data planes the shared token in this file (their --dataplane-token-file) "

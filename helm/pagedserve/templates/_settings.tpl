@@ -191,4 +191,16 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tool-call-parser=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "responsesStoreMaxEntries" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-max-entries=%d" (int64 $v) | toJson }}
+{{- end }}
+{{- $v = index $s "responsesStoreMaxBytes" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-max-bytes=%d" (int64 $v) | toJson }}
+{{- end }}
+{{- $v = index $s "responsesStoreTtlS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-ttl=%v" $v | toJson }}
+{{- end }}
 {{- end }}
