@@ -35,6 +35,8 @@ from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
 from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
 from pagedserve.controlplane.openai.routes import OpenAIRoutes
+from pagedserve.controlplane.responses.routes import ResponsesRoutes
+from pagedserve.controlplane.responses.store import ResponseStore
 from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
 
 MAX_BODY_BYTES = 4 << 20
@@ -132,9 +134,13 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
-    """Health and liveness probes, /metrics, and the OpenAI-compatible API (with API keys,
-    everything but the probes and /metrics is behind them: `auth.http_path_needs_key`)."""
+def create_app(
+    frontend: Frontend, api_keys: ApiKeys | None = None, responses_store: ResponseStore | None = None
+) -> FastAPI:
+    """Health and liveness probes, /metrics, and the OpenAI-compatible API, Anthropic's
+    Messages API and the Responses API (with API keys, everything but the probes and /metrics
+    is behind them: `auth.http_path_needs_key`). Without `responses_store` the Responses API
+    stores nothing."""
     dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, frontend)
@@ -165,6 +171,8 @@ def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
     chat = OpenAIRoutes(frontend)
     app.include_router(chat.router)
     app.include_router(AnthropicRoutes(chat).router)
+    store = responses_store if responses_store is not None else ResponseStore(0, 1, 1.0)
+    app.include_router(ResponsesRoutes(chat, store).router)
 
     @app.get("/metrics")
     async def metrics() -> Response:
