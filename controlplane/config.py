@@ -8,6 +8,7 @@ from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
+from pagedserve.controlplane.reasoning import REASONING_PARSERS
 from pagedserve.controlplane.tenants import TenantPolicy, check_settings
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
@@ -126,6 +127,12 @@ class ControlPlaneConfig:
         "hermes when the template names none)",
         choices=PARSER_CHOICES,
     )
+    reasoning_parser: str = setting(
+        "none",
+        "split a reasoning model's <think>...</think> section out of chat answers as "
+        "reasoning_content (and reasoning), in messages and stream deltas (none: leave it in the content)",
+        choices=REASONING_PARSERS,
+    )
     # The Responses API's store (controlplane/responses/store.py): in memory, per tenant.
     responses_store_max_entries: int = setting(
         1024,
@@ -170,6 +177,10 @@ class ControlPlaneConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"dataplane address must be HOST:PORT, got {address!r}")
         check_bounds(self)
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}"

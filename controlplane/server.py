@@ -242,6 +242,7 @@ async def start_control_plane(
         served_model_names=config.served_model_names,
         tool_call_parser=config.tool_call_parser,
         request_timeout_s=config.request_timeout_s,
+        reasoning_parser=config.reasoning_parser,
     )
     server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
     liveness = Liveness()

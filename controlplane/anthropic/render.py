@@ -2,7 +2,8 @@
 
 An answer's text and tool calls come out of the chat path's tool-call parser (the same one a
 chat completion uses), so a streamed answer's blocks assemble to the unstreamed answer's
-content. Content blocks: the text (a text block), then one tool_use block per call, its
+content. Content blocks: the reasoning (a thinking block, with a reasoning parser), the text (a text
+block), then one tool_use block per call, its
 `input` the call's arguments parsed. `stop_reason`: "tool_use" when an answer that was not cut
 short holds a call, "max_tokens" when cut short, "stop_sequence" (with `stop_sequence`) when
 a client's stop sequence ended it, else "end_turn". Usage follows Anthropic's split: prompt
@@ -54,6 +55,8 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     """An OpenAI chat message (`content`, `tool_calls`) as Messages content blocks."""
     calls = message.get("tool_calls") or []
     blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
     if message.get("content") or not calls:
         blocks.append({"type": "text", "text": message.get("content") or ""})
     for call in calls:
@@ -98,6 +101,7 @@ class MessageStream:
         self.blocks = 0
         self.open: str | None = None  # "text" or "tool": the kind of the open block
         self.calls = 0
+        self.texts = 0
 
     def start(self) -> list[SseEvent]:
         message = message_body(self.rid, self.model, [], (None, None), usage(None, self.prompt_tokens))
@@ -105,8 +109,13 @@ class MessageStream:
 
     def feed(self, delta: dict[str, Any]) -> list[SseEvent]:
         out: list[SseEvent] = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
+                self.texts += 1
                 out += self._begin("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
         for call in delta.get("tool_calls") or ():
@@ -122,7 +131,7 @@ class MessageStream:
 
     def finish(self, done: CompletionDone | None) -> list[SseEvent]:
         out = self._close()
-        if self.blocks == 0:  # an answer of no text: one empty text block, as unstreamed
+        if self.texts == 0 and self.calls == 0:  # no text: one empty text block, as unstreamed
             out += self._begin("text", {"type": "text", "text": ""}) + self._close()
         reason, sequence = stop_reason(done, self.calls > 0)
         delta = {"stop_reason": reason, "stop_sequence": sequence}

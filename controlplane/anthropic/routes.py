@@ -9,7 +9,6 @@ leaves before its answer starts cancels its request, as on the chat route.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,7 +40,7 @@ class AnthropicRoutes:
             run = self.chat.chat_run(translated.chat, http, {"stop": "stop_sequences"})
         except ServiceError as exc:
             raise translated.renamed(exc) from None
-        frontend, calls = self.chat.frontend, run.calls
+        frontend, calls, output = self.chat.frontend, run.calls, run.output
         rid = f"msg_{http.headers.get('x-request-id') or uuid.uuid4().hex}"
         prompt_tokens = run.gens[0].num_prompt_tokens
         events = merged_events(frontend, run.gens, 1, http)
@@ -57,12 +56,11 @@ class AnthropicRoutes:
                 out = [] if started else stream.start()
                 started = True
                 if isinstance(event, TextDelta):
-                    delta = {"content": event.text} if calls is None else calls.feed(0, event.text)
-                    return out + stream.feed(delta)
+                    return out + stream.feed(output.feed(0, event.text))
                 if event is None:
                     return out
+                out += stream.feed(output.finish(0))
                 if calls is not None:
-                    out += stream.feed(calls.finish(0))
                     frontend.metrics.tool_calls.inc(calls.num_calls(0))
                 return out + stream.finish(event)
 
@@ -77,10 +75,8 @@ class AnthropicRoutes:
         choice = choices.get(0)
         text = "".join(choice.text) if choice is not None else ""
         done = choice.done if choice is not None else None
-        if calls is None:
-            message: dict[str, Any] = {"content": text}
-        else:
-            message = calls.message(0, text)
+        message = output.message(0, text)
+        if calls is not None:
             frontend.metrics.tool_calls.inc(calls.num_calls(0))
         reason = stop_reason(done, bool(message.get("tool_calls")))
         body_out = message_body(

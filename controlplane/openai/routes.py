@@ -43,7 +43,8 @@ from pagedserve.controlplane.openai.running import Choice, collected, merged_eve
 from pagedserve.controlplane.openai.streaming import sse_body
 from pagedserve.controlplane.openai.structured import NONE as NO_STRUCTURED
 from pagedserve.controlplane.openai.structured import Structured, structured_output
-from pagedserve.controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
+from pagedserve.controlplane.openai.tool_calls import ChoiceOutput, ChoiceToolCalls, tool_use_of
+from pagedserve.controlplane.reasoning import ChoiceReasoning
 from pagedserve.controlplane.request import GenerationRequest
 from pagedserve.controlplane.tools.definitions import ToolUse
 from pagedserve.controlplane.tools.forced import forced_constraint
@@ -64,6 +65,7 @@ class ChatRun:
     gens: list[GenerationRequest]
     tool_use: ToolUse
     calls: ChoiceToolCalls | None
+    output: ChoiceOutput  # how answers are read: reasoning, then tool calls or content
 
 
 class OpenAIRoutes:
@@ -329,11 +331,13 @@ class OpenAIRoutes:
         )
         if tool_use.tools:
             self.frontend.metrics.tool_requests.labels(tool_choice=tool_use.choice.mode).inc()
-        return ChatRun(gens, tool_use, calls)
+        parser = self.frontend.reasoning_parser
+        reasoning = None if parser == "none" else ChoiceReasoning(parser)
+        return ChatRun(gens, tool_use, calls, ChoiceOutput(calls, reasoning))
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         run = self.chat_run(body, http)
-        gens, calls = run.gens, run.calls
+        gens, calls, output = run.gens, run.calls, run.output
         rid, created = f"chatcmpl-{response_id(http)}", int(time.time())
         metrics = self.frontend.metrics
         decode = self._token_text
@@ -382,14 +386,12 @@ class OpenAIRoutes:
 
         def chunk(event: StreamEvent) -> dict[str, Any] | None:
             if isinstance(event, TextDelta):
-                delta: dict[str, Any] = (
-                    {"content": event.text} if calls is None else calls.feed(event.index, event.text)
-                )
+                delta = output.feed(event.index, event.text)
                 if event.index not in started:  # the first chunk of each choice names the role
                     started.add(event.index)
                     delta = {"role": "assistant", **delta}
                 elif not delta and not body.logprobs:
-                    return None  # a tool-call parser held this text back: nothing to send yet
+                    return None  # a parser held this text back: nothing to send yet
                 choice = {
                     "index": event.index,
                     "delta": delta,
@@ -397,7 +399,7 @@ class OpenAIRoutes:
                     "finish_reason": None,
                 }
                 return base([choice], "chat.completion.chunk")
-            last: dict[str, Any] = {} if calls is None else calls.finish(event.index)
+            last = output.finish(event.index)
             if calls is not None:
                 metrics.tool_calls.inc(calls.num_calls(event.index))
             reason = (
@@ -413,12 +415,10 @@ class OpenAIRoutes:
         def final(choices: dict[int, Choice]) -> dict[str, Any]:
             out = []
             for index, c in choices.items():
-                text = "".join(c.text)
+                message = output.message(index, "".join(c.text))
                 if calls is None:
-                    message: dict[str, Any] = {"role": "assistant", "content": text}
                     reason = openai_finish(c.done) if c.done else None
                 else:
-                    message = calls.message(index, text)
                     metrics.tool_calls.inc(calls.num_calls(index))
                     reason = finish_reason(openai_finish(c.done), calls.has_calls(index)) if c.done else None
                 out.append(

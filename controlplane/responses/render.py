@@ -1,7 +1,8 @@
 """The Responses API's answers: the response object, and its stream of events.
 
-Output items: a `message` item (one `output_text` part) when the answer has text or no call,
-then one `function_call` item per call; text and calls come out of the chat path's tool-call
+Output items: a `reasoning` item (one `reasoning_text` part) when a reasoning parser found
+a reasoning section, a `message` item (one `output_text` part) when the answer has text or no
+call, then one `function_call` item per call; text and calls come out of the chat path's tool-call
 parser, so a streamed answer's items assemble to the unstreamed answer's. `status` is
 "completed", or "incomplete" (`incomplete_details.reason` "max_output_tokens") when the answer
 was cut short. Every streamed event carries a `sequence_number`, from 0.
@@ -58,10 +59,22 @@ def call_item(
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An OpenAI chat message (`content`, `tool_calls`) as output items."""
+    """An OpenAI chat message (`reasoning_content`, `content`, `tool_calls`) as output items."""
     calls = message.get("tool_calls") or []
     items = []
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
     if message.get("content") or not calls:
         items.append(message_item(new_id("msg"), message.get("content") or ""))
     for call in calls:
@@ -130,6 +143,15 @@ class ResponseStream:
 
     def feed(self, delta: dict[str, Any]) -> list[SseEvent]:
         out: list[SseEvent] = []
+        if delta.get("reasoning_content"):
+            if not (self.open and self.items[-1]["type"] == "reasoning"):
+                out += self._open(reasoning_item(new_id("rs"), "", "in_progress"))
+            self.items[-1]["content"][0]["text"] += delta["reasoning_content"]
+            out.append(
+                self._item_event(
+                    "response.reasoning_text.delta", content_index=0, delta=delta["reasoning_content"]
+                )
+            )
         if delta.get("content"):
             if not (self.open and self.items[-1]["type"] == "message"):
                 out += self._open_message()
@@ -156,7 +178,7 @@ class ResponseStream:
     def finish(self, done: CompletionDone | None) -> tuple[list[SseEvent], dict[str, Any]]:
         """The closing events, and the response object they end with."""
         out = self._close()
-        if not self.items:  # an answer of no text: one empty message, as unstreamed
+        if not any(i["type"] != "reasoning" for i in self.items):  # no text: an empty message, as unstreamed
             out += self._open_message() + self._close()
         status = final_status(done)
         body = self.response.body(status, self.items, usage(done, self.prompt_tokens))
@@ -185,7 +207,10 @@ class ResponseStream:
         item = self.items[-1]
         item["status"] = "completed"
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            out.append(self._item_event("response.reasoning_text.done", content_index=0, text=text))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(
                 self._item_event("response.output_text.done", content_index=0, text=part["text"], logprobs=[])

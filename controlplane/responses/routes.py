@@ -85,7 +85,7 @@ class ResponsesRoutes:
             run = self.chat.chat_run(translated.chat, http)
         except ServiceError as exc:
             raise translated.renamed(exc) from None
-        frontend, calls = self.chat.frontend, run.calls
+        frontend, calls, output = self.chat.frontend, run.calls, run.output
         tenant = request_tenant()
         response = ResponseObject(new_id("resp"), frontend.model_name, _echo(body))
         prompt_tokens = run.gens[0].num_prompt_tokens
@@ -109,12 +109,11 @@ class ResponsesRoutes:
                 out = [] if started else stream.start()
                 started = True
                 if isinstance(event, TextDelta):
-                    delta = {"content": event.text} if calls is None else calls.feed(0, event.text)
-                    return out + stream.feed(delta)
+                    return out + stream.feed(output.feed(0, event.text))
                 if event is None:
                     return out
+                out += stream.feed(output.finish(0))
                 if calls is not None:
-                    out += stream.feed(calls.finish(0))
                     frontend.metrics.tool_calls.inc(calls.num_calls(0))
                 closing, final = stream.finish(event)
                 keep(final)
@@ -135,10 +134,8 @@ class ResponsesRoutes:
         choice = choices.get(0)
         text = "".join(choice.text) if choice is not None else ""
         done = choice.done if choice is not None else None
-        if calls is None:
-            message: dict[str, Any] = {"content": text}
-        else:
-            message = calls.message(0, text)
+        message = output.message(0, text)
+        if calls is not None:
             frontend.metrics.tool_calls.inc(calls.num_calls(0))
         out = response.body(final_status(done), output_items(message), usage(done, prompt_tokens))
         keep(out)

@@ -191,6 +191,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tool-call-parser=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "reasoningParser" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--reasoning-parser=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "responsesStoreMaxEntries" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--responses-store-max-entries=%d" (int64 $v) | toJson }}
