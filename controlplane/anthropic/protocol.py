@@ -59,6 +59,12 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None
 
 
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+
+    max_tokens: int = 1
+
+
 @dataclass
 class Translated:
     """The chat request a Messages request became, and where each of its messages came from

@@ -1,4 +1,5 @@
-"""`POST /v1/messages`: Anthropic's Messages API, run by the chat-completions path.
+"""`POST /v1/messages`: Anthropic's Messages API, run by the chat-completions path (and
+`POST /v1/messages/count_tokens`: the prompt's token count, as Claude Code asks for it).
 
 The body is translated into a chat-completions request (`protocol.py`) and run by
 `OpenAIRoutes.chat_run` (the chat template, tool calls, stop strings and sampling checks of
@@ -13,7 +14,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.controlplane.anthropic.protocol import MessagesRequest, translate
+from pagedserve.controlplane.anthropic.protocol import CountTokensRequest, MessagesRequest, translate
 from pagedserve.controlplane.anthropic.render import (
     MessageStream,
     content_blocks,
@@ -33,6 +34,16 @@ class AnthropicRoutes:
         self.chat = chat
         self.router = APIRouter()
         self.router.add_api_route(MESSAGES_PATH, self.messages, methods=["POST"], response_model=None)
+        self.router.add_api_route(MESSAGES_PATH + "/count_tokens", self.count_tokens, methods=["POST"])
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """The prompt tokens a Messages request would have (system, tools and template included)."""
+        translated = translate(body)
+        try:
+            prompt, _, _ = self.chat.chat_prompt(translated.chat)
+        except ServiceError as exc:
+            raise translated.renamed(exc) from None
+        return {"input_tokens": len(prompt)}
 
     async def messages(self, body: MessagesRequest, http: Request) -> Response:
         translated = translate(body)

@@ -305,11 +305,9 @@ class OpenAIRoutes:
         return [self.frontend.check_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
-    def chat_run(
-        self, body: ChatCompletionRequest, http: Request, field_names: Mapping[str, str] | None = None
-    ) -> ChatRun:
-        """Validate a chat request (refusals raise INVALID_ARGUMENT naming the field, renamed
-        by `field_names` where a translated API names it otherwise) into what runs it."""
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolUse, Structured]:
+        """A chat request's prompt token ids (its tools in the template), its tools and its
+        structured output (a forced tool call's grammar included), checked."""
         structured = self._check(body)
         tool_use = tool_use_of(body.model_extra or {}, structured)
         forced = forced_constraint(tool_use)
@@ -317,7 +315,14 @@ class OpenAIRoutes:
             constraint, where = forced
             structured = Structured(constraint, {"json_schema": where})
         messages = [m.template_message() for m in body.messages]
-        prompt = self.frontend.encode_chat(messages, "messages", tool_use=tool_use)
+        return self.frontend.encode_chat(messages, "messages", tool_use=tool_use), tool_use, structured
+
+    def chat_run(
+        self, body: ChatCompletionRequest, http: Request, field_names: Mapping[str, str] | None = None
+    ) -> ChatRun:
+        """Validate a chat request (refusals raise INVALID_ARGUMENT naming the field, renamed
+        by `field_names` where a translated API names it otherwise) into what runs it."""
+        prompt, tool_use, structured = self.chat_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         names = {"logprobs": "top_logprobs", **(field_names or {})}
         max_tokens = body.max_tokens

@@ -33,7 +33,7 @@ from pagedserve.controlplane.responses.render import (
     output_items,
     usage,
 )
-from pagedserve.controlplane.responses.store import ResponseStore
+from pagedserve.controlplane.responses.store import ResponseStore, StoredResponse
 
 PATH = "/v1/responses"
 
@@ -55,7 +55,7 @@ class ResponsesRoutes:
         self.store.delete(request_tenant(), response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def _stored(self, response_id: str, field: str) -> Any:
+    def _stored(self, response_id: str, field: str) -> StoredResponse:
         if len(response_id) > MAX_ID_CHARS:
             raise invalid_argument(f"{field}: at most {MAX_ID_CHARS} characters", field)
         entry = self.store.get(request_tenant(), response_id)

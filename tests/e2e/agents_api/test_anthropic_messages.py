@@ -232,3 +232,20 @@ def test_the_client_raises_bad_request_for_a_bad_field(client: anthropic.Anthrop
         )
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-unknown", max_tokens=4, messages=user(QUESTION))
+
+
+def test_count_tokens_is_the_prompt_a_message_is_generated_from(
+    client: anthropic.Anthropic, model: Path
+) -> None:
+    kwargs: Any = {"model": str(model), "system": SYSTEM, "messages": user(QUESTION), "tools": [WEATHER]}
+    counted = client.messages.count_tokens(**kwargs)
+    out = client.messages.create(**kwargs, max_tokens=1)
+    assert counted.input_tokens == out.usage.input_tokens + (out.usage.cache_read_input_tokens or 0)
+    assert (
+        client.messages.count_tokens(model=str(model), messages=user(QUESTION)).input_tokens
+        < counted.input_tokens
+    )
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[0\]\.type"):
+        client.messages.count_tokens(
+            model=str(model), messages=[{"role": "user", "content": [{"type": "image"}]}]
+        )  # type: ignore[list-item]
