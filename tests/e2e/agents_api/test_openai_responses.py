@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from pagedserve.controlplane.config import ControlPlaneConfig
 from tests.e2e.agents_api.conftest import CONTEXT, KEY, OTHER_KEY
 from tests.e2e.hardening.tiny_served import Http
 from tests.e2e.harness import ServerThread, engine_config
@@ -267,3 +268,22 @@ def test_bad_fields_are_400_naming_the_field(
         error = reply.json()["error"]
         assert error["param"] == param, error
         assert param in error["message"], error
+
+
+def test_a_restarted_control_plane_answers_404_for_old_ids(model: Path) -> None:
+    """The store is in the control plane's memory (documented): a new control plane in front
+    of the same data plane knows no earlier response."""
+    srv = ServerThread(engine_config(model, num_blocks=64, max_model_len=CONTEXT), model)
+    try:
+        kept = client_for(srv, "unused").responses.create(
+            model=str(model), input=QUESTION, max_output_tokens=2, store=True
+        )
+        assert client_for(srv, "unused").responses.retrieve(kept.id).id == kept.id
+        srv._run(srv.controlplane.stop())
+        config = ControlPlaneConfig(model=str(model), dataplanes=(srv.dataplane.address,))
+        srv.controlplane = srv._run(ServerThread._start_cp(config))
+        srv.http_url = f"http://127.0.0.1:{srv.controlplane.http_port}"
+        with pytest.raises(openai.NotFoundError):
+            client_for(srv, "unused").responses.retrieve(kept.id)
+    finally:
+        srv.close()
