@@ -9,6 +9,8 @@ request's constraint, named as the client put it.
 Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `pagedserve.controlplane.tools` and the
 answers' calls rendered by `tool_calls.py`. Errors are OpenAI's error JSON (`errors.py`); the
 SSE body and disconnects are `streaming.py`'s; computed values (logprobs, usage) `render.py`'s.
+`chat_run` (and `chat_prompt`) is also how the APIs translated onto chat run their requests
+(pagedserve.controlplane.anthropic, pagedserve.controlplane.responses).
 """
 
 from __future__ import annotations
