@@ -95,6 +95,13 @@ def tenant_names(api_keys: Iterable[str], api_key_tenants: Iterable[tuple[str, s
     return tuple(dict.fromkeys(names)) or (DEFAULT_TENANT,)
 
 
+def http_credentials(authorization: Sequence[str], x_api_key: Sequence[str]) -> list[str]:
+    """Every credential of an HTTP request as Authorization values: its authorization headers
+    and each `x-api-key` header (Anthropic's clients send the key there) as a Bearer value, so
+    that exactly one credential, of either kind, is what authenticates."""
+    return [*authorization, *(f"Bearer {key}" for key in x_api_key)]
+
+
 def http_path_needs_key(path: str) -> bool:
     """With keys configured, whether an HTTP request for `path` must carry one."""
     return path not in PUBLIC_HTTP_PATHS

@@ -9,6 +9,7 @@ from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
+from pagedserve.controlplane.reasoning import REASONING_PARSERS
 from pagedserve.controlplane.tenants import TenantPolicy, check_settings
 from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
@@ -144,6 +145,31 @@ class ControlPlaneConfig:
         minimum=1,
         maximum=MAX_TOOL_CALLS_LIMIT,
     )
+    reasoning_parser: str = setting(
+        "none",
+        "split a reasoning model's <think>...</think> section out of chat answers as "
+        "reasoning_content (and reasoning), in messages and stream deltas (none: leave it in the content)",
+        choices=REASONING_PARSERS,
+    )
+    # The Responses API's store (controlplane/responses/store.py): in memory, per tenant.
+    responses_store_max_entries: int = setting(
+        1024,
+        "Responses API: responses kept (those created with store: true) for previous_response_id, "
+        "GET and DELETE; the least recently used go first (0: no store, store and "
+        "previous_response_id are refused)",
+        minimum=0,
+    )
+    responses_store_max_bytes: int = setting(
+        64 << 20,
+        "Responses API: bytes the stored responses may hold in all (their JSON and bookkeeping)",
+        minimum=1,
+    )
+    responses_store_ttl_s: float = setting(
+        3600.0,
+        "Responses API: seconds a stored response is kept",
+        flag="--responses-store-ttl",
+        exclusive_minimum=0,
+    )
     dataplane_token_file: str | None = setting(
         None,
         "send the data planes the shared token in this file (their --dataplane-token-file) "
@@ -169,6 +195,10 @@ class ControlPlaneConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"dataplane address must be HOST:PORT, got {address!r}")
         check_bounds(self)
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}"

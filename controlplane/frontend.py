@@ -122,12 +122,15 @@ class Frontend:
         tool_call_parser: str = "auto",
         request_timeout_s: float | None = None,
         model_aliases: tuple[str, ...] = (),
+        reasoning_parser: str = "none",
     ) -> None:
         """`served_model_names` (vLLM's --served-model-name): the names clients may use; the
         first is the one responses report. Default: the model's own name. `model_aliases`:
         names also accepted, never listed (a local model's path). `tool_call_parser`:
         the format the model writes tool calls in (`auto`: read from its chat template).
-        `request_timeout_s`: the server's default deadline (controlplane/deadlines.py)."""
+        `request_timeout_s`: the server's default deadline (controlplane/deadlines.py).
+        `reasoning_parser`: how the HTTP chat answers' reasoning section is split out
+        (controlplane/reasoning.py; "none": not at all)."""
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names or (model_name,)
@@ -137,6 +140,7 @@ class Frontend:
         self.refusals = RefusalLog()
         self.tool_call_format = resolve_parser(tool_call_parser, tokenizer.chat_template)
         self.request_timeout_s = request_timeout_s
+        self.reasoning_parser = reasoning_parser
 
     # -- validation -----------------------------------------------------------------------------
     def check_model(self, model: str | None, field_name: str = "model") -> None:

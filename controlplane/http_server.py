@@ -22,13 +22,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
-from pagedserve.controlplane.auth import ApiKeys, authenticated_as, http_path_needs_key, refusal_message
+from pagedserve.controlplane.anthropic.routes import AnthropicRoutes
+from pagedserve.controlplane.auth import (
+    ApiKeys,
+    authenticated_as,
+    http_credentials,
+    http_path_needs_key,
+    refusal_message,
+)
 from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
 from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
 from pagedserve.controlplane.openai.routes import OpenAIRoutes
+from pagedserve.controlplane.responses.routes import ResponsesRoutes
+from pagedserve.controlplane.responses.store import ResponseStore
 from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
 
 MAX_BODY_BYTES = 4 << 20
@@ -107,7 +116,9 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = openai_error(
-            413, f"the request body is larger than {self.max_bytes} bytes ({self.max_bytes >> 20} MiB)"
+            413,
+            f"the request body is larger than {self.max_bytes} bytes ({self.max_bytes >> 20} MiB)",
+            path=scope.get("path", ""),
         )
         response.headers["connection"] = "close"
         await response(scope, receive, send)
@@ -140,9 +151,13 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
-    """Health and liveness probes, /metrics, and the OpenAI-compatible API (with API keys,
-    everything but the probes and /metrics is behind them: `auth.http_path_needs_key`)."""
+def create_app(
+    frontend: Frontend, api_keys: ApiKeys | None = None, responses_store: ResponseStore | None = None
+) -> FastAPI:
+    """Health and liveness probes, /metrics, and the OpenAI-compatible API, Anthropic's
+    Messages API and the Responses API (with API keys, everything but the probes and /metrics
+    is behind them: `auth.http_path_needs_key`). Without `responses_store` the Responses API
+    stores nothing."""
     dispatcher, model_name = frontend.dispatcher, frontend.model_name
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, frontend)
@@ -153,22 +168,29 @@ def create_app(frontend: Frontend, api_keys: ApiKeys | None = None) -> FastAPI:
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next: Any) -> Any:
-            """Every path but the probes and /metrics needs exactly one valid key; the request
-            then runs as the key's tenant (its cache salt is namespaced by it)."""
+            """Every path but the probes and /metrics needs exactly one valid key (a Bearer
+            authorization header, or Anthropic's x-api-key header); the request then runs as
+            the key's tenant (its cache salt is namespaced by it)."""
             if not http_path_needs_key(request.url.path):
                 return await call_next(request)
-            values = request.headers.getlist("authorization")
+            values = http_credentials(
+                request.headers.getlist("authorization"), request.headers.getlist("x-api-key")
+            )
             tenant = api_keys.authenticate(values)
             if tenant is None:
                 error = ServiceError("UNAUTHENTICATED", refusal_message(values))
                 frontend.record_failure(error)
-                response = error_response(error)
+                response = error_response(error, path=request.url.path)
                 response.headers["www-authenticate"] = "Bearer"
                 return response
             with authenticated_as(tenant):  # (call_next's task starts inside: it inherits it)
                 return await call_next(request)
 
-    app.include_router(OpenAIRoutes(frontend).router)
+    chat = OpenAIRoutes(frontend)
+    app.include_router(chat.router)
+    app.include_router(AnthropicRoutes(chat).router)
+    store = responses_store if responses_store is not None else ResponseStore(0, 1, 1.0)
+    app.include_router(ResponsesRoutes(chat, store).router)
 
     @app.get("/metrics")
     async def metrics() -> Response:

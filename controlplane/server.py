@@ -42,6 +42,7 @@ from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_server import HttpServer, create_app
 from pagedserve.controlplane.refusals import PUBLIC_SERVER_OPTIONS
+from pagedserve.controlplane.responses.store import ResponseStore
 from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import generation_pb2
@@ -258,12 +259,16 @@ async def start_control_plane(
         model_aliases=aliases,
         tool_call_parser=config.tool_call_parser,
         request_timeout_s=config.request_timeout_s,
+        reasoning_parser=config.reasoning_parser,
     )
     server, port, health_servicer = await _start_grpc(frontend, f"{host}:{grpc_port}", keys, config.tls)
     liveness = Liveness()
     http = None
     if http_port is not None:
-        app = create_app(frontend, keys)
+        store = ResponseStore(
+            config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_ttl_s
+        )
+        app = create_app(frontend, keys, store)
         app.state.liveness = liveness
         try:
             http = HttpServer(

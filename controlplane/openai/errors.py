@@ -3,7 +3,9 @@
 Every error, including a body that is not JSON, a route that does not exist or a wrong method,
 is `{"error": {"message", "type", "param", "code"}}` with `param` naming the field the message
 is about, and the status the gRPC code maps to (400 bad field, 401, 404, 405, 413, 429 queue
-full, 503 no data plane); anything unexpected is a logged 500.
+full, 503 no data plane); anything unexpected is a logged 500. A request under Anthropic's
+`/v1/messages` gets the same errors in Anthropic's shape (`pagedserve.controlplane.error_shapes`):
+every function here that answers takes the request's `path` for that.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.common.log import get_logger
+from pagedserve.controlplane.error_shapes import anthropic_error_body, speaks_anthropic
 from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
 from pagedserve.controlplane.frontend import Frontend
 
@@ -48,17 +51,29 @@ def error_body(status: int, message: str, param: str | None, code: str) -> dict[
     }
 
 
+def _shaped(path: str, status: int, message: str, param: str | None, code: str) -> dict[str, Any]:
+    if speaks_anthropic(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
 def openai_error(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    """An error that exists only over HTTP (404 route, 405, 413), in OpenAI's error JSON."""
+    """An error that exists only over HTTP (404 route, 405, 413), in OpenAI's error JSON (or
+    Anthropic's, for a `path` of its API)."""
     code = _HTTP_CODES.get(status, "internal" if status >= 500 else "invalid_request")
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    body = _shaped(path, status, message, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
+def error_response(exc: ServiceError, param: str | None = None, path: str = "") -> JSONResponse:
     status = exc.http_status
-    body = error_body(status, exc.message, param or exc.param, exc.code.lower())
+    body = _shaped(path, status, exc.message, param or exc.param, exc.code.lower())
     headers = {"retry-after": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -111,12 +126,12 @@ def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
         message, param = describe_validation_error(exc.errors(), request.headers.get("content-type", ""))
         error = invalid_argument(message, param)
         frontend.record_failure(error)
-        return error_response(error)
+        return error_response(error, path=request.url.path)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         frontend.record_failure(exc)
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -127,9 +142,10 @@ def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
             message = f"method {request.method} is not allowed on {path}"
         else:
             message = str(exc.detail)
-        return openai_error(exc.status_code, message, headers=dict(exc.headers or {}) or None)
+        headers = dict(exc.headers or {}) or None
+        return openai_error(exc.status_code, message, headers=headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("http_internal_error", path=clip(request.url.path, 128))
-        return openai_error(500, "internal server error")
+        return openai_error(500, "internal server error", path=request.url.path)

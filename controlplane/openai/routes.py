@@ -9,16 +9,15 @@ request's constraint, named as the client put it.
 Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `pagedserve.controlplane.tools` and the
 answers' calls rendered by `tool_calls.py`. Errors are OpenAI's error JSON (`errors.py`); the
 SSE body and disconnects are `streaming.py`'s; computed values (logprobs, usage) `render.py`'s.
+`chat_run` (and `chat_prompt`) is also how the APIs translated onto chat run their requests
+(pagedserve.controlplane.anthropic, pagedserve.controlplane.responses).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -26,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve import __version__
 from pagedserve.common.log import get_logger
-from pagedserve.common.telemetry import extract
 from pagedserve.controlplane.errors import invalid_argument
 from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from pagedserve.controlplane.openai.protocol import (
@@ -43,11 +41,14 @@ from pagedserve.controlplane.openai.render import (
     response_id,
     sampling_fields,
 )
-from pagedserve.controlplane.openai.streaming import first_event, sse_body, unless_disconnected
+from pagedserve.controlplane.openai.running import Choice, collected, merged_events, opened
+from pagedserve.controlplane.openai.streaming import sse_body
 from pagedserve.controlplane.openai.structured import NONE as NO_STRUCTURED
 from pagedserve.controlplane.openai.structured import Structured, structured_output
-from pagedserve.controlplane.openai.tool_calls import ChoiceToolCalls, tool_use_of
+from pagedserve.controlplane.openai.tool_calls import ChoiceOutput, ChoiceToolCalls, tool_use_of
+from pagedserve.controlplane.reasoning import ChoiceReasoning
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.tools.definitions import ToolUse
 from pagedserve.controlplane.tools.forced import forced_constraint
 from pagedserve.protos.pagedserve.v1 import common_pb2
 
@@ -57,12 +58,15 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 
 
-@dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    done: CompletionDone | None = None
+@dataclass(frozen=True)
+class ChatRun:
+    """A validated chat request, ready to run: its generation requests, its tools and the
+    parser of its answers' tool calls (None when the model may call none)."""
+
+    gens: list[GenerationRequest]
+    tool_use: ToolUse
+    calls: ChoiceToolCalls | None
+    output: ChoiceOutput  # how answers are read: reasoning, then tool calls or content
 
 
 class OpenAIRoutes:
@@ -174,43 +178,6 @@ class OpenAIRoutes:
             raise invalid_argument(message, param)
         return structured_output(body.model_extra or {})
 
-    async def _merged(
-        self, gens: list[GenerationRequest], n: int, http: Request
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """Events of several prompts' streams, choice index = prompt index × n + sample."""
-        parent = extract(http.headers.items())
-        if len(gens) == 1:
-            async for event in self.frontend.stream(gens[0], parent=parent):
-                yield event
-            return
-        queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, gen: GenerationRequest) -> None:
-            try:
-                async for event in self.frontend.stream(gen, parent=parent):
-                    await queue.put((i, event))
-                await queue.put((i, None))
-            except BaseException as exc:  # delivered to the consumer, which re-raises it
-                await queue.put((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        try:
-            remaining = len(gens)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                elif isinstance(item, TextDelta):
-                    yield TextDelta(i * n + item.index, item.token_ids, item.text, item.logprobs)
-                else:
-                    yield dataclasses.replace(item, index=i * n + item.index)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _respond(
         self,
         http: Request,
@@ -223,7 +190,7 @@ class OpenAIRoutes:
         """Run the requests; stream SSE chunks or answer one JSON body, as the client asked.
         Until the answer starts, a client that disconnects cancels the request at once (out
         of the admission queue if it waits there: it is never admitted, never runs)."""
-        events = self._merged(gens, body.num_choices, http)
+        events = merged_events(self.frontend, gens, body.num_choices, http)
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
@@ -233,14 +200,8 @@ class OpenAIRoutes:
                 if include_usage and options is not None and options.continuous_usage_stats
                 else None
             )
-
-            # Wait for the first event here: admission errors still get a proper status code.
-            async def opening() -> tuple[StreamEvent | None]:
-                return (await first_event(events),)
-
-            got = await unless_disconnected(http, opening())
+            got = await opened(http, events)
             if got is None:  # the client left while its request queued or prefilled
-                await events.aclose()
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(
                 sse_body(
@@ -253,26 +214,10 @@ class OpenAIRoutes:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
-        choices: dict[int, _Choice] = {}
-        finished = False
-
-        async def collect() -> None:
-            nonlocal finished
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    c = choices.setdefault(event.index, _Choice())
-                    if isinstance(event, TextDelta):
-                        c.text.append(event.text)
-                        c.token_ids.extend(event.token_ids)
-                        c.logprobs.extend(event.logprobs)
-                    else:
-                        c.done = event
-            finished = True
-
-        await unless_disconnected(http, collect())  # re-raises a ServiceError
-        if not finished:  # the client left: the request was aborted, its blocks freed
+        choices = await collected(http, events)  # re-raises a ServiceError
+        if choices is None:  # the client left: the request was aborted, its blocks freed
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(render_final(dict(sorted(choices.items()))))
+        return JSONResponse(render_final(choices))
 
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
@@ -332,7 +277,7 @@ class OpenAIRoutes:
                 [{"index": event.index, "text": "", "logprobs": None, "finish_reason": openai_finish(event)}]
             )
 
-        def final(choices: dict[int, _Choice]) -> dict[str, Any]:
+        def final(choices: dict[int, Choice]) -> dict[str, Any]:
             out = []
             for index, c in choices.items():
                 out.append(
@@ -362,7 +307,9 @@ class OpenAIRoutes:
         return [self.frontend.check_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
-    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolUse, Structured]:
+        """A chat request's prompt token ids (its tools in the template), its tools and its
+        structured output (a forced tool call's grammar included), checked."""
         structured = self._check(body)
         tool_use = tool_use_of(
             body.model_extra or {}, structured, self.frontend.dispatcher.config.max_tool_calls
@@ -372,22 +319,36 @@ class OpenAIRoutes:
             constraint, where = forced
             structured = Structured(constraint, {"json_schema": where})
         messages = [m.template_message() for m in body.messages]
-        prompt = self.frontend.encode_chat(messages, "messages", tool_use=tool_use)
+        return self.frontend.encode_chat(messages, "messages", tool_use=tool_use), tool_use, structured
+
+    def chat_run(
+        self, body: ChatCompletionRequest, http: Request, field_names: Mapping[str, str] | None = None
+    ) -> ChatRun:
+        """Validate a chat request (refusals raise INVALID_ARGUMENT naming the field, renamed
+        by `field_names` where a translated API names it otherwise) into what runs it."""
+        prompt, tool_use, structured = self.chat_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        names = {"logprobs": "top_logprobs"}
+        names = {"logprobs": "top_logprobs", **(field_names or {})}
         max_tokens = body.max_tokens
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
         sampling = sampling_fields(body, max_tokens, logprobs)
         gens = self._requests([prompt], body, sampling, http, structured, names)
-        rid, created = f"chatcmpl-{response_id(http)}", int(time.time())
         calls = (
             ChoiceToolCalls(tool_use, self.frontend.tool_call_format) if tool_use.choice.calls_tools else None
         )
-        metrics = self.frontend.metrics
         if tool_use.tools:
-            metrics.tool_requests.labels(tool_choice=tool_use.choice.mode).inc()
+            self.frontend.metrics.tool_requests.labels(tool_choice=tool_use.choice.mode).inc()
+        parser = self.frontend.reasoning_parser
+        reasoning = None if parser == "none" else ChoiceReasoning(parser)
+        return ChatRun(gens, tool_use, calls, ChoiceOutput(calls, reasoning))
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+        run = self.chat_run(body, http)
+        gens, calls, output = run.gens, run.calls, run.output
+        rid, created = f"chatcmpl-{response_id(http)}", int(time.time())
+        metrics = self.frontend.metrics
         decode = self._token_text
 
         def chat_logprobs(
@@ -434,14 +395,12 @@ class OpenAIRoutes:
 
         def chunk(event: StreamEvent) -> dict[str, Any] | None:
             if isinstance(event, TextDelta):
-                delta: dict[str, Any] = (
-                    {"content": event.text} if calls is None else calls.feed(event.index, event.text)
-                )
+                delta = output.feed(event.index, event.text)
                 if event.index not in started:  # the first chunk of each choice names the role
                     started.add(event.index)
                     delta = {"role": "assistant", **delta}
                 elif not delta and not body.logprobs:
-                    return None  # a tool-call parser held this text back: nothing to send yet
+                    return None  # a parser held this text back: nothing to send yet
                 choice = {
                     "index": event.index,
                     "delta": delta,
@@ -449,7 +408,7 @@ class OpenAIRoutes:
                     "finish_reason": None,
                 }
                 return base([choice], "chat.completion.chunk")
-            last: dict[str, Any] = {} if calls is None else calls.finish(event.index)
+            last = output.finish(event.index)
             if calls is not None:
                 metrics.tool_calls.inc(calls.num_calls(event.index))
             reason = openai_finish(event)
@@ -458,16 +417,13 @@ class OpenAIRoutes:
                 [{"index": event.index, "delta": last, "logprobs": None, **ends}], "chat.completion.chunk"
             )
 
-        def final(choices: dict[int, _Choice]) -> dict[str, Any]:
+        def final(choices: dict[int, Choice]) -> dict[str, Any]:
             out = []
             for index, c in choices.items():
-                text = "".join(c.text)
+                message = output.message(index, "".join(c.text))
                 reason = openai_finish(c.done) if c.done else None
                 ends: dict[str, Any] = {"finish_reason": reason}
-                if calls is None:
-                    message: dict[str, Any] = {"role": "assistant", "content": text}
-                else:
-                    message = calls.message(index, text)
+                if calls is not None:
                     metrics.tool_calls.inc(calls.num_calls(index))
                     ends = calls.ends(index, reason) if reason is not None else ends
                 out.append(

@@ -19,6 +19,7 @@ from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
 from pagedserve.controlplane.errors import clip, invalid_argument
 from pagedserve.controlplane.openai.structured import Structured
+from pagedserve.controlplane.reasoning import ChoiceReasoning, reasoning_fields
 from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, ToolUse, parse_openai_tools
 from pagedserve.controlplane.tools.output import CompletionParsers, finish_reason
 from pagedserve.controlplane.tools.parsers import ParserOutput, ToolCallDelta
@@ -122,3 +123,55 @@ def tool_use_of(
             "tool_choice",
         )
     return use
+
+
+class ChoiceOutput:
+    """How one response's answers are read: the reasoning section split out first (with a
+    reasoning parser), then the rest through the tool-call parser (when the model may call
+    tools), else the text as content. Deltas and messages are in OpenAI's chat shapes."""
+
+    def __init__(self, calls: ChoiceToolCalls | None, reasoning: ChoiceReasoning | None) -> None:
+        self.calls, self.reasoning = calls, reasoning
+
+    def feed(self, index: int, text: str) -> dict[str, Any]:
+        """The delta of a streamed chunk with `text` newly generated."""
+        if self.reasoning is None:
+            return {"content": text} if self.calls is None else self.calls.feed(index, text)
+        thought, text = self.reasoning.feed(index, text)
+        return {**reasoning_fields(thought), **self._content(index, text)}
+
+    def finish(self, index: int) -> dict[str, Any]:
+        """What the parsers held back, as the delta of the choice's last chunk."""
+        if self.reasoning is None:
+            return {} if self.calls is None else self.calls.finish(index)
+        thought, text = self.reasoning.finish(index)
+        delta = {**reasoning_fields(thought), **self._content(index, text)}
+        return delta if self.calls is None else {**delta, **_joined(delta, self.calls.finish(index))}
+
+    def message(self, index: int, text: str) -> dict[str, Any]:
+        """The unstreamed answer's message: the text parsed whole."""
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+        if self.calls is None:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+        else:
+            message = self.calls.message(index, text)
+        if self.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = thought or None
+        return message
+
+    def _content(self, index: int, text: str) -> dict[str, Any]:
+        if self.calls is not None:
+            return self.calls.feed(index, text) if text else {}
+        return {"content": text} if text else {}
+
+
+def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas of one chunk as one (contents appended, calls listed in order)."""
+    out = dict(second)
+    if "content" in first and "content" in second:
+        out["content"] = first["content"] + second["content"]
+    if "tool_calls" in first and "tool_calls" in second:
+        out["tool_calls"] = first["tool_calls"] + second["tool_calls"]
+    return out

@@ -203,4 +203,20 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--max-tool-calls=%d" (int64 $v) | toJson }}
 {{- end }}
+{{- $v = index $s "reasoningParser" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--reasoning-parser=%v" $v | toJson }}
+{{- end }}
+{{- $v = index $s "responsesStoreMaxEntries" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-max-entries=%d" (int64 $v) | toJson }}
+{{- end }}
+{{- $v = index $s "responsesStoreMaxBytes" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-max-bytes=%d" (int64 $v) | toJson }}
+{{- end }}
+{{- $v = index $s "responsesStoreTtlS" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--responses-store-ttl=%v" $v | toJson }}
+{{- end }}
 {{- end }}

@@ -4,7 +4,8 @@ One control plane (gRPC + OpenAI HTTP, API keys on) in front of one data plane, 
 random-weight model with a byte-level BPE tokenizer and a chat template. Hypothesis sends
 JSON bodies (valid ones, valid ones with fields made hostile: wrong types, huge, negative,
 float, NaN and infinite numbers, lone surrogates, nested junk, unknown and unsupported fields,
-duplicate keys, raw UTF-8), raw bodies that do not parse, routes, methods and query strings,
+duplicate keys, raw UTF-8), the same for Anthropic's /v1/messages and the Responses API
+(`fuzz_agents.py`, errors in each API's own shape), raw bodies that do not parse, routes, methods and query strings,
 headers (Authorization variants, content types, trace context); and gRPC messages with values
 within and beyond the limits, random and mutated payload bytes through a raw method call, raw
 wire encodings no typed client can produce, and metadata variants. Some clients hang up
@@ -40,6 +41,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2
+from tests.e2e.hardening import fuzz_agents as fa
 from tests.e2e.hardening import fuzz_cases as fc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config
@@ -50,6 +52,7 @@ DEFAULT_EXAMPLES = {
     "completions": 200,
     "chat": 200,
     "tokenizer_routes": 60,
+    "agents": 160,  # /v1/messages and /v1/responses (fuzz_agents.py)
     "raw_bodies": 80,
     "routes": 80,
     "headers": 100,
@@ -235,6 +238,17 @@ def test_fuzz_tokenizer_routes(
 ) -> None:
     route = data.draw(st.sampled_from(["/tokenize", "/detokenize"]))
     run_http(client, tally, "tokenizer_routes", data.draw(fc.http_body_case(route, served)))
+
+
+@fuzz("agents")
+@given(data=st.data())
+def test_fuzz_agents(client: fc.Client, tally: Tally, served: str, settle: None, data: st.DataObject) -> None:
+    route = data.draw(st.sampled_from([fa.MESSAGES, fa.RESPONSES]))
+    case = data.draw(fa.agents_case(route, served))
+    answer = client.http(case)
+    fa.check_agents_http(case, answer)
+    outcome = "abandoned" if answer is None or answer.partial else str(answer.status)
+    tally.count("agents", f"http {outcome}", answer.seconds if answer else 0.0, case)
 
 
 @fuzz("raw_bodies")
