@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument, json_type
+from pagedserve.controlplane.errors import clip, invalid_argument, json_type
 from pagedserve.controlplane.openai.protocol import ChatCompletionRequest
+from pagedserve.controlplane.openai.translated import TranslatedChat
 from pagedserve.controlplane.tools.definitions import MAX_CALL_ID_CHARS, MAX_TOOLS, TOOL_NAME
 
 REFUSED = ("thinking", "mcp_servers", "container")
@@ -66,21 +67,12 @@ class CountTokensRequest(MessagesRequest):
 
 
 @dataclass
-class Translated:
+class Translated(TranslatedChat):
     """The chat request a Messages request became, and where each of its messages came from
     (`origins[i]`: the Messages field that chat message `i` was made of)."""
 
     chat: ChatCompletionRequest
     origins: list[str] = field(default_factory=list)
-
-    def renamed(self, exc: ServiceError) -> ServiceError:
-        """`exc` (raised by the chat path) with its field named as the Messages API names it."""
-        if exc.param is None:
-            return exc
-        name = self.field_name(exc.param)
-        exc.message = exc.message.replace(exc.param, name, 1)
-        exc.param = name
-        return exc
 
     def field_name(self, chat_field: str) -> str:
         match = re.match(r"messages\[(\d+)\](.*)", chat_field)

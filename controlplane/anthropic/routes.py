@@ -26,7 +26,7 @@ from pagedserve.controlplane.error_shapes import MESSAGES_PATH, anthropic_error_
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import StreamEvent, TextDelta
 from pagedserve.controlplane.openai.routes import CLIENT_CLOSED_REQUEST, OpenAIRoutes
-from pagedserve.controlplane.openai.running import SseEvent, collected, merged_events, named_sse, opened
+from pagedserve.controlplane.openai.running import SseEvent, merged_events, named_sse, opened, single_answer
 
 
 class AnthropicRoutes:
@@ -80,15 +80,10 @@ class AnthropicRoutes:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
-        choices = await collected(http, events)
-        if choices is None:
+        answer = await single_answer(http, events, frontend, output)
+        if answer is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choice = choices.get(0)
-        text = "".join(choice.text) if choice is not None else ""
-        done = choice.done if choice is not None else None
-        message = output.message(0, text)
-        if calls is not None:
-            frontend.metrics.tool_calls.inc(calls.num_calls(0))
+        message, done = answer
         reason = stop_reason(done, bool(message.get("tool_calls")))
         body_out = message_body(
             rid, frontend.model_name, content_blocks(message), reason, usage(done, prompt_tokens)

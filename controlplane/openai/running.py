@@ -29,6 +29,7 @@ from pagedserve.common.telemetry import extract
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from pagedserve.controlplane.openai.streaming import first_event, unless_disconnected
+from pagedserve.controlplane.openai.tool_calls import ChoiceOutput
 from pagedserve.controlplane.request import GenerationRequest
 from pagedserve.protos.pagedserve.v1 import common_pb2
 
@@ -121,6 +122,22 @@ async def collected(http: Request, events: AsyncGenerator[StreamEvent, None]) ->
 
     await unless_disconnected(http, collect())
     return dict(sorted(choices.items())) if finished else None
+
+
+async def single_answer(
+    http: Request, events: AsyncGenerator[StreamEvent, None], frontend: Frontend, output: ChoiceOutput
+) -> tuple[dict[str, Any], CompletionDone | None] | None:
+    """The message of an unstreamed one-choice answer as `output` reads it, and how it ended;
+    None when the client left first. Counts its tool calls."""
+    choices = await collected(http, events)
+    if choices is None:
+        return None
+    choice = choices.get(0)
+    text = "".join(choice.text) if choice is not None else ""
+    message = output.message(0, text)
+    if output.calls is not None:
+        frontend.metrics.tool_calls.inc(output.calls.num_calls(0))
+    return message, choice.done if choice is not None else None
 
 
 async def named_sse(

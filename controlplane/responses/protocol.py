@@ -24,8 +24,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument, json_type
+from pagedserve.controlplane.errors import clip, invalid_argument, json_type
 from pagedserve.controlplane.openai.protocol import ChatCompletionRequest
+from pagedserve.controlplane.openai.translated import TranslatedChat
 from pagedserve.controlplane.tools.definitions import MAX_CALL_ID_CHARS, MAX_TOOLS, TOOL_NAME
 
 REFUSED = ("background", "conversation", "prompt", "top_logprobs", "max_tool_calls")
@@ -55,7 +56,7 @@ class ResponsesRequest(BaseModel):
 
 
 @dataclass
-class Translated:
+class Translated(TranslatedChat):
     """The chat request a Responses request became; `conversation` is the part of its messages
     a later request continuing it repeats (all but the instructions); `origins[i]` is the field
     chat message `i` came from."""
@@ -63,15 +64,6 @@ class Translated:
     chat: ChatCompletionRequest
     conversation: list[dict[str, Any]]
     origins: list[str] = field(default_factory=list)
-
-    def renamed(self, exc: ServiceError) -> ServiceError:
-        """`exc` (raised by the chat path) with its field named as the Responses API names it."""
-        if exc.param is None:
-            return exc
-        name = self.field_name(exc.param)
-        exc.message = exc.message.replace(exc.param, name, 1)
-        exc.param = name
-        return exc
 
     def field_name(self, chat_field: str) -> str:
         match = re.match(r"messages\[(\d+)\](.*)", chat_field)

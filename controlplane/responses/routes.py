@@ -22,7 +22,7 @@ from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
 from pagedserve.controlplane.frontend import StreamEvent, TextDelta
 from pagedserve.controlplane.openai.errors import error_body
 from pagedserve.controlplane.openai.routes import CLIENT_CLOSED_REQUEST, OpenAIRoutes
-from pagedserve.controlplane.openai.running import SseEvent, collected, merged_events, named_sse, opened
+from pagedserve.controlplane.openai.running import SseEvent, merged_events, named_sse, opened, single_answer
 from pagedserve.controlplane.responses.protocol import MAX_ID_CHARS, ResponsesRequest, translate
 from pagedserve.controlplane.responses.render import (
     ResponseObject,
@@ -128,15 +128,10 @@ class ResponsesRoutes:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
-        choices = await collected(http, events)
-        if choices is None:
+        answer = await single_answer(http, events, frontend, output)
+        if answer is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choice = choices.get(0)
-        text = "".join(choice.text) if choice is not None else ""
-        done = choice.done if choice is not None else None
-        message = output.message(0, text)
-        if calls is not None:
-            frontend.metrics.tool_calls.inc(calls.num_calls(0))
+        message, done = answer
         out = response.body(final_status(done), output_items(message), usage(done, prompt_tokens))
         keep(out)
         return JSONResponse(out)
