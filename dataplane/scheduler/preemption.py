@@ -35,8 +35,8 @@ class PreemptionPolicy:
     """Swap or recompute, per victim; reads the KV cache, changes nothing."""
 
     def __init__(self, mode: str, kv_cache: KVCacheManager, costs: SwapCosts) -> None:
-        if mode == "swap" and kv_cache.host_pool is None:
-            raise ValueError("preemption_mode='swap' needs a host pool (swap_space > 0)")
+        # (Without a host pool nothing fits in it: "swap" then recomputes; the engine refuses
+        # that configuration where it plans the pools.)
         self.mode = mode
         self.kv_cache = kv_cache
         self.costs = costs
