@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 
 from pagedserve.common.constraints import Constraint
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.dataplane.structured.grammar import GrammarError
 
@@ -37,16 +36,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def llm(model_path: Path) -> Any:
-    engine = LLM(str(model_path), max_model_len=512, kv_cache_memory=64 * 2**20, num_threads=2)
+def llm(default_model_path: Path) -> Any:
+    engine = LLM(str(default_model_path), max_model_len=512, kv_cache_memory=64 * 2**20, num_threads=2)
     yield engine
     engine.engine.close()
 
@@ -124,12 +115,12 @@ def test_unconstrained_neighbours_get_the_same_tokens(llm: Any) -> None:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_constrained_greedy_equals_the_unpreempted_run(
-    llm: Any, model_path: Path, mode: str
+    llm: Any, default_model_path: Path, mode: str
 ) -> None:
     prompts = [chat(llm, f"{p} (record {i})") for i, p in enumerate(PROMPTS * 2)]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, schema_params(), use_tqdm=False)]
     small = LLM(
-        str(model_path),
+        str(default_model_path),
         max_model_len=512,
         num_gpu_blocks_override=24,
         block_size=16,
@@ -188,13 +179,15 @@ def test_equal_constraints_compile_once(llm: Any) -> None:
     assert after.cache_hits - before.cache_hits == 1
 
 
-def test_a_compile_past_the_timeout_is_refused_and_the_next_compile_works(llm: Any, model_path: Path) -> None:
+def test_a_compile_past_the_timeout_is_refused_and_the_next_compile_works(
+    llm: Any, default_model_path: Path
+) -> None:
     from pagedserve.dataplane.structured.compile_service import CompileService
 
     engine = llm.engine
     service = CompileService(
         engine.tokenizer,
-        str(model_path),
+        str(default_model_path),
         engine.runner.model.config.vocab_size,
         engine.eos_token_ids,
         timeout_s=5.0,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model, tiny_config
+from pagedserve.benchmarks.tiny_models import tiny_config
 from pagedserve.dataplane import LLM
 from pagedserve.dataplane.kvcache.budget import plan_gpu_memory
 from pagedserve.dataplane.runner import memory_profile
@@ -63,11 +63,6 @@ class FakeStats:
         return self.baseline + self.step_peak
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
 def load(path: Path) -> Any:
     from pagedserve.dataplane.runner.model_loader import load_model
 
@@ -112,7 +107,7 @@ def test_dummy_batch_computes_every_sequence_whole_on_consecutive_blocks() -> No
 # -- the profile's code path on the CPU ----------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_profile_runs_the_step_and_frees_its_pool(
-    tiny_model: Path, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runners: list[weakref.ref[Any]] = []
 
@@ -125,7 +120,7 @@ def test_profile_runs_the_step_and_frees_its_pool(
     stats = FakeStats(
         total=80 * GiB, reserved=4 * GiB, non_torch=GiB // 2, non_torch_growth=GiB // 8, step_peak=GiB
     )
-    model = load(tiny_model)
+    model = load(tiny)
     profile = profile_activation_peak(
         model,
         max_num_batched_tokens=37,
@@ -202,10 +197,10 @@ def test_plan_gpu_memory_errors_name_the_cause() -> None:
 
 
 # -- the engine's GPU planning, its CUDA calls replaced by the fake --------------------------------
-def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_plans_gpu_memory_from_the_profile(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedserve.dataplane.engine import startup
 
-    llm = LLM(str(tiny_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(str(tiny), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
     stats = FakeStats(total=8 * GiB, reserved=2**28, non_torch=0, non_torch_growth=2**20, step_peak=2**27)
     monkeypatch.setattr(startup, "CudaMemoryStats", lambda device: stats)
@@ -224,14 +219,14 @@ def test_engine_plans_gpu_memory_from_the_profile(tiny_model: Path, monkeypatch:
 
 
 def test_engine_falls_back_to_the_estimate_when_the_profile_runs_out_of_memory(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pagedserve.dataplane.engine import startup
 
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    llm = LLM(str(tiny_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(str(tiny), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
     monkeypatch.setattr(startup, "profile_activation_peak", out_of_memory)
     monkeypatch.setattr(startup, "CudaMemoryStats", lambda device: None)

@@ -6,20 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.dataplane import LLM, SamplingParams
 
 PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 and a partial one
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
 @pytest.fixture()
-def llm(model_path: Path) -> LLM:
-    return LLM(str(model_path), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
+def llm(tiny: Path) -> LLM:
+    return LLM(str(tiny), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -117,15 +111,13 @@ def test_abort_a_parallel_request_frees_everything(llm: LLM) -> None:
     assert_idle(llm)
 
 
-def test_caching_on_and_off_give_the_same_tokens(model_path: Path) -> None:
+def test_caching_on_and_off_give_the_same_tokens(tiny: Path) -> None:
     system = list(range(100, 150))
     prompts = [system + [200 + i] * (i % 5 + 1) for i in range(8)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     results = []
     for caching in (True, False):
-        llm = LLM(
-            str(model_path), max_model_len=128, block_size=4, max_num_seqs=2, enable_prefix_caching=caching
-        )
+        llm = LLM(str(tiny), max_model_len=128, block_size=4, max_num_seqs=2, enable_prefix_caching=caching)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([o.token_ids for o in outs])
         cached = sum(o.num_cached_tokens for o in outs)

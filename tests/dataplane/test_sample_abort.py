@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.dataplane.request import Request, RequestStatus
 from pagedserve.dataplane.server.engine_api import Engine
@@ -27,20 +26,15 @@ PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 (shared by the s
 PARAMS = SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
 @pytest.fixture()
-def llm(model_path: Path) -> LLM:
-    return LLM(str(model_path), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
+def llm(tiny: Path) -> LLM:
+    return LLM(str(tiny), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
-def unaborted(model_path: Path) -> list[list[int]]:
+def unaborted(tiny: Path) -> list[list[int]]:
     """Every sample's tokens when none is aborted."""
-    llm = LLM(str(model_path), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
+    llm = LLM(str(tiny), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
     return [c.token_ids for c in llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].outputs]
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import SchedulerConfig, engine_config
 from pagedserve.dataplane.engine.llm_engine import LLMEngine
@@ -162,11 +161,6 @@ def test_split_tokens_counts_prompt_chunks_and_decodes() -> None:
 # -- on a real (tiny) model -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
 class Pinned(MixedStepBudget):
     """Answers a fixed budget (so the plan is exact) and counts the steps it was shown."""
 
@@ -220,15 +214,15 @@ def burst_beside_a_stream(
     return engine, tokens, steps
 
 
-def test_without_a_stretch_the_burst_prefills_in_one_step(tiny_model: Path) -> None:
-    engine, _, steps = burst_beside_a_stream(tiny_model, 0)
+def test_without_a_stretch_the_burst_prefills_in_one_step(tiny: Path) -> None:
+    engine, _, steps = burst_beside_a_stream(tiny, 0)
     assert engine.scheduler.mixed_step_budget is None
     assert steps[3][:2] == (240, 1)  # the stream's decode and all six prompts at once
 
 
-def test_the_engine_times_its_steps_and_keeps_mixed_steps_in_the_budget(tiny_model: Path) -> None:
-    _, reference, _ = burst_beside_a_stream(tiny_model, 0)
-    engine, tokens, steps = burst_beside_a_stream(tiny_model, 1.0)
+def test_the_engine_times_its_steps_and_keeps_mixed_steps_in_the_budget(tiny: Path) -> None:
+    _, reference, _ = burst_beside_a_stream(tiny, 0)
+    engine, tokens, steps = burst_beside_a_stream(tiny, 1.0)
     budget = engine.scheduler.mixed_step_budget
     assert budget is not None and budget.stretch == 1.0
     assert budget.decode_step_s is not None and budget.decode_step_s > 0
@@ -240,9 +234,9 @@ def test_the_engine_times_its_steps_and_keeps_mixed_steps_in_the_budget(tiny_mod
     assert tokens == reference  # chunking the prompts changes no token
 
 
-def test_a_pinned_budget_spreads_the_burst_exactly(tiny_model: Path) -> None:
-    _, reference, _ = burst_beside_a_stream(tiny_model, 0)
-    engine, tokens, steps = burst_beside_a_stream(tiny_model, 1.0, pinned=16)
+def test_a_pinned_budget_spreads_the_burst_exactly(tiny: Path) -> None:
+    _, reference, _ = burst_beside_a_stream(tiny, 0)
+    engine, tokens, steps = burst_beside_a_stream(tiny, 1.0, pinned=16)
     # 240 prompt tokens, 16 a step beside the decoding requests: 15 steps
     assert [prompt for prompt, _, _ in steps[3:18]] == [16] * 15
     assert steps[18][0] == 0

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 import pagedserve.dataplane.runner.model_runner as model_runner
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.dataplane import LLM, SamplingParams
 
 PROMPTS = [list(range(10, 30)), list(range(40, 47)), list(range(50, 83))]
@@ -22,19 +21,14 @@ POISON_SEED = 4242  # a request's marker for the injected faults
 POISON_TOKEN = 7  # in the poisoned prompt only
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
 @pytest.fixture()
-def llm(model_path: Path) -> Iterator[LLM]:
-    yield LLM(str(model_path), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
+def llm(tiny: Path) -> Iterator[LLM]:
+    yield LLM(str(tiny), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
-def clean(model_path: Path) -> list[list[int]]:
-    llm = LLM(str(model_path), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
+def clean(tiny: Path) -> list[list[int]]:
+    llm = LLM(str(tiny), max_model_len=128, block_size=16, kv_cache_memory=2**20, max_num_seqs=8)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 

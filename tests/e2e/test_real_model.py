@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pagedserve.benchmarks.tiny_models import assert_same_greedy, reference_greedy
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from pagedserve.dataplane import LLM, SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -33,25 +32,17 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+def llm(default_model_path: Path) -> LLM:
+    return LLM(str(default_model_path), max_model_len=1024, kv_cache_memory=256 * 2**20, num_threads=2)
 
 
-@pytest.fixture(scope="module")
-def llm(model_path: Path) -> LLM:
-    return LLM(str(model_path), max_model_len=1024, kv_cache_memory=256 * 2**20, num_threads=2)
-
-
-def test_greedy_matches_transformers_on_chat_prompts(llm: LLM, model_path: Path) -> None:
+def test_greedy_matches_transformers_on_chat_prompts(llm: LLM, default_model_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     ref_model: Any = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation="sdpa"
+        default_model_path, dtype=torch.float32, attn_implementation="sdpa"
     )
     ref_model.generation_config.eos_token_id = None
     exact = 0
@@ -82,13 +73,13 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
     )
 
 
-def test_cli_generate(model_path: Path) -> None:
+def test_cli_generate(default_model_path: Path) -> None:
     proc = run_cli("generate", "The capital of France is", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
 
 
-def test_cli_chat_reads_stdin(model_path: Path) -> None:
+def test_cli_chat_reads_stdin(default_model_path: Path) -> None:
     proc = run_cli("chat", "--max-tokens", "32", stdin="What is the capital of France?\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout

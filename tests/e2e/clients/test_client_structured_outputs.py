@@ -23,7 +23,6 @@ import pydantic
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient, build_request
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tests.e2e.harness import ServerThread, engine_config
 
 PERSON_SCHEMA: dict[str, Any] = {
@@ -84,16 +83,8 @@ def test_a_json_schema_must_be_a_schema_or_a_model() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.skip(f"{exc} (`make pull` fetches it)")
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path) -> Iterator[ServerThread]:
-    srv = ServerThread(engine_config(model_path), model_path)
+def server(default_model_path: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(engine_config(default_model_path), default_model_path)
     yield srv
     srv.close()
 

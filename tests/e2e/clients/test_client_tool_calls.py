@@ -22,7 +22,6 @@ import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient, build_request
 from pagedserve.clients.python.tools import ToolCall
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from pagedserve.protos.pagedserve.v1 import generation_pb2
 from tests.e2e.harness import ServerThread, engine_config
 
@@ -80,16 +79,8 @@ def test_the_keywords_fill_the_chat_message() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.skip(f"{exc} (`make pull` fetches it)")
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path) -> Iterator[ServerThread]:
-    srv = ServerThread(engine_config(model_path), model_path)
+def server(default_model_path: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(engine_config(default_model_path), default_model_path)
     yield srv
     srv.close()
 

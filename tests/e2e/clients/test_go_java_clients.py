@@ -43,7 +43,6 @@ import jsonschema
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.server import ControlPlane
 from tests.e2e.certs import Pki, make_pki
@@ -141,16 +140,8 @@ def example(request: pytest.FixtureRequest) -> Example:
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.skip(f"{exc} (`make pull` fetches it)")
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path) -> Iterator[ServerThread]:
-    srv = ServerThread(engine_config(model_path), model_path)
+def server(default_model_path: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(engine_config(default_model_path), default_model_path)
     yield srv
     srv.close()
 
@@ -161,11 +152,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def secure_address(server: ServerThread, model_path: Path, pki: Pki) -> Iterator[str]:
+def secure_address(server: ServerThread, default_model_path: Path, pki: Pki) -> Iterator[str]:
     """A second control plane on the same data plane: TLS (the test CA) and an API key."""
     cp: ControlPlane = server._run(
         start_controlplane(
-            model_path,
+            default_model_path,
             [server.dataplane.address],
             tls=ServerTLS(pki.server_cert, pki.server_key),
             api_keys=(API_KEY,),

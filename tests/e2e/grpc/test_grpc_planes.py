@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.dataplane import LLM, SamplingParams
@@ -33,11 +32,6 @@ from tests.e2e.harness import (
 )
 
 LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from tests.e2e.harness import engine_config, get_state, start_controlplane, start_dataplane, wait_idle
@@ -31,11 +30,6 @@ from tests.e2e.harness import engine_config, get_state, start_controlplane, star
 STREAMS = 4  # = max_num_seqs
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LONG = 480  # tokens per stream: 4 × 32 blocks of 16 at their longest, against a pool of 160
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def prompt(seed: int, n: int) -> list[int]:

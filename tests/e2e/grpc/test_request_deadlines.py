@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.controlplane.config import ControlPlaneConfig
@@ -33,11 +31,6 @@ DEADLINE_S = 2.0
 # sequences (a prefill after preemption included) can take a good part of a second.
 LATE_S = 8.0
 LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import REPO, Process
@@ -50,15 +50,7 @@ for chunk in response:
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.fail(f"{exc} (make test pulls it)")
-
-
-@pytest.fixture(scope="module")
-def offline(model_path: Path) -> dict[str, list[int]]:
+def offline(default_model_path: Path) -> dict[str, list[int]]:
     llm = LLM(DEFAULT_MODEL, num_threads=1)
     params = SamplingParams(max_tokens=TOKENS, temperature=0)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -89,11 +81,11 @@ def server(offline: dict[str, list[int]]) -> Iterator[Process]:
     proc.kill(signal.SIGINT)
 
 
-def test_control_plane_tokenizer_matches_transformers(model_path: Path) -> None:
+def test_control_plane_tokenizer_matches_transformers(default_model_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    ours = Tokenizer(model_path)
-    theirs = AutoTokenizer.from_pretrained(model_path)
+    ours = Tokenizer(default_model_path)
+    theirs = AutoTokenizer.from_pretrained(default_model_path)
     text = ours.apply_chat_template(CHAT)
     assert text == theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     for s in [text, *PROMPTS, "naïve café — 東京 🙂"]:
@@ -103,9 +95,9 @@ def test_control_plane_tokenizer_matches_transformers(model_path: Path) -> None:
 
 
 def test_streamed_text_equals_the_offline_engine(
-    server: Process, offline: dict[str, list[int]], model_path: Path
+    server: Process, offline: dict[str, list[int]], default_model_path: Path
 ) -> None:
-    tokenizer = Tokenizer(model_path)
+    tokenizer = Tokenizer(default_model_path)
 
     async def run() -> None:
         async with AsyncGenerationClient(server.address) as client:
@@ -126,8 +118,10 @@ def test_streamed_text_equals_the_offline_engine(
     asyncio.run(run())
 
 
-def test_stop_strings_n_and_seeds(server: Process, offline: dict[str, list[int]], model_path: Path) -> None:
-    tokenizer = Tokenizer(model_path)
+def test_stop_strings_n_and_seeds(
+    server: Process, offline: dict[str, list[int]], default_model_path: Path
+) -> None:
+    tokenizer = Tokenizer(default_model_path)
     full = tokenizer.decode(offline[PROMPTS[2]])
     stop = full.split()[3]  # a word inside the greedy continuation
     with GenerationClient(server.address, timeout=60) as client:
@@ -174,14 +168,16 @@ def test_health_and_reflection(server: Process) -> None:
         assert any(b"pagedserve/v1/generation.proto" in f for f in files)
 
 
-def test_cli_client_prints_the_text(server: Process, offline: dict[str, list[int]], model_path: Path) -> None:
+def test_cli_client_prints_the_text(
+    server: Process, offline: dict[str, list[int]], default_model_path: Path
+) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "pagedserve", "client", "generate", "--address", server.address]
     done = subprocess.run(
         [*argv, "--max-tokens", str(TOKENS), PROMPTS[1]], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == Tokenizer(model_path).decode(offline[PROMPTS[1]]) + "\n"
+    assert done.stdout == Tokenizer(default_model_path).decode(offline[PROMPTS[1]]) + "\n"
     streamed = subprocess.run(
         [*argv, "--stream", "--max-tokens", str(TOKENS), PROMPTS[1]],
         capture_output=True,

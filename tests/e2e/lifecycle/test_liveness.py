@@ -14,14 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.controlplane.server import Liveness
 from tests.e2e.harness import ServerThread, engine_config
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 async def _until(condition: Callable[[], bool], guard_s: float = 30.0) -> None:

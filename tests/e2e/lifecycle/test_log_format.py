@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from tests.e2e.harness import REPO, wait_until
 
 START_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 class Launched:

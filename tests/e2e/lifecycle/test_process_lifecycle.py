@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 from pagedserve.serve import STOPPED_STARTING
@@ -32,11 +31,6 @@ from tests.e2e.harness import REPO, wait_until
 
 START_S = 120.0  # a cold start imports torch; two cores may be busy with other tests
 LOG_NOISE = ("Traceback", "Task was destroyed", "asynchronous generator is already running", "sys.excepthook")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def gone(pid: int) -> bool:

@@ -40,7 +40,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.clients.python import GenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
-from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.controlplane.http_server import HttpServer
 from tests.e2e.harness import REPO, wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Proc, gone, http_status
@@ -48,14 +48,6 @@ from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Proc, gone, ht
 MAX_TOKENS = 4000  # with ignore_eos: a minute or more on a CPU, far past every grace here
 SLACK_S = 15.0  # on top of what the server promises (grace + 2 s; 1 s after a second signal)
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    try:
-        return resolve_model_path(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
-        pytest.fail(f"{exc} (make test pulls it)")
 
 
 @dataclass
@@ -67,7 +59,7 @@ class Server:
 
 
 @pytest.fixture
-def start_serve(model_path: Path, tmp_path: Path) -> Iterator[Any]:
+def start_serve(default_model_path: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[Proc] = []
 
     def start(grace_s: float) -> Server:

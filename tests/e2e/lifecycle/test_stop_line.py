@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.controlplane.server import stopping_line
@@ -28,11 +27,6 @@ from tests.e2e.harness import wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Serve
 
 GRACE_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture

@@ -24,18 +24,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient
 from pagedserve.clients.python.client import build_request
 from pagedserve.common.telemetry import inject
 from tests.e2e.harness import Process, ServerThread, engine_config
 
 EXPORTER = InMemorySpanExporter()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture(scope="module")

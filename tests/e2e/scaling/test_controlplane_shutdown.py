@@ -21,7 +21,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from tests.e2e.harness import (
@@ -36,11 +35,6 @@ from tests.e2e.harness import (
 )
 
 TOKENS = 300
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def slow_down(dp: DataPlane, seconds: float) -> None:

@@ -9,20 +9,13 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.dataplane.server.server import SERVICE_NAME
 from tests.e2e.harness import ServerThread, engine_config, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def health(address: str, service: str = "") -> int:

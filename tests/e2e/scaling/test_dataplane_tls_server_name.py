@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.cli import build_parser
 from pagedserve.clients.python import AsyncGenerationClient
 from pagedserve.common.tls import ClientTLS, ServerTLS
@@ -22,11 +21,6 @@ from tests.e2e.certs import Pki
 from tests.e2e.harness import engine_config, start_dataplane
 
 SERVER_NAME = "dataplane.test"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def make_pki(directory: Path, dns_name: str) -> Pki:

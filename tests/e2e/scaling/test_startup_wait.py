@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.common.lifecycle import free_port
@@ -27,11 +26,6 @@ from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.server import ControlPlane, start_control_plane
 from pagedserve.dataplane.server.server import build_engine_loop, create_server
 from tests.e2e.harness import engine_config, wait_until_async
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 async def control_plane(model: Path, port: int, **kw: Any) -> ControlPlane:

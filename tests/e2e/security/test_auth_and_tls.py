@@ -18,7 +18,6 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import GenerationClient
 from pagedserve.common.tls import ClientTLS, ServerTLS
 from pagedserve.controlplane.auth import ApiKeys, load_api_keys
@@ -26,11 +25,6 @@ from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import start_control_plane
 from tests.e2e.certs import Pki, make_pki
 from tests.e2e.harness import Process, ServerThread, engine_config
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.common.tls import DATAPLANE_TOKEN_METADATA, read_token_file
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.dataplane_client import DataPlaneConnection
@@ -25,11 +24,6 @@ from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 from tests.e2e.harness import REPO, engine_config
 
 TOKEN = "0123456789abcdef0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import grpc
 import openai
 import pytest
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
 from pagedserve.controlplane.auth import (
     ApiKeys,
@@ -35,11 +34,6 @@ from tests.e2e.harness import ServerThread, engine_config
 
 KEYS = ("alpha-1", "alpha-2", "bravo-1", "solo")
 TENANTS = (("alpha-1", "alpha"), ("alpha-2", "alpha"), ("bravo-1", "bravo"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture(scope="module")

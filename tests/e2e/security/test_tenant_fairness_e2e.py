@@ -19,7 +19,6 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.controlplane.auth import load_keys, load_tenant_settings
@@ -30,11 +29,6 @@ from tests.e2e.harness import engine_config, start_dataplane, wait_idle, wait_un
 FLOOD = 48
 VICTIM = 4
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def prompt(seed: int) -> list[int]:
