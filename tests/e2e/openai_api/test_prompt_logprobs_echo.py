@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedserve.benchmarks.tiny_models import load_reference_model
+from pagedserve.clients.python import GenerationClient, StreamChunk
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
@@ -201,3 +202,15 @@ def test_grpc_prompt_logprobs(server: ServerThread, expected: tuple[list[int], t
             list(stub.Generate(bad, timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "sampling_params.prompt_logprobs" in err.value.details()  # type: ignore[attr-defined]
+
+
+def test_python_client_prompt_logprobs(
+    server: ServerThread, expected: tuple[list[int], torch.Tensor]
+) -> None:
+    ids, logprobs = expected
+    with GenerationClient(server.grpc_address, timeout=60) as client:
+        items = list(client.generate_stream(ids, max_tokens=2, prompt_logprobs=0))
+    chunks = [i for i in items if isinstance(i, StreamChunk)]
+    got = [e.logprob for e in chunks[0].prompt_logprobs]
+    assert got == pytest.approx(reference_logprobs(ids, logprobs), abs=1e-4)
+    assert all(not c.prompt_logprobs for c in chunks[1:])
