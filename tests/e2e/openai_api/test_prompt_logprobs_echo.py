@@ -214,3 +214,54 @@ def test_python_client_prompt_logprobs(
     got = [e.logprob for e in chunks[0].prompt_logprobs]
     assert got == pytest.approx(reference_logprobs(ids, logprobs), abs=1e-4)
     assert all(not c.prompt_logprobs for c in chunks[1:])
+
+
+def test_streams_carry_prompt_logprobs_on_their_first_chunk(
+    client: openai.OpenAI, model: Path, expected: tuple[list[int], torch.Tensor]
+) -> None:
+    ids, logprobs = expected
+    chunks = list(
+        client.completions.create(
+            model="llama", prompt=PROMPT, max_tokens=3, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    )
+    carrying = [c for c in chunks if c.choices and "prompt_logprobs" in (c.choices[0].model_extra or {})]
+    assert len(carrying) == 1 and carrying[0] is chunks[0]
+    check_vllm_shape(carrying[0].choices[0].model_extra["prompt_logprobs"], ids, logprobs, 1)  # type: ignore[index]
+
+    messages = [{"role": "user", "content": "Say something nice."}]
+    stream = client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=3, stream=True, extra_body={"prompt_logprobs": 0}
+    )
+    chat_chunks = list(stream)
+    carrying_chat = [c for c in chat_chunks if "prompt_logprobs" in (c.model_extra or {})]
+    assert len(carrying_chat) == 1 and carrying_chat[0] is chat_chunks[0]
+    tok = Tokenizer(model)
+    assert len(carrying_chat[0].model_extra["prompt_logprobs"]) == len(  # type: ignore[index]
+        tok.encode(tok.apply_chat_template(messages))
+    )
+
+
+def test_echo_with_n_samples_gives_every_choice_its_prompt(
+    client: openai.OpenAI, expected: tuple[list[int], torch.Tensor]
+) -> None:
+    ids, logprobs = expected
+    out = client.completions.create(
+        model="llama",
+        prompt=[ids, ids[:4]],
+        echo=True,
+        logprobs=0,
+        max_tokens=0,
+        n=2,
+        temperature=1.0,
+        seed=3,
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice in out.choices:
+        prompt = ids if choice.index < 2 else ids[:4]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            reference_logprobs(prompt, logprobs), abs=1e-4
+        )
+    assert out.usage is not None and out.usage.completion_tokens == 0
