@@ -67,13 +67,25 @@ def assert_matches(ref_model: Any, prompt: list[int], out: RequestOutput) -> Non
         {"block_size": 4, "enable_prefix_caching": True},
         # Prompts longer than a prefill chunk, chunked beside other requests.
         {"block_size": 4, "enable_prefix_caching": True, "max_num_batched_tokens": 8, "max_num_seqs": 2},
+        # A pool too small for all at once: requests are preempted (recomputed) and resumed.
+        {
+            "block_size": 4,
+            "enable_prefix_caching": True,
+            "max_num_batched_tokens": 9,
+            "num_gpu_blocks_override": 16,
+            "preemption_mode": "recompute",
+            "watermark": 0.0,
+            "max_tokens": 12,
+        },
     ],
 )
 def test_prompt_logprobs_match_transformers(model: tuple[Path, Any], kwargs: dict[str, Any]) -> None:
     path, ref_model = model
-    llm = LLM(str(path), max_model_len=128, **kwargs)
+    settings = {k: v for k, v in kwargs.items() if k != "max_tokens"}
+    llm = LLM(str(path), max_model_len=128, **settings)
     items = prompts()
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    max_tokens = kwargs.get("max_tokens", 2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
     first = llm.generate(items, params, use_tqdm=False)
     # Again, after the first pass cached these prompts' blocks: every logprob still comes back.
     second = llm.generate(items, params, use_tqdm=False)
@@ -83,6 +95,8 @@ def test_prompt_logprobs_match_transformers(model: tuple[Path, Any], kwargs: dic
         assert b.num_cached_tokens == 0
     engine = llm.engine
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    if "num_gpu_blocks_override" in kwargs:
+        assert engine.scheduler.num_preemptions > 0
     if kwargs["enable_prefix_caching"]:
         assert engine.pool.num_cached_blocks > 0  # it still filled the cache for others
         plain = llm.generate(items[:1], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
