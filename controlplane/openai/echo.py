@@ -80,10 +80,14 @@ def vllm_prompt_logprobs(
 
 async def prompt_only(events: AsyncGenerator[StreamEvent, None]) -> AsyncGenerator[StreamEvent, None]:
     """The events of a prompt-only request (run with max_tokens 1): its generated token is
-    dropped (its prompt logprobs kept), and each completion reports none generated."""
+    dropped (its prompt logprobs kept), and each completion reports none generated, ended by
+    its length."""
     async with contextlib.aclosing(events):  # closing this stream cancels the request
         async for event in events:
             if isinstance(event, TextDelta):
                 yield TextDelta(event.index, (), "", (), event.prompt_logprobs)
             else:
-                yield dataclasses.replace(event, completion_tokens=0, finish_reason="length")
+                # The one token ran into max_tokens 0 whatever it was (EOS, a stop string);
+                # an abort stays one.
+                reason = "abort" if event.finish_reason == "abort" else "length"
+                yield dataclasses.replace(event, completion_tokens=0, finish_reason=reason, stop_string=None)
