@@ -34,10 +34,13 @@ from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.refusals import RefusalLog
 from pagedserve.controlplane.request import GenerationRequest, new_request_id
+from pagedserve.controlplane.stream_events import CompletionDone as CompletionDone
+from pagedserve.controlplane.stream_events import StreamEvent as StreamEvent
+from pagedserve.controlplane.stream_events import TextDelta as TextDelta
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.controlplane.tools.definitions import NO_TOOLS, ToolUse
 from pagedserve.controlplane.tools.prompt import resolve_parser, template_inputs
-from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -65,30 +68,6 @@ def check_text(value: str, field_name: str, limit: int) -> None:
         raise invalid_argument(
             f"{field_name}: not valid Unicode (a lone surrogate at character {exc.start})", field_name
         ) from None
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    index: int
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class CompletionDone:
-    index: int
-    finish_reason: str  # "stop" | "length" | "abort"
-    stop_string: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    queue_seconds: float
-    time_to_first_token_seconds: float
-    e2e_seconds: float
-
-
-StreamEvent = TextDelta | CompletionDone
 
 
 @dataclass(frozen=True)
@@ -459,7 +438,13 @@ class Frontend:
                     c.last_token_time = now
                     metrics.generation_tokens.inc(len(event.token_ids))
                     text = c.detokenizer.add(list(event.token_ids))
-                    yield TextDelta(event.index, tuple(event.token_ids), text, tuple(event.logprobs))
+                    yield TextDelta(
+                        event.index,
+                        tuple(event.token_ids),
+                        text,
+                        tuple(event.logprobs),
+                        tuple(event.prompt_logprobs),
+                    )
                     if not c.detokenizer.stopped:
                         continue
                     reason, completion_tokens, cached = "stop", c.num_tokens, c.cached_tokens

@@ -124,6 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         token_ids=event.token_ids,
                         text=event.text,
                         logprobs=event.logprobs,
+                        prompt_logprobs=event.prompt_logprobs,
                     ),
                 )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -28,6 +28,16 @@ class OutputGrammar(Protocol):
     def terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
         ...
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token's log-probability given its prefix (`SamplingParams.prompt_logprobs`):
+    its rank among the vocabulary (1 = most likely) and the `prompt_logprobs` most likely
+    tokens at its position, as (token id, logprob)."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 class RequestStatus(enum.Enum):
@@ -109,6 +119,9 @@ class Request:
         # Filled by the engine when the sampling params ask for logprobs (or best_of ranking).
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # Filled by the runner when the sampling params ask for prompt logprobs: entry i is
+        # prompt token i + 1's (the first token has no prefix to be predicted from).
+        self.prompt_logprobs: list[PromptLogprob] = []
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # Structured output: this sample's matcher (the engine sets it); it advances on each

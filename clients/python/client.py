@@ -125,12 +125,14 @@ def _wait(
 
 @dataclass
 class StreamChunk:
-    """New tokens of completion `index` and the text they completed."""
+    """New tokens of completion `index` and the text they completed; with `prompt_logprobs`
+    asked for, completion 0's first chunk also carries one per prompt token after the first."""
 
     request_id: str
     index: int
     token_ids: list[int]
     text: str
+    prompt_logprobs: list[common_pb2.PromptTokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +169,7 @@ def build_request(
     ignore_eos: bool = False,
     n: int | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     request_id: str = "",
     cache_salt: str = "",
@@ -184,6 +187,8 @@ def build_request(
     """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
     `tools`, `tool_choice` and `parallel_tool_calls` (chat prompts only) as the module says.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
+    `prompt_logprobs` (vLLM's): each prompt token's logprob given its prefix plus that many top
+    alternatives, on the first chunk of completion 0 (its `TokenChunk.prompt_logprobs`).
     `priority` (vLLM's): lower is scheduled earlier, default 0, in [-1000000, 1000000]; it may
     preempt running requests of a strictly worse priority.
 
@@ -207,6 +212,7 @@ def build_request(
         ("seed", seed),
         ("n", n),
         ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             setattr(params, name, value)
@@ -232,7 +238,7 @@ def build_request(
 def _item(response: generation_pb2.GenerateResponse) -> StreamChunk | Completion:
     if response.HasField("chunk"):
         c = response.chunk
-        return StreamChunk(response.request_id, c.index, list(c.token_ids), c.text)
+        return StreamChunk(response.request_id, c.index, list(c.token_ids), c.text, list(c.prompt_logprobs))
     d = response.complete
     return Completion(
         request_id=response.request_id,

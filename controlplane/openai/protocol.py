@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API we accept (pydantic), and the parameters we refuse.
 
 The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`cache_salt`, `priority`) are honoured, so `extra_body={...}` from the official client works; `model` may
+`cache_salt`, `priority`, `prompt_logprobs`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
 `pagedserve.controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from pagedserve.common.invalid_field import InvalidField
 from pagedserve.controlplane.tools.definitions import MAX_CALL_ID_CHARS, history_tool_calls
@@ -44,7 +44,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "audio": _unset,
     "modalities": lambda v: v is None or v == ["text"],
-    "prompt_logprobs": _unset,
     # (structured outputs are read by controlplane/openai/structured.py; these vLLM options
     # of theirs are not implemented)
     "guided_whitespace_pattern": _unset,
@@ -103,6 +102,9 @@ class _SamplingFields(BaseModel):
     # vLLM's scheduling priority: lower is served earlier, default 0, in [-1e6, 1e6] (checked by
     # `Frontend.validate`); it may preempt running requests of a strictly worse priority.
     priority: int | None = None
+    # vLLM's: per prompt token after the first, its logprob plus this many top alternatives
+    # (range-checked as `logprobs` is); rendered as vLLM's `prompt_logprobs` list.
+    prompt_logprobs: StrictInt | None = None
 
     @property
     def num_choices(self) -> int:
@@ -123,13 +125,17 @@ class CompletionRequest(_SamplingFields):
     # Unset: the rest of the model's context, as on every other route (OpenAI's own default is 16).
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool | None = False
+    # The prompt comes back before each choice's text (and its tokens first in `logprobs`);
+    # with max_tokens 0 nothing is generated.
+    echo: StrictBool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo: not supported by this server"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 needs echo (the prompt's logprobs); else at least 1"
+        if self.echo and self.stream:
+            return "echo", "echo: not supported with stream"
         if self.suffix:
             return "suffix", "suffix: not supported by this server"
         if self.best_of is not None and self.best_of != self.num_choices:

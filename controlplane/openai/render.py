@@ -94,4 +94,6 @@ def sampling_fields(
         values["max_tokens"] = max_tokens
     if logprobs is not None:
         values["logprobs"] = logprobs
+    if body.prompt_logprobs is not None:
+        values["prompt_logprobs"] = body.prompt_logprobs
     return values

@@ -27,6 +27,8 @@ from pagedserve import __version__
 from pagedserve.common.log import get_logger
 from pagedserve.controlplane.errors import invalid_argument
 from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
+from pagedserve.controlplane.openai.echo import legacy_logprobs, vllm_prompt_logprobs
+from pagedserve.controlplane.openai.echo import prompt_only as prompt_only_events
 from pagedserve.controlplane.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -186,11 +188,15 @@ class OpenAIRoutes:
         render_chunk: Any,
         render_final: Any,
         render_usage_chunk: Any,
+        *,
+        prompt_only: bool = False,
     ) -> Response:
         """Run the requests; stream SSE chunks or answer one JSON body, as the client asked.
         Until the answer starts, a client that disconnects cancels the request at once (out
         of the admission queue if it waits there: it is never admitted, never runs)."""
         events = merged_events(self.frontend, gens, body.num_choices, http)
+        if prompt_only:
+            events = prompt_only_events(events)
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
@@ -224,30 +230,14 @@ class OpenAIRoutes:
         structured = self._check(body)
         self.frontend.check_batch(num_prompts(body.prompt), body.num_choices)
         prompts = self._completion_prompts(body.prompt)
-        sampling = sampling_fields(body, body.max_tokens, body.logprobs)
+        prompt_only = body.max_tokens == 0  # with echo (`unsupported` refuses it otherwise)
+        sampling = sampling_fields(body, 1 if prompt_only else body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens lead `logprobs`
+            sampling["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
         gens = self._requests(prompts, body, sampling, http, structured)
         rid, created = f"cmpl-{response_id(http)}", int(time.time())
-        decode = self._token_text
-        wants_logprobs = body.logprobs is not None
-
-        def legacy_logprobs(
-            token_ids: Sequence[int], lps: Sequence[common_pb2.TokenLogprob], offset: int
-        ) -> dict[str, Any] | None:
-            if not wants_logprobs:
-                return None
-            tokens = [decode(t) for t in token_ids]
-            offsets, pos = [], offset
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            return {
-                "tokens": tokens,
-                "token_logprobs": [floored_logprob(lp.logprob) for lp in lps],
-                "top_logprobs": [
-                    {decode(t.token_id): floored_logprob(t.logprob) for t in lp.top} for lp in lps
-                ],
-                "text_offset": offsets,
-            }
+        decode, n = self._token_text, body.num_choices
+        echoed = self._prompt_texts(body.prompt, prompts) if body.echo else [""] * len(prompts)
 
         def base(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
             out = {
@@ -261,18 +251,25 @@ class OpenAIRoutes:
                 out["usage"] = usage
             return out
 
+        def with_prompt_logprobs(choice: dict[str, Any], index: int, entries: Any) -> dict[str, Any]:
+            if body.prompt_logprobs is not None:  # vLLM's extra, per choice
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(decode, prompts[index // n], entries)
+            return choice
+
+        started: set[int] = set()
+
         def chunk(event: StreamEvent) -> dict[str, Any]:
             if isinstance(event, TextDelta):
-                return base(
-                    [
-                        {
-                            "index": event.index,
-                            "text": event.text,
-                            "logprobs": legacy_logprobs(event.token_ids, event.logprobs, 0),
-                            "finish_reason": None,
-                        }
-                    ]
+                lps = (
+                    legacy_logprobs(decode, event.token_ids, event.logprobs)
+                    if body.logprobs is not None
+                    else None
                 )
+                choice = {"index": event.index, "text": event.text, "logprobs": lps, "finish_reason": None}
+                if event.index % n == 0 and event.index not in started:  # its prompt's first chunk
+                    started.add(event.index)
+                    choice = with_prompt_logprobs(choice, event.index, event.prompt_logprobs)
+                return base([choice])
             return base(
                 [{"index": event.index, "text": "", "logprobs": None, "finish_reason": openai_finish(event)}]
             )
@@ -280,20 +277,34 @@ class OpenAIRoutes:
         def final(choices: dict[int, Choice]) -> dict[str, Any]:
             out = []
             for index, c in choices.items():
-                out.append(
-                    {
-                        "index": index,
-                        "text": "".join(c.text),
-                        "logprobs": legacy_logprobs(c.token_ids, c.logprobs, 0),
-                        "finish_reason": openai_finish(c.done) if c.done else None,
-                    }
-                )
-            return base(out, openai_usage([c.done for c in choices.values() if c.done], body.num_choices))
+                first = choices.get(index - index % n, c)  # completion 0 carries its prompt's logprobs
+                lps = None
+                if body.logprobs is not None:
+                    echo = prompts[index // n] if body.echo else ()
+                    lps = legacy_logprobs(decode, c.token_ids, c.logprobs, echo, first.prompt_logprobs)
+                choice = {
+                    "index": index,
+                    "text": echoed[index // n] + "".join(c.text),
+                    "logprobs": lps,
+                    "finish_reason": openai_finish(c.done) if c.done else None,
+                }
+                out.append(with_prompt_logprobs(choice, index, first.prompt_logprobs))
+            return base(out, openai_usage([c.done for c in choices.values() if c.done], n))
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
-            return base([], openai_usage(done, body.num_choices))
+            return base([], openai_usage(done, n))
 
-        return await self._respond(http, body, gens, chunk, final, usage_chunk)
+        return await self._respond(http, body, gens, chunk, final, usage_chunk, prompt_only=prompt_only)
+
+    def _prompt_texts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+    ) -> list[str]:
+        """What echo prepends: each prompt as the client wrote it (token ids decoded)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return [self.frontend.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -391,12 +402,16 @@ class OpenAIRoutes:
                 out["usage"] = usage
             return out
 
+        def prompt_logprobs(entries: Sequence[common_pb2.PromptTokenLogprob]) -> list[Any]:
+            return vllm_prompt_logprobs(decode, gens[0].prompt_token_ids, entries)
+
         started: set[int] = set()
 
         def chunk(event: StreamEvent) -> dict[str, Any] | None:
             if isinstance(event, TextDelta):
                 delta = output.feed(event.index, event.text)
-                if event.index not in started:  # the first chunk of each choice names the role
+                first = event.index not in started
+                if first:  # the first chunk of each choice names the role
                     started.add(event.index)
                     delta = {"role": "assistant", **delta}
                 elif not delta and not body.logprobs:
@@ -407,7 +422,10 @@ class OpenAIRoutes:
                     "logprobs": chat_logprobs(event.token_ids, event.logprobs),
                     "finish_reason": None,
                 }
-                return base([choice], "chat.completion.chunk")
+                out = base([choice], "chat.completion.chunk")
+                if first and event.index == 0 and body.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs)
+                return out
             last = output.finish(event.index)
             if calls is not None:
                 metrics.tool_calls.inc(calls.num_calls(event.index))
@@ -434,11 +452,14 @@ class OpenAIRoutes:
                         **ends,
                     }
                 )
-            return base(
+            answer = base(
                 out,
                 "chat.completion",
                 openai_usage([c.done for c in choices.values() if c.done], body.num_choices),
             )
+            if body.prompt_logprobs is not None:  # vLLM's extra, on the response
+                answer["prompt_logprobs"] = prompt_logprobs(choices[0].prompt_logprobs if choices else [])
+            return answer
 
         def usage_chunk(done: list[CompletionDone]) -> dict[str, Any]:
             return base([], "chat.completion.chunk", openai_usage(done, body.num_choices))

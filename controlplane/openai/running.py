@@ -44,6 +44,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.PromptTokenLogprob] = field(default_factory=list)
     done: CompletionDone | None = None
 
 
@@ -75,8 +76,6 @@ async def merged_events(
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
-            elif isinstance(item, TextDelta):
-                yield TextDelta(i * n + item.index, item.token_ids, item.text, item.logprobs)
             else:
                 yield dataclasses.replace(item, index=i * n + item.index)
     finally:
@@ -116,6 +115,7 @@ async def collected(http: Request, events: AsyncGenerator[StreamEvent, None]) ->
                     c.text.append(event.text)
                     c.token_ids.extend(event.token_ids)
                     c.logprobs.extend(event.logprobs)
+                    c.prompt_logprobs.extend(event.prompt_logprobs)
                 else:
                     c.done = event
         finished = True

@@ -13,6 +13,7 @@ from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig, engine_config
 from pagedserve.dataplane.engine.llm_engine import LLMEngine
+from pagedserve.dataplane.request import PromptLogprob
 from pagedserve.dataplane.scheduler import Request
 
 Prompt = str | list[int]
@@ -52,6 +53,8 @@ class RequestOutput:
     num_preemptions: int
     time_to_first_token: float | None
     latency: float
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     # The first completion's fields, for the common n == 1 case.
     @property
@@ -236,6 +239,7 @@ class LLM:
             prompt_token_ids=r.prompt_token_ids,
             outputs=completions,
             num_cached_tokens=r.num_cached_tokens,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None, *r.prompt_logprobs],
             num_preemptions=sum(s.num_preemptions for s in all_samples),
             time_to_first_token=ttft,
             latency=last_finish - r.arrival_time,

@@ -121,6 +121,8 @@ class LLMEngine:
         samples = []
         for i in range(params.num_samples):
             sample = replace(params, seed=params.seed + i) if i and params.seed is not None else params
+            if i:  # the first sample scores the prompt; the others may share its cached blocks
+                sample = replace(sample, prompt_logprobs=None)
             rid_i = sample_request_id(rid, i) if i else rid
             samples.append(self._new_request(rid_i, token_ids, sample, cache_salt, grammar, **tags))
         self.groups.add(samples)

@@ -16,6 +16,7 @@ from pagedserve.dataplane.models import CausalLM, PagedStep
 from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
+from pagedserve.dataplane.runner.prompt_logprobs import PromptRows, add_prompt_logprobs, prompt_rows
 from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
 from pagedserve.dataplane.runner.sampler import SampledToken, SamplerWork, sample
 from pagedserve.dataplane.scheduler import Request, SchedulerOutput
@@ -202,7 +203,8 @@ class ModelRunner:
         self, out: SchedulerOutput, riders: Mapping[str, Sequence[Request]] | None = None
     ) -> dict[str, SampledToken]:
         """Compute the scheduled tokens of every request; return the sampled token per request
-        whose computed tokens reach its total this step.
+        whose computed tokens reach its total this step. Requests asking for prompt logprobs
+        get those of the prompt tokens this step's rows predict (`prompt_logprobs`).
 
         `riders`: scheduled request id -> requests not in the step whose next token is drawn
         from that request's logits row too (the other samples of its prompt, first tokens:
@@ -213,9 +215,13 @@ class ModelRunner:
         self.kept_rows = {}
         inputs = StepInputs([], [], [], [], [])
         sample_rows: list[int] = []
+        scored: list[PromptRows] = []  # rows whose prompt logprobs are asked for
         for item in out.scheduled:
             r = item.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + item.num_new_tokens
+            wanted = prompt_rows(r, len(inputs.input_ids), start, end)
+            if wanted is not None:
+                scored.append(wanted)
             inputs.input_ids.extend(r.all_token_ids[start:end])
             inputs.positions.extend(range(start, end))
             inputs.query_lens.append(item.num_new_tokens)
@@ -234,6 +240,8 @@ class ModelRunner:
         ]
         filled = self._start_mask_fill(constrained) if constrained else None  # overlaps the forward
         hidden = self._forward(inputs)
+        if scored:
+            add_prompt_logprobs(hidden, scored, self.model.compute_logits)
         if not sample_rows:
             return {}
         index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

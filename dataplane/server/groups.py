@@ -98,6 +98,12 @@ class Group:
         )
         if self.wants_logprobs:
             delta.logprobs.append(last_logprob(request))
+        if (
+            index == 0
+            and request.num_output_tokens == 1
+            and request.sampling_params.prompt_logprobs is not None
+        ):
+            delta.prompt_logprobs.extend(prompt_logprobs(request))
         return delta
 
     def finish(self, index: int) -> bool:
@@ -175,6 +181,18 @@ def last_logprob(request: Request) -> common_pb2.TokenLogprob:
         for token_id, logprob in request.output_top_logprobs[-1]:
             msg.top.append(common_pb2.TopLogprob(token_id=token_id, logprob=logprob))
     return msg
+
+
+def prompt_logprobs(request: Request) -> list[common_pb2.PromptTokenLogprob]:
+    """The wire prompt logprobs of a request: one per prompt token after the first."""
+    return [
+        common_pb2.PromptTokenLogprob(
+            logprob=entry.logprob,
+            rank=entry.rank,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top],
+        )
+        for entry in request.prompt_logprobs
+    ]
 
 
 def request_finished(sample: SampleId, request: Request) -> dataplane_pb2.RequestFinished:

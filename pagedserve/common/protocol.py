@@ -27,6 +27,7 @@ _OPTIONAL_FIELDS = (
     "seed",
     "n",
     "logprobs",
+    "prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -45,6 +46,7 @@ _WIRE_MAX = {
     "max_tokens": _UINT32_MAX,
     "n": _UINT32_MAX,
     "logprobs": _UINT32_MAX,
+    "prompt_logprobs": _UINT32_MAX,
     "top_k": 2**31 - 1,
     "seed": 2**63 - 1,
 }
@@ -210,6 +212,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.constraint is not None:
         _set_constraint(msg, params.constraint)
     return msg

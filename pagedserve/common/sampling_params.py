@@ -65,6 +65,8 @@ class SamplingParams:
     n: int = 1  # completions returned per prompt
     best_of: int | None = None  # completions generated; the n with the best cumulative logprob return
     logprobs: int | None = None  # per generated token: its logprob plus this many top alternatives
+    # Per prompt token after the first: its logprob given its prefix plus this many top alternatives.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # CTRL/HF semantics, over prompt and generated tokens
@@ -91,19 +93,19 @@ class SamplingParams:
             raise InvalidField("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise InvalidField("seed", f"must be a non-negative integer, got {self.seed!r}")
-        for name in ("n", "best_of", "logprobs"):
+        for name in ("n", "best_of", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None and name != "n":
                 continue
-            low = 0 if name == "logprobs" else 1
+            counts_logprobs = name in ("logprobs", "prompt_logprobs")
+            low = 0 if counts_logprobs else 1
             if not _is_int(value) or value < low:
                 raise InvalidField(name, f"must be an integer >= {low}, got {value!r}")
-            if name != "logprobs" and value > MAX_NUM_SAMPLES:
-                raise InvalidField(name, f"must be at most {MAX_NUM_SAMPLES}, got {value}")
+            top = MAX_LOGPROBS if counts_logprobs else MAX_NUM_SAMPLES
+            if value > top:
+                raise InvalidField(name, f"must be at most {top}, got {value}")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidField("best_of", f"must be >= n ({self.n}), got {self.best_of}")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise InvalidField("logprobs", f"must be at most {MAX_LOGPROBS}, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidField(name, f"must be in [-2, 2], got {getattr(self, name)!r}")

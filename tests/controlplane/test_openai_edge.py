@@ -76,7 +76,15 @@ def test_completions_refusals_and_defaults() -> None:
     body = CompletionRequest.model_validate({"prompt": "x"})
     assert body.model is None and body.num_choices == 1 and body.unsupported() is None
     assert CompletionRequest.model_validate({"prompt": "x", "n": None}).num_choices == 1
-    for extra, param in [({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"), ({"best_of": 3}, "best_of")]:
+    assert (
+        CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0}).unsupported() is None
+    )
+    for extra, param in [
+        ({"echo": True, "stream": True}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"suffix": "s"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+    ]:
         refused = CompletionRequest.model_validate({"prompt": "x", **extra}).unsupported()
         assert refused is not None and refused[0] == param
 

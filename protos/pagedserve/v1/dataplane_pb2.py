@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.protos.pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/dataplane.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"y\n\x0e\x43onnectRequest\x12.\n\x06submit\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.SubmitCommandH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortCommandH\x00\x42\t\n\x07\x63ommand\"\xd2\x02\n\rSubmitCommand\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x45\n\rtrace_context\x18\x05 \x03(\x0b\x32..pagedserve.v1.SubmitCommand.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\rtenant_weight\x18\t \x01(\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0c\x41\x62ortCommand\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\xa7\x02\n\x0f\x43onnectResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .pagedserve.v1.DataPlaneSnapshot\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.TokenDelta\x12\x30\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x1e.pagedserve.v1.RequestFinished\x12/\n\x08rejected\x18\x04 \x03(\x0b\x32\x1d.pagedserve.v1.SubmitRejected\x12\'\n\x05stats\x18\x05 \x01(\x0b\x32\x18.pagedserve.v1.PoolStats\x12)\n\tkv_events\x18\x06 \x03(\x0b\x32\x16.pagedserve.v1.KVEvent\"\x8c\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xe0\x01\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\"C\n\x0eSubmitRejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xd1\x03\n\tPoolStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x0b \x01(\x04\x12!\n\x19num_preemptions_recompute\x18\x0c \x01(\x04\x12\x1a\n\x12\x62locks_swapped_out\x18\r \x01(\x04\x12\x19\n\x11\x62locks_swapped_in\x18\x0e \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x0f \x01(\x01\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x19\n\x11host_total_blocks\x18\x11 \x01(\r\x12\x18\n\x10host_free_blocks\x18\x12 \x01(\r\"\x84\x02\n\rDataPlaneInfo\x12\x14\n\x0c\x64\x61taplane_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x18\n\x10prefix_hash_seed\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x14\n\x0c\x61\x62ort_sample\x18\x0b \x01(\x08\"\x9b\x01\n\x11\x44\x61taPlaneSnapshot\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.DataPlaneInfo\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedserve.v1.PoolStats\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x03 \x03(\x0c\x12\x14\n\x0ckv_event_seq\x18\x04 \x01(\x04\"\xc0\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x31\n\x06stored\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.BlockStoredEventH\x00\x12\x33\n\x07removed\x18\x03 \x01(\x0b\x32 .pagedserve.v1.BlockRemovedEventH\x00\x12\x37\n\x07\x63leared\x18\x04 \x01(\x0b\x32$.pagedserve.v1.AllBlocksClearedEventH\x00\x42\x07\n\x05\x65vent\"C\n\x10\x42lockStoredEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\")\n\x11\x42lockRemovedEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x17\n\x15\x41llBlocksClearedEvent\"\x11\n\x0fGetStateRequest\"\x91\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06status\x18\x06 \x01(\t\"\x8c\x01\n\x10GetStateResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .pagedserve.v1.DataPlaneSnapshot\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\x12\x13\n\x0bnum_streams\x18\x03 \x01(\r\"\x1c\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"&\n\rDrainResponse\x12\x15\n\rnum_remaining\x18\x01 \x01(\r2\xf1\x01\n\x10\x44\x61taPlaneService\x12L\n\x07\x43onnect\x12\x1d.pagedserve.v1.ConnectRequest\x1a\x1e.pagedserve.v1.ConnectResponse(\x01\x30\x01\x12K\n\x08GetState\x12\x1e.pagedserve.v1.GetStateRequest\x1a\x1f.pagedserve.v1.GetStateResponse\x12\x42\n\x05\x44rain\x12\x1b.pagedserve.v1.DrainRequest\x1a\x1c.pagedserve.v1.DrainResponseBN\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/dataplane.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"y\n\x0e\x43onnectRequest\x12.\n\x06submit\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.SubmitCommandH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortCommandH\x00\x42\t\n\x07\x63ommand\"\xd2\x02\n\rSubmitCommand\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x45\n\rtrace_context\x18\x05 \x03(\x0b\x32..pagedserve.v1.SubmitCommand.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\rtenant_weight\x18\t \x01(\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0c\x41\x62ortCommand\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\xa7\x02\n\x0f\x43onnectResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .pagedserve.v1.DataPlaneSnapshot\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.TokenDelta\x12\x30\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x1e.pagedserve.v1.RequestFinished\x12/\n\x08rejected\x18\x04 \x03(\x0b\x32\x1d.pagedserve.v1.SubmitRejected\x12\'\n\x05stats\x18\x05 \x01(\x0b\x32\x18.pagedserve.v1.PoolStats\x12)\n\tkv_events\x18\x06 \x03(\x0b\x32\x16.pagedserve.v1.KVEvent\"\xc8\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12:\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32!.pagedserve.v1.PromptTokenLogprob\"\xe0\x01\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\"C\n\x0eSubmitRejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xd1\x03\n\tPoolStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x0b \x01(\x04\x12!\n\x19num_preemptions_recompute\x18\x0c \x01(\x04\x12\x1a\n\x12\x62locks_swapped_out\x18\r \x01(\x04\x12\x19\n\x11\x62locks_swapped_in\x18\x0e \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x0f \x01(\x01\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x19\n\x11host_total_blocks\x18\x11 \x01(\r\x12\x18\n\x10host_free_blocks\x18\x12 \x01(\r\"\x84\x02\n\rDataPlaneInfo\x12\x14\n\x0c\x64\x61taplane_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x18\n\x10prefix_hash_seed\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x14\n\x0c\x61\x62ort_sample\x18\x0b \x01(\x08\"\x9b\x01\n\x11\x44\x61taPlaneSnapshot\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.DataPlaneInfo\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedserve.v1.PoolStats\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x03 \x03(\x0c\x12\x14\n\x0ckv_event_seq\x18\x04 \x01(\x04\"\xc0\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x31\n\x06stored\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.BlockStoredEventH\x00\x12\x33\n\x07removed\x18\x03 \x01(\x0b\x32 .pagedserve.v1.BlockRemovedEventH\x00\x12\x37\n\x07\x63leared\x18\x04 \x01(\x0b\x32$.pagedserve.v1.AllBlocksClearedEventH\x00\x42\x07\n\x05\x65vent\"C\n\x10\x42lockStoredEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\")\n\x11\x42lockRemovedEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x17\n\x15\x41llBlocksClearedEvent\"\x11\n\x0fGetStateRequest\"\x91\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06status\x18\x06 \x01(\t\"\x8c\x01\n\x10GetStateResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .pagedserve.v1.DataPlaneSnapshot\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\x12\x13\n\x0bnum_streams\x18\x03 \x01(\r\"\x1c\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"&\n\rDrainResponse\x12\x15\n\rnum_remaining\x18\x01 \x01(\r2\xf1\x01\n\x10\x44\x61taPlaneService\x12L\n\x07\x43onnect\x12\x1d.pagedserve.v1.ConnectRequest\x1a\x1e.pagedserve.v1.ConnectResponse(\x01\x30\x01\x12K\n\x08GetState\x12\x1e.pagedserve.v1.GetStateRequest\x1a\x1f.pagedserve.v1.GetStateResponse\x12\x42\n\x05\x44rain\x12\x1b.pagedserve.v1.DrainRequest\x1a\x1c.pagedserve.v1.DrainResponseBN\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,35 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTRESPONSE']._serialized_start=607
   _globals['_CONNECTRESPONSE']._serialized_end=902
   _globals['_TOKENDELTA']._serialized_start=905
-  _globals['_TOKENDELTA']._serialized_end=1045
-  _globals['_REQUESTFINISHED']._serialized_start=1048
-  _globals['_REQUESTFINISHED']._serialized_end=1272
-  _globals['_SUBMITREJECTED']._serialized_start=1274
-  _globals['_SUBMITREJECTED']._serialized_end=1341
-  _globals['_POOLSTATS']._serialized_start=1344
-  _globals['_POOLSTATS']._serialized_end=1809
-  _globals['_DATAPLANEINFO']._serialized_start=1812
-  _globals['_DATAPLANEINFO']._serialized_end=2072
-  _globals['_DATAPLANESNAPSHOT']._serialized_start=2075
-  _globals['_DATAPLANESNAPSHOT']._serialized_end=2230
-  _globals['_KVEVENT']._serialized_start=2233
-  _globals['_KVEVENT']._serialized_end=2425
-  _globals['_BLOCKSTOREDEVENT']._serialized_start=2427
-  _globals['_BLOCKSTOREDEVENT']._serialized_end=2494
-  _globals['_BLOCKREMOVEDEVENT']._serialized_start=2496
-  _globals['_BLOCKREMOVEDEVENT']._serialized_end=2537
-  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_start=2539
-  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_end=2562
-  _globals['_GETSTATEREQUEST']._serialized_start=2564
-  _globals['_GETSTATEREQUEST']._serialized_end=2581
-  _globals['_RUNNINGREQUEST']._serialized_start=2584
-  _globals['_RUNNINGREQUEST']._serialized_end=2729
-  _globals['_GETSTATERESPONSE']._serialized_start=2732
-  _globals['_GETSTATERESPONSE']._serialized_end=2872
-  _globals['_DRAINREQUEST']._serialized_start=2874
-  _globals['_DRAINREQUEST']._serialized_end=2902
-  _globals['_DRAINRESPONSE']._serialized_start=2904
-  _globals['_DRAINRESPONSE']._serialized_end=2942
-  _globals['_DATAPLANESERVICE']._serialized_start=2945
-  _globals['_DATAPLANESERVICE']._serialized_end=3186
+  _globals['_TOKENDELTA']._serialized_end=1105
+  _globals['_REQUESTFINISHED']._serialized_start=1108
+  _globals['_REQUESTFINISHED']._serialized_end=1332
+  _globals['_SUBMITREJECTED']._serialized_start=1334
+  _globals['_SUBMITREJECTED']._serialized_end=1401
+  _globals['_POOLSTATS']._serialized_start=1404
+  _globals['_POOLSTATS']._serialized_end=1869
+  _globals['_DATAPLANEINFO']._serialized_start=1872
+  _globals['_DATAPLANEINFO']._serialized_end=2132
+  _globals['_DATAPLANESNAPSHOT']._serialized_start=2135
+  _globals['_DATAPLANESNAPSHOT']._serialized_end=2290
+  _globals['_KVEVENT']._serialized_start=2293
+  _globals['_KVEVENT']._serialized_end=2485
+  _globals['_BLOCKSTOREDEVENT']._serialized_start=2487
+  _globals['_BLOCKSTOREDEVENT']._serialized_end=2554
+  _globals['_BLOCKREMOVEDEVENT']._serialized_start=2556
+  _globals['_BLOCKREMOVEDEVENT']._serialized_end=2597
+  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_start=2599
+  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_end=2622
+  _globals['_GETSTATEREQUEST']._serialized_start=2624
+  _globals['_GETSTATEREQUEST']._serialized_end=2641
+  _globals['_RUNNINGREQUEST']._serialized_start=2644
+  _globals['_RUNNINGREQUEST']._serialized_end=2789
+  _globals['_GETSTATERESPONSE']._serialized_start=2792
+  _globals['_GETSTATERESPONSE']._serialized_end=2932
+  _globals['_DRAINREQUEST']._serialized_start=2934
+  _globals['_DRAINREQUEST']._serialized_end=2962
+  _globals['_DRAINRESPONSE']._serialized_start=2964
+  _globals['_DRAINRESPONSE']._serialized_end=3002
+  _globals['_DATAPLANESERVICE']._serialized_start=3005
+  _globals['_DATAPLANESERVICE']._serialized_end=3246
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.protos.pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xb3\x01\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.pagedserve.v1.ToolChoice.Mode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"`\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x12\x11\n\rMODE_FUNCTION\x10\x04\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xca\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x36\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"\x93\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.TokenChunkH\x00\x12\x33\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateCompleteH\x00\x42\n\n\x08response\"k\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"Z\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x03 \x01(\x01\"\xf6\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12+\n\ntool_calls\x18\x06 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x07 \x01(\t\"g\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"Z\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelCard2\xd5\x02\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponseBN\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xb3\x01\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.pagedserve.v1.ToolChoice.Mode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"`\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x12\x11\n\rMODE_FUNCTION\x10\x04\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xca\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x36\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"\x93\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.TokenChunkH\x00\x12\x33\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateCompleteH\x00\x42\n\n\x08response\"\xa7\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12:\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32!.pagedserve.v1.PromptTokenLogprob\"Z\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x03 \x01(\x01\"\xf6\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12+\n\ntool_calls\x18\x06 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x07 \x01(\t\"g\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"Z\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelCard2\xd5\x02\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponseBN\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,26 +51,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=986
   _globals['_GENERATERESPONSE']._serialized_start=989
   _globals['_GENERATERESPONSE']._serialized_end=1136
-  _globals['_TOKENCHUNK']._serialized_start=1138
-  _globals['_TOKENCHUNK']._serialized_end=1245
-  _globals['_TIMINGS']._serialized_start=1247
-  _globals['_TIMINGS']._serialized_end=1337
-  _globals['_GENERATECOMPLETE']._serialized_start=1340
-  _globals['_GENERATECOMPLETE']._serialized_end=1586
-  _globals['_TOKENIZEREQUEST']._serialized_start=1588
-  _globals['_TOKENIZEREQUEST']._serialized_end=1691
-  _globals['_TOKENIZERESPONSE']._serialized_start=1693
-  _globals['_TOKENIZERESPONSE']._serialized_end=1730
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1732
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1785
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1787
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1821
-  _globals['_LISTMODELSREQUEST']._serialized_start=1823
-  _globals['_LISTMODELSREQUEST']._serialized_end=1842
-  _globals['_MODELCARD']._serialized_start=1844
-  _globals['_MODELCARD']._serialized_end=1934
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1936
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1998
-  _globals['_GENERATIONSERVICE']._serialized_start=2001
-  _globals['_GENERATIONSERVICE']._serialized_end=2342
+  _globals['_TOKENCHUNK']._serialized_start=1139
+  _globals['_TOKENCHUNK']._serialized_end=1306
+  _globals['_TIMINGS']._serialized_start=1308
+  _globals['_TIMINGS']._serialized_end=1398
+  _globals['_GENERATECOMPLETE']._serialized_start=1401
+  _globals['_GENERATECOMPLETE']._serialized_end=1647
+  _globals['_TOKENIZEREQUEST']._serialized_start=1649
+  _globals['_TOKENIZEREQUEST']._serialized_end=1752
+  _globals['_TOKENIZERESPONSE']._serialized_start=1754
+  _globals['_TOKENIZERESPONSE']._serialized_end=1791
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1793
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1846
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1848
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1882
+  _globals['_LISTMODELSREQUEST']._serialized_start=1884
+  _globals['_LISTMODELSREQUEST']._serialized_end=1903
+  _globals['_MODELCARD']._serialized_start=1905
+  _globals['_MODELCARD']._serialized_end=1995
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1997
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2059
+  _globals['_GENERATIONSERVICE']._serialized_start=2062
+  _globals['_GENERATIONSERVICE']._serialized_end=2403
 # @@protoc_insertion_point(module_scope)

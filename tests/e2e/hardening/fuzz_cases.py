@@ -221,10 +221,8 @@ UNSUPPORTED_PARAMS = (
     "structural_tag",
     "use_beam_search",
     "min_tokens",
-    "echo",
     "suffix",
     "best_of",
-    "prompt_logprobs",
     "chat_template",
     "audio",
 )
@@ -441,7 +439,11 @@ def _mutate(draw: st.DrawFn, body: Body, chat: bool) -> None:
     keys = [k for k, _ in body.pairs]
     label = kind
     if kind in ("hostile", "duplicate") or not keys:
-        names = sorted(set(keys) | set(_sampling_fields(chat)) | {"max_tokens", "prompt", "messages"})
+        names = sorted(
+            set(keys)
+            | set(_sampling_fields(chat))
+            | {"max_tokens", "prompt", "messages", "echo", "prompt_logprobs"}
+        )
         name = draw(st.sampled_from(names))
         if name == "prompt":
             value = draw(_hostile_prompt())
@@ -740,6 +742,7 @@ HOSTILE_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "stop_token_ids": st.lists(UINT32, max_size=4),
     "n": UINT32,
     "logprobs": UINT32,
+    "prompt_logprobs": UINT32,
     "presence_penalty": PB_FLOATS,
     "frequency_penalty": PB_FLOATS,
     "repetition_penalty": PB_FLOATS,

@@ -141,39 +141,41 @@ public final class Generation {
       "esponse\022\022\n\nrequest_id\030\001 \001(\t\022*\n\005chunk\030\002 \001" +
       "(\0132\031.pagedserve.v1.TokenChunkH\000\0223\n\010compl" +
       "ete\030\003 \001(\0132\037.pagedserve.v1.GenerateComple" +
-      "teH\000B\n\n\010response\"k\n\nTokenChunk\022\r\n\005index\030" +
-      "\001 \001(\r\022\021\n\ttoken_ids\030\002 \003(\r\022\014\n\004text\030\003 \001(\t\022-" +
-      "\n\010logprobs\030\004 \003(\0132\033.pagedserve.v1.TokenLo" +
-      "gprob\"Z\n\007Timings\022\025\n\rqueue_seconds\030\001 \001(\001\022" +
-      "#\n\033time_to_first_token_seconds\030\002 \001(\001\022\023\n\013" +
-      "e2e_seconds\030\003 \001(\001\"\366\001\n\020GenerateComplete\022\r" +
-      "\n\005index\030\001 \001(\r\0222\n\rfinish_reason\030\002 \001(\0162\033.p" +
-      "agedserve.v1.FinishReason\022\023\n\013stop_string" +
-      "\030\003 \001(\t\022#\n\005usage\030\004 \001(\0132\024.pagedserve.v1.Us" +
-      "age\022\'\n\007timings\030\005 \001(\0132\026.pagedserve.v1.Tim" +
-      "ings\022+\n\ntool_calls\030\006 \003(\0132\027.pagedserve.v1" +
-      ".ToolCall\022\017\n\007content\030\007 \001(\t\"g\n\017TokenizeRe" +
-      "quest\022\r\n\005model\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022+\n\004" +
-      "chat\030\003 \001(\0132\033.pagedserve.v1.ChatMessagesH" +
-      "\000B\010\n\006prompt\"%\n\020TokenizeResponse\022\021\n\ttoken" +
-      "_ids\030\001 \003(\r\"5\n\021DetokenizeRequest\022\r\n\005model" +
-      "\030\001 \001(\t\022\021\n\ttoken_ids\030\002 \003(\r\"\"\n\022DetokenizeR" +
-      "esponse\022\014\n\004text\030\001 \001(\t\"\023\n\021ListModelsReque" +
-      "st\"Z\n\tModelCard\022\n\n\002id\030\001 \001(\t\022\025\n\rmax_model" +
-      "_len\030\002 \001(\r\022\022\n\nblock_size\030\003 \001(\r\022\026\n\016kv_cac" +
-      "he_dtype\030\004 \001(\t\">\n\022ListModelsResponse\022(\n\006" +
-      "models\030\001 \003(\0132\030.pagedserve.v1.ModelCard2\325" +
-      "\002\n\021GenerationService\022M\n\010Generate\022\036.paged" +
-      "serve.v1.GenerateRequest\032\037.pagedserve.v1" +
-      ".GenerateResponse0\001\022K\n\010Tokenize\022\036.pageds" +
-      "erve.v1.TokenizeRequest\032\037.pagedserve.v1." +
-      "TokenizeResponse\022Q\n\nDetokenize\022 .pagedse" +
-      "rve.v1.DetokenizeRequest\032!.pagedserve.v1" +
-      ".DetokenizeResponse\022Q\n\nListModels\022 .page" +
-      "dserve.v1.ListModelsRequest\032!.pagedserve" +
-      ".v1.ListModelsResponseBN\n\020io.pagedserve." +
-      "v1P\001Z8github.com/pagedserve/pagedserve/c" +
-      "lients/go/pagedservev1b\006proto3"
+      "teH\000B\n\n\010response\"\247\001\n\nTokenChunk\022\r\n\005index" +
+      "\030\001 \001(\r\022\021\n\ttoken_ids\030\002 \003(\r\022\014\n\004text\030\003 \001(\t\022" +
+      "-\n\010logprobs\030\004 \003(\0132\033.pagedserve.v1.TokenL" +
+      "ogprob\022:\n\017prompt_logprobs\030\005 \003(\0132!.pageds" +
+      "erve.v1.PromptTokenLogprob\"Z\n\007Timings\022\025\n" +
+      "\rqueue_seconds\030\001 \001(\001\022#\n\033time_to_first_to" +
+      "ken_seconds\030\002 \001(\001\022\023\n\013e2e_seconds\030\003 \001(\001\"\366" +
+      "\001\n\020GenerateComplete\022\r\n\005index\030\001 \001(\r\0222\n\rfi" +
+      "nish_reason\030\002 \001(\0162\033.pagedserve.v1.Finish" +
+      "Reason\022\023\n\013stop_string\030\003 \001(\t\022#\n\005usage\030\004 \001" +
+      "(\0132\024.pagedserve.v1.Usage\022\'\n\007timings\030\005 \001(" +
+      "\0132\026.pagedserve.v1.Timings\022+\n\ntool_calls\030" +
+      "\006 \003(\0132\027.pagedserve.v1.ToolCall\022\017\n\007conten" +
+      "t\030\007 \001(\t\"g\n\017TokenizeRequest\022\r\n\005model\030\001 \001(" +
+      "\t\022\016\n\004text\030\002 \001(\tH\000\022+\n\004chat\030\003 \001(\0132\033.pageds" +
+      "erve.v1.ChatMessagesH\000B\010\n\006prompt\"%\n\020Toke" +
+      "nizeResponse\022\021\n\ttoken_ids\030\001 \003(\r\"5\n\021Detok" +
+      "enizeRequest\022\r\n\005model\030\001 \001(\t\022\021\n\ttoken_ids" +
+      "\030\002 \003(\r\"\"\n\022DetokenizeResponse\022\014\n\004text\030\001 \001" +
+      "(\t\"\023\n\021ListModelsRequest\"Z\n\tModelCard\022\n\n\002" +
+      "id\030\001 \001(\t\022\025\n\rmax_model_len\030\002 \001(\r\022\022\n\nblock" +
+      "_size\030\003 \001(\r\022\026\n\016kv_cache_dtype\030\004 \001(\t\">\n\022L" +
+      "istModelsResponse\022(\n\006models\030\001 \003(\0132\030.page" +
+      "dserve.v1.ModelCard2\325\002\n\021GenerationServic" +
+      "e\022M\n\010Generate\022\036.pagedserve.v1.GenerateRe" +
+      "quest\032\037.pagedserve.v1.GenerateResponse0\001" +
+      "\022K\n\010Tokenize\022\036.pagedserve.v1.TokenizeReq" +
+      "uest\032\037.pagedserve.v1.TokenizeResponse\022Q\n" +
+      "\nDetokenize\022 .pagedserve.v1.DetokenizeRe" +
+      "quest\032!.pagedserve.v1.DetokenizeResponse" +
+      "\022Q\n\nListModels\022 .pagedserve.v1.ListModel" +
+      "sRequest\032!.pagedserve.v1.ListModelsRespo" +
+      "nseBN\n\020io.pagedserve.v1P\001Z8github.com/pa" +
+      "gedserve/pagedserve/clients/go/pagedserv" +
+      "ev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -233,7 +235,7 @@ public final class Generation {
     internal_static_pagedserve_v1_TokenChunk_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenChunk_descriptor,
-        new java.lang.String[] { "Index", "TokenIds", "Text", "Logprobs", });
+        new java.lang.String[] { "Index", "TokenIds", "Text", "Logprobs", "PromptLogprobs", });
     internal_static_pagedserve_v1_Timings_descriptor =
       getDescriptor().getMessageTypes().get(9);
     internal_static_pagedserve_v1_Timings_fieldAccessorTable = new

@@ -879,6 +879,39 @@ private static final long serialVersionUID = 0L;
     }
   }
 
+  public static final int PROMPT_LOGPROBS_FIELD_NUMBER = 21;
+  private int promptLogprobs_ = 0;
+  /**
+   * <pre>
+   * Per prompt token after the first: its logprob given its prefix plus this many top
+   * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+   * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+   * carries them.
+   * </pre>
+   *
+   * <code>optional uint32 prompt_logprobs = 21;</code>
+   * @return Whether the promptLogprobs field is set.
+   */
+  @java.lang.Override
+  public boolean hasPromptLogprobs() {
+    return ((bitField0_ & 0x00000800) != 0);
+  }
+  /**
+   * <pre>
+   * Per prompt token after the first: its logprob given its prefix plus this many top
+   * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+   * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+   * carries them.
+   * </pre>
+   *
+   * <code>optional uint32 prompt_logprobs = 21;</code>
+   * @return The promptLogprobs.
+   */
+  @java.lang.Override
+  public int getPromptLogprobs() {
+    return promptLogprobs_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -961,6 +994,9 @@ private static final long serialVersionUID = 0L;
     }
     if (constraintCase_ == 20) {
       com.google.protobuf.GeneratedMessageV3.writeString(output, 20, constraint_);
+    }
+    if (((bitField0_ & 0x00000800) != 0)) {
+      output.writeUInt32(21, promptLogprobs_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -1069,6 +1105,10 @@ private static final long serialVersionUID = 0L;
     if (constraintCase_ == 20) {
       size += com.google.protobuf.GeneratedMessageV3.computeStringSize(20, constraint_);
     }
+    if (((bitField0_ & 0x00000800) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(21, promptLogprobs_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1153,6 +1193,11 @@ private static final long serialVersionUID = 0L;
         .equals(other.getStopList())) return false;
     if (!internalGetLogitBias().equals(
         other.internalGetLogitBias())) return false;
+    if (hasPromptLogprobs() != other.hasPromptLogprobs()) return false;
+    if (hasPromptLogprobs()) {
+      if (getPromptLogprobs()
+          != other.getPromptLogprobs()) return false;
+    }
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 16:
@@ -1254,6 +1299,10 @@ private static final long serialVersionUID = 0L;
     if (!internalGetLogitBias().getMap().isEmpty()) {
       hash = (37 * hash) + LOGIT_BIAS_FIELD_NUMBER;
       hash = (53 * hash) + internalGetLogitBias().hashCode();
+    }
+    if (hasPromptLogprobs()) {
+      hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
+      hash = (53 * hash) + getPromptLogprobs();
     }
     switch (constraintCase_) {
       case 16:
@@ -1456,6 +1505,7 @@ private static final long serialVersionUID = 0L;
       if (choiceBuilder_ != null) {
         choiceBuilder_.clear();
       }
+      promptLogprobs_ = 0;
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1557,6 +1607,10 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x00004000) != 0)) {
         result.logitBias_ = internalGetLogitBias();
         result.logitBias_.makeImmutable();
+      }
+      if (((from_bitField0_ & 0x00100000) != 0)) {
+        result.promptLogprobs_ = promptLogprobs_;
+        to_bitField0_ |= 0x00000800;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -1673,6 +1727,9 @@ private static final long serialVersionUID = 0L;
       internalGetMutableLogitBias().mergeFrom(
           other.internalGetLogitBias());
       bitField0_ |= 0x00004000;
+      if (other.hasPromptLogprobs()) {
+        setPromptLogprobs(other.getPromptLogprobs());
+      }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
           constraintCase_ = 16;
@@ -1851,6 +1908,11 @@ private static final long serialVersionUID = 0L;
               constraint_ = s;
               break;
             } // case 162
+            case 168: {
+              promptLogprobs_ = input.readUInt32();
+              bitField0_ |= 0x00100000;
+              break;
+            } // case 168
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -3539,6 +3601,74 @@ private static final long serialVersionUID = 0L;
       checkByteStringIsUtf8(value);
       constraintCase_ = 20;
       constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    private int promptLogprobs_ ;
+    /**
+     * <pre>
+     * Per prompt token after the first: its logprob given its prefix plus this many top
+     * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+     * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+     * carries them.
+     * </pre>
+     *
+     * <code>optional uint32 prompt_logprobs = 21;</code>
+     * @return Whether the promptLogprobs field is set.
+     */
+    @java.lang.Override
+    public boolean hasPromptLogprobs() {
+      return ((bitField0_ & 0x00100000) != 0);
+    }
+    /**
+     * <pre>
+     * Per prompt token after the first: its logprob given its prefix plus this many top
+     * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+     * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+     * carries them.
+     * </pre>
+     *
+     * <code>optional uint32 prompt_logprobs = 21;</code>
+     * @return The promptLogprobs.
+     */
+    @java.lang.Override
+    public int getPromptLogprobs() {
+      return promptLogprobs_;
+    }
+    /**
+     * <pre>
+     * Per prompt token after the first: its logprob given its prefix plus this many top
+     * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+     * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+     * carries them.
+     * </pre>
+     *
+     * <code>optional uint32 prompt_logprobs = 21;</code>
+     * @param value The promptLogprobs to set.
+     * @return This builder for chaining.
+     */
+    public Builder setPromptLogprobs(int value) {
+      
+      promptLogprobs_ = value;
+      bitField0_ |= 0x00100000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Per prompt token after the first: its logprob given its prefix plus this many top
+     * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+     * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+     * carries them.
+     * </pre>
+     *
+     * <code>optional uint32 prompt_logprobs = 21;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearPromptLogprobs() {
+      bitField0_ = (bitField0_ & ~0x00100000);
+      promptLogprobs_ = 0;
       onChanged();
       return this;
     }

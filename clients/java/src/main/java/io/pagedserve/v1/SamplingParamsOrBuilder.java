@@ -488,5 +488,30 @@ public interface SamplingParamsOrBuilder extends
   com.google.protobuf.ByteString
       getGrammarBytes();
 
+  /**
+   * <pre>
+   * Per prompt token after the first: its logprob given its prefix plus this many top
+   * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+   * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+   * carries them.
+   * </pre>
+   *
+   * <code>optional uint32 prompt_logprobs = 21;</code>
+   * @return Whether the promptLogprobs field is set.
+   */
+  boolean hasPromptLogprobs();
+  /**
+   * <pre>
+   * Per prompt token after the first: its logprob given its prefix plus this many top
+   * alternatives, at most 20 (vLLM's prompt_logprobs). Default: none. A request that sets it
+   * takes no prefix-cache hits (its whole prompt is computed); the first chunk of completion 0
+   * carries them.
+   * </pre>
+   *
+   * <code>optional uint32 prompt_logprobs = 21;</code>
+   * @return The promptLogprobs.
+   */
+  int getPromptLogprobs();
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }

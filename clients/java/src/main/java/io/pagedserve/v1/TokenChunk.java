@@ -23,6 +23,7 @@ private static final long serialVersionUID = 0L;
     tokenIds_ = emptyIntList();
     text_ = "";
     logprobs_ = java.util.Collections.emptyList();
+    promptLogprobs_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -214,6 +215,72 @@ private static final long serialVersionUID = 0L;
     return logprobs_.get(index);
   }
 
+  public static final int PROMPT_LOGPROBS_FIELD_NUMBER = 5;
+  @SuppressWarnings("serial")
+  private java.util.List<io.pagedserve.v1.PromptTokenLogprob> promptLogprobs_;
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  @java.lang.Override
+  public java.util.List<io.pagedserve.v1.PromptTokenLogprob> getPromptLogprobsList() {
+    return promptLogprobs_;
+  }
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends io.pagedserve.v1.PromptTokenLogprobOrBuilder> 
+      getPromptLogprobsOrBuilderList() {
+    return promptLogprobs_;
+  }
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  @java.lang.Override
+  public int getPromptLogprobsCount() {
+    return promptLogprobs_.size();
+  }
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.PromptTokenLogprob getPromptLogprobs(int index) {
+    return promptLogprobs_.get(index);
+  }
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.PromptTokenLogprobOrBuilder getPromptLogprobsOrBuilder(
+      int index) {
+    return promptLogprobs_.get(index);
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -244,6 +311,9 @@ private static final long serialVersionUID = 0L;
     }
     for (int i = 0; i < logprobs_.size(); i++) {
       output.writeMessage(4, logprobs_.get(i));
+    }
+    for (int i = 0; i < promptLogprobs_.size(); i++) {
+      output.writeMessage(5, promptLogprobs_.get(i));
     }
     getUnknownFields().writeTo(output);
   }
@@ -279,6 +349,10 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(4, logprobs_.get(i));
     }
+    for (int i = 0; i < promptLogprobs_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(5, promptLogprobs_.get(i));
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -302,6 +376,8 @@ private static final long serialVersionUID = 0L;
         .equals(other.getText())) return false;
     if (!getLogprobsList()
         .equals(other.getLogprobsList())) return false;
+    if (!getPromptLogprobsList()
+        .equals(other.getPromptLogprobsList())) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -324,6 +400,10 @@ private static final long serialVersionUID = 0L;
     if (getLogprobsCount() > 0) {
       hash = (37 * hash) + LOGPROBS_FIELD_NUMBER;
       hash = (53 * hash) + getLogprobsList().hashCode();
+    }
+    if (getPromptLogprobsCount() > 0) {
+      hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
+      hash = (53 * hash) + getPromptLogprobsList().hashCode();
     }
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
@@ -468,6 +548,13 @@ private static final long serialVersionUID = 0L;
         logprobsBuilder_.clear();
       }
       bitField0_ = (bitField0_ & ~0x00000008);
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobs_ = java.util.Collections.emptyList();
+      } else {
+        promptLogprobs_ = null;
+        promptLogprobsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000010);
       return this;
     }
 
@@ -514,6 +601,15 @@ private static final long serialVersionUID = 0L;
         result.logprobs_ = logprobs_;
       } else {
         result.logprobs_ = logprobsBuilder_.build();
+      }
+      if (promptLogprobsBuilder_ == null) {
+        if (((bitField0_ & 0x00000010) != 0)) {
+          promptLogprobs_ = java.util.Collections.unmodifiableList(promptLogprobs_);
+          bitField0_ = (bitField0_ & ~0x00000010);
+        }
+        result.promptLogprobs_ = promptLogprobs_;
+      } else {
+        result.promptLogprobs_ = promptLogprobsBuilder_.build();
       }
     }
 
@@ -615,6 +711,32 @@ private static final long serialVersionUID = 0L;
           }
         }
       }
+      if (promptLogprobsBuilder_ == null) {
+        if (!other.promptLogprobs_.isEmpty()) {
+          if (promptLogprobs_.isEmpty()) {
+            promptLogprobs_ = other.promptLogprobs_;
+            bitField0_ = (bitField0_ & ~0x00000010);
+          } else {
+            ensurePromptLogprobsIsMutable();
+            promptLogprobs_.addAll(other.promptLogprobs_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.promptLogprobs_.isEmpty()) {
+          if (promptLogprobsBuilder_.isEmpty()) {
+            promptLogprobsBuilder_.dispose();
+            promptLogprobsBuilder_ = null;
+            promptLogprobs_ = other.promptLogprobs_;
+            bitField0_ = (bitField0_ & ~0x00000010);
+            promptLogprobsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getPromptLogprobsFieldBuilder() : null;
+          } else {
+            promptLogprobsBuilder_.addAllMessages(other.promptLogprobs_);
+          }
+        }
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -680,6 +802,19 @@ private static final long serialVersionUID = 0L;
               }
               break;
             } // case 34
+            case 42: {
+              io.pagedserve.v1.PromptTokenLogprob m =
+                  input.readMessage(
+                      io.pagedserve.v1.PromptTokenLogprob.parser(),
+                      extensionRegistry);
+              if (promptLogprobsBuilder_ == null) {
+                ensurePromptLogprobsIsMutable();
+                promptLogprobs_.add(m);
+              } else {
+                promptLogprobsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 42
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1252,6 +1387,336 @@ private static final long serialVersionUID = 0L;
         logprobs_ = null;
       }
       return logprobsBuilder_;
+    }
+
+    private java.util.List<io.pagedserve.v1.PromptTokenLogprob> promptLogprobs_ =
+      java.util.Collections.emptyList();
+    private void ensurePromptLogprobsIsMutable() {
+      if (!((bitField0_ & 0x00000010) != 0)) {
+        promptLogprobs_ = new java.util.ArrayList<io.pagedserve.v1.PromptTokenLogprob>(promptLogprobs_);
+        bitField0_ |= 0x00000010;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.PromptTokenLogprob, io.pagedserve.v1.PromptTokenLogprob.Builder, io.pagedserve.v1.PromptTokenLogprobOrBuilder> promptLogprobsBuilder_;
+
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public java.util.List<io.pagedserve.v1.PromptTokenLogprob> getPromptLogprobsList() {
+      if (promptLogprobsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(promptLogprobs_);
+      } else {
+        return promptLogprobsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public int getPromptLogprobsCount() {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.size();
+      } else {
+        return promptLogprobsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public io.pagedserve.v1.PromptTokenLogprob getPromptLogprobs(int index) {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.get(index);
+      } else {
+        return promptLogprobsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder setPromptLogprobs(
+        int index, io.pagedserve.v1.PromptTokenLogprob value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.set(index, value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder setPromptLogprobs(
+        int index, io.pagedserve.v1.PromptTokenLogprob.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder addPromptLogprobs(io.pagedserve.v1.PromptTokenLogprob value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder addPromptLogprobs(
+        int index, io.pagedserve.v1.PromptTokenLogprob value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(index, value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder addPromptLogprobs(
+        io.pagedserve.v1.PromptTokenLogprob.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder addPromptLogprobs(
+        int index, io.pagedserve.v1.PromptTokenLogprob.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder addAllPromptLogprobs(
+        java.lang.Iterable<? extends io.pagedserve.v1.PromptTokenLogprob> values) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, promptLogprobs_);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder clearPromptLogprobs() {
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobs_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000010);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public Builder removePromptLogprobs(int index) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.remove(index);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public io.pagedserve.v1.PromptTokenLogprob.Builder getPromptLogprobsBuilder(
+        int index) {
+      return getPromptLogprobsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public io.pagedserve.v1.PromptTokenLogprobOrBuilder getPromptLogprobsOrBuilder(
+        int index) {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.get(index);  } else {
+        return promptLogprobsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public java.util.List<? extends io.pagedserve.v1.PromptTokenLogprobOrBuilder> 
+         getPromptLogprobsOrBuilderList() {
+      if (promptLogprobsBuilder_ != null) {
+        return promptLogprobsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(promptLogprobs_);
+      }
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public io.pagedserve.v1.PromptTokenLogprob.Builder addPromptLogprobsBuilder() {
+      return getPromptLogprobsFieldBuilder().addBuilder(
+          io.pagedserve.v1.PromptTokenLogprob.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public io.pagedserve.v1.PromptTokenLogprob.Builder addPromptLogprobsBuilder(
+        int index) {
+      return getPromptLogprobsFieldBuilder().addBuilder(
+          index, io.pagedserve.v1.PromptTokenLogprob.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+     * prompt token after the first (the first token has none), in order.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+     */
+    public java.util.List<io.pagedserve.v1.PromptTokenLogprob.Builder> 
+         getPromptLogprobsBuilderList() {
+      return getPromptLogprobsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.PromptTokenLogprob, io.pagedserve.v1.PromptTokenLogprob.Builder, io.pagedserve.v1.PromptTokenLogprobOrBuilder> 
+        getPromptLogprobsFieldBuilder() {
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            io.pagedserve.v1.PromptTokenLogprob, io.pagedserve.v1.PromptTokenLogprob.Builder, io.pagedserve.v1.PromptTokenLogprobOrBuilder>(
+                promptLogprobs_,
+                ((bitField0_ & 0x00000010) != 0),
+                getParentForChildren(),
+                isClean());
+        promptLogprobs_ = null;
+      }
+      return promptLogprobsBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

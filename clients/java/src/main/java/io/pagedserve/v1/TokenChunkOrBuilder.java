@@ -109,4 +109,53 @@ public interface TokenChunkOrBuilder extends
    */
   io.pagedserve.v1.TokenLogprobOrBuilder getLogprobsOrBuilder(
       int index);
+
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  java.util.List<io.pagedserve.v1.PromptTokenLogprob> 
+      getPromptLogprobsList();
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  io.pagedserve.v1.PromptTokenLogprob getPromptLogprobs(int index);
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  int getPromptLogprobsCount();
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.PromptTokenLogprobOrBuilder> 
+      getPromptLogprobsOrBuilderList();
+  /**
+   * <pre>
+   * With sampling_params.prompt_logprobs, on the first chunk of completion 0 only: one per
+   * prompt token after the first (the first token has none), in order.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.PromptTokenLogprob prompt_logprobs = 5;</code>
+   */
+  io.pagedserve.v1.PromptTokenLogprobOrBuilder getPromptLogprobsOrBuilder(
+      int index);
 }
