@@ -25,7 +25,8 @@ from pagedserve.common.settings import ArgumentParser
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "throughput": (
         "pagedserve.benchmarks.throughput",
-        "offline tokens/s: our engine vs transformers (static batching and generate_batch), optionally vLLM",
+        "offline tokens/s: our engine on a small workload (quick, the default); --full adds transformers "
+        "(static batching and generate_batch) on the 64-prompt one, --peers vllm vLLM",
     ),
     "memory": (
         "pagedserve.benchmarks.memory",

@@ -95,9 +95,14 @@ def warn_if_busy(loads: tuple[float, ...]) -> None:
         )
 
 
-def phase(name: str, fn: Callable[[], Any]) -> Any:
-    """Run one benchmark phase, printing its start and duration on stderr."""
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
+def phase(name: str, fn: Callable[[], Any], doing: str = "") -> Any:
+    """Run one benchmark phase, printing its start (with `doing`: what it does and about how
+    long, for a phase whose progress bar starts late or moves rarely) and duration on stderr."""
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {name}{': ' + doing if doing else ''} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     t = time.perf_counter()
     out = fn()
     print(

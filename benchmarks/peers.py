@@ -93,22 +93,39 @@ def run_transformers_static(
     *,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    step_bar: Any = None,
 ) -> PeerRun:
     """The static-batching peer (module docstring) with the model on `device` in `dtype`
     (None: torch.float32, the CPU benchmark's). Its clocks need no explicit synchronization on
-    a GPU: each batch ends in `.tolist()`, which waits for the device's work."""
+    a GPU: each batch ends in `.tolist()`, which waits for the device's work. `step_bar` (a
+    tqdm-like object, total `static_steps(lengths, batch_size)`) advances once per generated
+    position of every measured batch: one batch of 64 is otherwise minutes without a tick."""
     import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     model, load_s, pad_id = _load_transformers(model_path, device, dtype)
 
-    def generate(batch: Sequence[Sequence[int]], new_tokens: int) -> tuple[list[list[int]], int]:
+    class _Tick(StoppingCriteria):  # never stops a row: only counts the decode steps
+        def __init__(self, bar: Any) -> None:
+            self.bar = bar
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> Any:
+            self.bar.update(1)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(
+        batch: Sequence[Sequence[int]], new_tokens: int, bar: Any = None
+    ) -> tuple[list[list[int]], int]:
         width = max(len(p) for p in batch)
         padded = [[pad_id] * (width - len(p)) + list(p) for p in batch]
         ids = torch.tensor(padded, dtype=torch.long, device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         cfg = _greedy_config(model, pad_id, new_tokens)
+        ticks = StoppingCriteriaList([_Tick(bar)]) if bar is not None else None
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=ticks
+            )
         rows: list[list[int]] = out[:, width:].tolist()
         return rows, width * len(batch)
 
@@ -125,12 +142,14 @@ def run_transformers_static(
         batch = prompts[start : start + batch_size]
         want = lengths[start : start + batch_size]
         tb = time.perf_counter()
-        rows, width = generate(batch, max(want))
+        rows, width = generate(batch, max(want), step_bar)
         batch_s.append(time.perf_counter() - tb)
         outputs.extend(row[:n] for row, n in zip(rows, want, strict=True))
         generated += max(want) * len(batch)
         padded += width
     total_s = time.perf_counter() - t0
+    if step_bar is not None:
+        step_bar.close()
     check_lengths("transformers", outputs, lengths)
     details = {
         "batch_size": batch_size,
@@ -139,6 +158,11 @@ def run_transformers_static(
         "padded_prompt_tokens": padded,  # batch rows x longest prompt, summed over batches
     }
     return PeerRun(f"transformers generate, static batch {batch_size}", load_s, total_s, outputs, details)
+
+
+def static_steps(lengths: Sequence[int], batch_size: int) -> int:
+    """Decode steps of the static peer: each batch runs to its longest request's length."""
+    return sum(max(lengths[i : i + batch_size]) for i in range(0, len(lengths), batch_size))
 
 
 def run_transformers_continuous(

@@ -25,6 +25,9 @@ from typing import Any, TypeVar
 from pagedserve.benchmarks.common import load_note
 
 T = TypeVar("T")
+# How to get matplotlib, as the README installs the package (from a checkout, editable): the
+# `bench` extra of pyproject.toml (`make install` installs it too).
+PLOT_EXTRA_HINT = 'from the checkout: .venv/bin/pip install -e ".[bench]"'
 RESULTS_ROOT = Path("pagedserve-bench-results")
 """Where runs go without `--out` (relative to the current directory), one fresh folder each."""
 
@@ -110,7 +113,7 @@ class Report:
             import matplotlib.pyplot as plt
         except ImportError:
             print(
-                "warning: matplotlib is not installed (pip install pagedserve[bench]); no plot",
+                f"warning: matplotlib is not installed ({PLOT_EXTRA_HINT}); no plot",
                 file=sys.stderr,
             )
             return None

@@ -3,8 +3,16 @@
 Reproduce (run it ALONE on the machine: on 2 cores any other busy process makes torch's
 threaded matmuls 10-100x slower: their OpenMP threads and ours fight over the same cores):
 
-    pagedserve bench throughput                       # = python -m pagedserve.benchmarks.throughput
+    pagedserve bench throughput                       # quick: QUICK_WORKLOAD, our engine only
+    pagedserve bench throughput --full                # the comparison: FULL_WORKLOAD, FULL_PEERS
     pagedserve bench throughput --peers transformers transformers-cb vllm --vllm-python ~/vllm/bin/python
+
+With no arguments the run is a first look (`plan`): a small workload through our engine and
+the roofline, no peers, a couple of minutes on 2 cores. `--full` is the comparison the
+README's figures come from (the 64-prompt workload, then both transformers peers, several
+minutes more: the static peer alone runs 64 prompts as one batch). `--peers` or `--peer`, even
+`--peers` alone (our engine only), also select the full workload, so a ratio is always taken
+on the standard one; `--num-prompts` and `--max-output` override either.
 
 Quick plumbing check (seconds, numbers meaningless):
 
@@ -82,17 +90,41 @@ from pagedserve.common import settings
 from pagedserve.common.settings import parse_bytes
 from pagedserve.dataplane.config import EngineConfig
 
+# The workloads (prompts, longest output) and the peers a run gets when not told (`plan`).
+QUICK_WORKLOAD = (16, 128)
+FULL_WORKLOAD = (64, 256)
+FULL_PEERS = ("transformers", "transformers-cb")
+
 
 # -- the subcommand ------------------------------------------------------------------------------
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model", default=default_model(), help="store name or local HF folder (default: %(default)s)"
     )
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the full comparison the README's figures use: {FULL_WORKLOAD[0]} prompts, outputs up to "
+        f"{FULL_WORKLOAD[1]} tokens, then the peers {' and '.join(FULL_PEERS)} (unless --peers names "
+        "others); several minutes more than the quick default on 2 cores",
+    )
+    ap.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"chat prompts in the workload (default: {QUICK_WORKLOAD[0]}; {FULL_WORKLOAD[0]} with --full, "
+        "--peers or --peer)",
+    )
     ap.add_argument("--min-prompt", type=int, default=20, help="shortest prompt target, tokens")
     ap.add_argument("--max-prompt", type=int, default=300, help="longest prompt target, tokens")
     ap.add_argument("--min-output", type=int, default=16)
-    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        help=f"longest output, tokens (default: {QUICK_WORKLOAD[1]}; {FULL_WORKLOAD[1]} with --full, "
+        "--peers or --peer)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (every phase)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -111,9 +143,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--peers",
         nargs="*",
-        default=["transformers", "transformers-cb"],
+        default=None,
         choices=PEERS,
-        help="peers to run after our engine, in order (default: transformers transformers-cb)",
+        help="peers to run after our engine, in order; `--peers` alone: none (default: none; "
+        f"{' '.join(FULL_PEERS)} with --full)",
     )
     ap.add_argument(
         "--peer",
@@ -150,7 +183,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def plan(args: argparse.Namespace) -> None:
+    """Fill in what the command line left open: the peers (none, or FULL_PEERS with --full) and
+    the workload's size: QUICK_WORKLOAD for a run that names no peers, FULL_WORKLOAD with --full,
+    --peer or --peers (even `--peers` alone, our engine only: the commands the benchmark README
+    quotes keep their 64-prompt workload)."""
+    standard = args.full or args.peers is not None or bool(args.peer)
+    if args.peers is None:
+        args.peers = list(FULL_PEERS) if args.full else []
+    num_prompts, max_output = FULL_WORKLOAD if standard else QUICK_WORKLOAD
+    if args.num_prompts is None:
+        args.num_prompts = num_prompts
+    if args.max_output is None:
+        args.max_output = max(max_output, args.min_output)
+
+
 def validate(args: argparse.Namespace) -> None:
+    plan(args)
     if args.min_output > args.max_output or args.min_output < 1:
         raise ValueError("need 1 <= --min-output <= --max-output")
     if args.min_prompt > args.max_prompt:
@@ -192,8 +241,18 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     ours: EngineRun | None = None
     roof: Roofline | None = None
     if not args.skip_engine:
-        bar = report.bar(len(prompts), "pagedserve requests")
-        ours = phase("engine", lambda: run_engine(args, str(model_path), prompts, lengths, bar))
+        ours = phase(
+            "engine",
+            lambda: run_engine(
+                args,
+                str(model_path),
+                prompts,
+                lengths,
+                lambda: report.bar(len(prompts), "pagedserve requests"),
+            ),
+            "load the model and pick its kernels (10-30 s on 2 cores), warm up, then the "
+            f"{len(prompts)} timed requests (a bar counts them as they finish)",
+        )
         if not args.skip_roofline:
             steps, kv_bytes = ours.steps, ours.kv_element_bytes
             roof = phase(
@@ -201,14 +260,21 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
                 lambda: measure_roofline(
                     shapes, steps, args.roofline_reps, args.skip_prefill_roofline, kv_bytes
                 ),
+                f"time a large sgemm and a memory sweep, {args.roofline_reps} runs each (seconds, no bar)",
             )
 
     def progress(items: Sequence[int], desc: str) -> Any:
         return report.progress(items, desc)
 
+    def static_bar() -> Any:
+        steps = peer_runs.static_steps(lengths, args.peer_batch_size)
+        return report.bar(
+            steps, f"transformers decode steps ({-(-len(prompts) // args.peer_batch_size)} batches)"
+        )
+
     runners = {
         "transformers": lambda: peer_runs.run_transformers_static(
-            model_path, prompts, lengths, args.peer_batch_size, progress
+            model_path, prompts, lengths, args.peer_batch_size, step_bar=static_bar()
         ),
         "transformers-cb": lambda: peer_runs.run_transformers_continuous(
             model_path, prompts, lengths, args.max_num_batched_tokens, progress
@@ -233,9 +299,16 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             dtype="bfloat16",
         ),
     }
+    doing = {
+        "transformers": f"load, then static batches of {args.peer_batch_size} (the bar counts decode "
+        "steps; a long workload takes minutes)",
+        "transformers-cb": "load, then every request at once (the bar counts finished requests)",
+        "vllm": "vLLM's CPU build in its own interpreter (its own output follows; minutes)",
+        "vllm-bf16": "vLLM's CPU build in bf16, in its own interpreter (its own output follows; minutes)",
+    }
     done: list[PeerRun] = []
     for name in dict.fromkeys([*args.peers, *args.peer]):
-        done.append(phase(name, runners[name]))
+        done.append(phase(name, runners[name], doing[name]))
         gc.collect()  # drop the peer's model before the next one loads
 
     rounds: list[tuple[float, dict[str, float]]] = []
@@ -261,6 +334,11 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         f"load average at start {report.loads['start']}",
         cpu_line(),
     ]
+    if not done:
+        notes.append(
+            "no peers (the quick default): `pagedserve bench throughput --full` adds transformers' static "
+            f"and continuous batching on the {FULL_WORKLOAD[0]}-prompt workload (several minutes more)"
+        )
     report.table(
         "Offline throughput",
         ["run", "useful output tok/s", "time (s)", "pagedserve speed-up", "same greedy tokens"],

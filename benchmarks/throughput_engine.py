@@ -7,7 +7,7 @@ import argparse
 import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +103,14 @@ def _kv_element_bytes(engine: Any) -> int:
 
 
 def run_engine(
-    args: argparse.Namespace, model: str, prompts: list[list[int]], lengths: list[int], bar: Any = None
+    args: argparse.Namespace,
+    model: str,
+    prompts: list[list[int]],
+    lengths: list[int],
+    make_bar: Callable[[], Any] | None = None,
 ) -> EngineRun:
-    """Our engine on the workload; `bar` (a tqdm-like object) is advanced per finished request."""
+    """Our engine on the workload; `make_bar` makes a tqdm-like object just before the timed
+    run (after load and warm-up, so its rate is the run's), advanced per finished request."""
     from pagedserve.dataplane import SamplingParams
 
     def params(n: int) -> Any:
@@ -147,6 +152,7 @@ def run_engine(
         scheduler.schedule = schedule_and_record  # type: ignore[union-attr]
 
     steps: list[StepRecord] = []
+    bar = make_bar() if make_bar is not None else None
     try:
         t0 = time.perf_counter()
         requests = [engine.add_request(p, params(n)) for p, n in zip(prompts, lengths, strict=True)]

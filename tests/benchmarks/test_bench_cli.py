@@ -77,6 +77,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_throughput_against_both_transformers_peers(tiny_chat_model: Path, tmp_path: Path) -> None:
     args = ["--model", str(tiny_chat_model), "--num-prompts", "3", "--min-output", "2", "--max-output", "5"]
     args += [
+        "--full",  # both transformers peers (the default runs none)
         "--peer-batch-size",
         "2",
         "--roofline-reps",

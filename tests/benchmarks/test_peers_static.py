@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.benchmarks.peers import run_transformers_static
+from pagedserve.benchmarks.peers import run_transformers_static, static_steps
 from pagedserve.benchmarks.tiny_models import (
     assert_same_greedy,
     load_reference_model,
@@ -38,3 +38,23 @@ def test_explicit_cpu_fp32_gives_the_default_calls_greedy_tokens(tmp_path: Path)
     ref_model = load_reference_model(path)
     for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
         assert_same_greedy(default.outputs[i], reference_greedy(ref_model, prompt, n), f"prompt {i}")
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n, self.closed = 0, False
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_step_bar_moves_once_per_decode_step_of_every_batch(tmp_path: Path) -> None:
+    # One big batch must still show progress: the bar ticks per generated position.
+    path = make_tiny_model("llama", tmp_path)
+    bar = _Counter()
+    run = run_transformers_static(path, PROMPTS, LENGTHS, batch_size=2, step_bar=bar)
+    assert bar.n == static_steps(LENGTHS, 2) == 4 + 5 and bar.closed
+    assert [len(o) for o in run.outputs] == LENGTHS
