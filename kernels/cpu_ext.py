@@ -1,8 +1,9 @@
 """C++ CPU kernels (kernels/cpu/*.cpp), JIT-built with torch.utils.cpp_extension on first use.
 
 Nothing is built at import: the first load_cpu_kernels() call compiles the extension (about
-1-2 minutes cold on 2 cores; `pagedserve kernels build` does it ahead of the first start) into
-`build_root()` ($TORCH_EXTENSIONS_DIR/pagedserve, else ~/.cache/torch_extensions/pagedserve),
+15-40 s cold on 2 cores, longer while other work shares them; `pagedserve kernels build` does
+it ahead of the first start) into `build_root()` ($TORCH_EXTENSIONS_DIR/pagedserve, else
+~/.cache/torch_extensions/pagedserve),
 one folder per build named by the digest of what the binary depends on (`build_name`): the
 CPU, the sources' contents, the flags, torch. The sources are copied into that folder and
 built from there, so every checkout of the same sources shares one build; later processes
@@ -352,7 +353,7 @@ def build_name(isa: str, cflags: Sequence[str]) -> str:
 
 
 # How long a start waits for another process's build of the same kernels before it gives up
-# (and falls back to the torch path): a cold build takes ~1-2 min on 2 cores.
+# (and falls back to the torch path): a cold build takes 15-40 s on 2 cores, more when they are busy.
 BUILD_WAIT_S = 600.0
 
 
@@ -432,7 +433,7 @@ def _load_or_build(name: str, cflags: list[str], verbose: bool) -> str:
         (folder / "lock").unlink(missing_ok=True)
         logger.warning(
             "pagedserve: building the C++ CPU kernels %s (once per CPU and kernel source version; "
-            "about 1-2 minutes on 2 cores) in %s",
+            "about 15-40 s on 2 cores, longer while other work shares them) in %s",
             name,
             folder,
         )
