@@ -250,7 +250,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
                 lengths,
                 lambda: report.bar(len(prompts), "pagedserve requests"),
             ),
-            "load the model and pick its kernels (10-30 s on 2 cores), warm up, then the "
+            "load the model and pick its kernels (about 10 s on 2 cores, 15-40 s more if the C++ kernels "
+            "are not built yet), warm up, then the "
             f"{len(prompts)} timed requests (a bar counts them as they finish)",
         )
         if not args.skip_roofline:

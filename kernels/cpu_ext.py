@@ -1,17 +1,16 @@
 """C++ CPU kernels (kernels/cpu/*.cpp), JIT-built with torch.utils.cpp_extension on first use.
 
-Nothing is built at import: the first load_cpu_kernels() call compiles the extension (about
-15-40 s cold on 2 cores, longer while other work shares them; `pagedserve kernels build` does
-it ahead of the first start) into `build_root()` ($TORCH_EXTENSIONS_DIR/pagedserve, else
-~/.cache/torch_extensions/pagedserve),
-one folder per build named by the digest of what the binary depends on (`build_name`): the
-CPU, the sources' contents, the flags, torch. The sources are copied into that folder and
-built from there, so every checkout of the same sources shares one build; later processes
-load the library as it is, without running the compiler or taking a lock. A build holds an
-flock on its folder, which the OS drops when the builder exits or is killed: an interrupted
-build never blocks a later start, and processes started together build once. Within a
-process the result is memoised. If the build fails (no C++ compiler, no ninja) a single
-warning is logged and callers fall back to the torch implementations.
+Nothing is built at import: the first load_cpu_kernels() call compiles the extension (15-40 s
+cold on 2 cores, longer while other work shares them; `pagedserve kernels build` does it ahead
+of the first start) into `build_root()` ($TORCH_EXTENSIONS_DIR/pagedserve, else
+~/.cache/torch_extensions/pagedserve), one folder per build named by the digest of what the
+binary depends on (`build_name`): the CPU, the sources' contents, the flags, torch. The sources
+are copied into that folder and built from there, so every checkout of the same sources shares
+one build; later processes load the library as it is, without running the compiler or taking a
+lock. A build holds an flock on its folder, which the OS drops when the builder exits or is
+killed: an interrupted build never blocks a later start, and processes started together build
+once. Within a process the result is memoised. If the build fails (no C++ compiler, no ninja) a
+single warning is logged and callers fall back to the torch implementations.
 
 One build per instruction-set level (`CPU_ISAS`): avx512 (AVX-512 F/BW/DQ/VL), avx2 (AVX2 +
 FMA + F16C, x86-64-v3) and portable (the architecture's baseline: SSE2 on x86-64, NEON on
