@@ -24,6 +24,7 @@ private static final long serialVersionUID = 0L;
   private SamplingParams() {
     stopTokenIds_ = emptyIntList();
     stop_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+    allowedTokenIds_ = emptyIntList();
   }
 
   @java.lang.Override
@@ -912,6 +913,79 @@ private static final long serialVersionUID = 0L;
     return promptLogprobs_;
   }
 
+  public static final int MIN_TOKENS_FIELD_NUMBER = 22;
+  private int minTokens_ = 0;
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return Whether the minTokens field is set.
+   */
+  @java.lang.Override
+  public boolean hasMinTokens() {
+    return ((bitField0_ & 0x00001000) != 0);
+  }
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return The minTokens.
+   */
+  @java.lang.Override
+  public int getMinTokens() {
+    return minTokens_;
+  }
+
+  public static final int ALLOWED_TOKEN_IDS_FIELD_NUMBER = 23;
+  @SuppressWarnings("serial")
+  private com.google.protobuf.Internal.IntList allowedTokenIds_;
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  @java.lang.Override
+  public java.util.List<java.lang.Integer>
+      getAllowedTokenIdsList() {
+    return allowedTokenIds_;
+  }
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return The count of allowedTokenIds.
+   */
+  public int getAllowedTokenIdsCount() {
+    return allowedTokenIds_.size();
+  }
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  public int getAllowedTokenIds(int index) {
+    return allowedTokenIds_.getInt(index);
+  }
+  private int allowedTokenIdsMemoizedSerializedSize = -1;
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -997,6 +1071,16 @@ private static final long serialVersionUID = 0L;
     }
     if (((bitField0_ & 0x00000800) != 0)) {
       output.writeUInt32(21, promptLogprobs_);
+    }
+    if (((bitField0_ & 0x00001000) != 0)) {
+      output.writeUInt32(22, minTokens_);
+    }
+    if (getAllowedTokenIdsList().size() > 0) {
+      output.writeUInt32NoTag(186);
+      output.writeUInt32NoTag(allowedTokenIdsMemoizedSerializedSize);
+    }
+    for (int i = 0; i < allowedTokenIds_.size(); i++) {
+      output.writeUInt32NoTag(allowedTokenIds_.getInt(i));
     }
     getUnknownFields().writeTo(output);
   }
@@ -1109,6 +1193,24 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(21, promptLogprobs_);
     }
+    if (((bitField0_ & 0x00001000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(22, minTokens_);
+    }
+    {
+      int dataSize = 0;
+      for (int i = 0; i < allowedTokenIds_.size(); i++) {
+        dataSize += com.google.protobuf.CodedOutputStream
+          .computeUInt32SizeNoTag(allowedTokenIds_.getInt(i));
+      }
+      size += dataSize;
+      if (!getAllowedTokenIdsList().isEmpty()) {
+        size += 2;
+        size += com.google.protobuf.CodedOutputStream
+            .computeInt32SizeNoTag(dataSize);
+      }
+      allowedTokenIdsMemoizedSerializedSize = dataSize;
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1198,6 +1300,13 @@ private static final long serialVersionUID = 0L;
       if (getPromptLogprobs()
           != other.getPromptLogprobs()) return false;
     }
+    if (hasMinTokens() != other.hasMinTokens()) return false;
+    if (hasMinTokens()) {
+      if (getMinTokens()
+          != other.getMinTokens()) return false;
+    }
+    if (!getAllowedTokenIdsList()
+        .equals(other.getAllowedTokenIdsList())) return false;
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 16:
@@ -1303,6 +1412,14 @@ private static final long serialVersionUID = 0L;
     if (hasPromptLogprobs()) {
       hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
       hash = (53 * hash) + getPromptLogprobs();
+    }
+    if (hasMinTokens()) {
+      hash = (37 * hash) + MIN_TOKENS_FIELD_NUMBER;
+      hash = (53 * hash) + getMinTokens();
+    }
+    if (getAllowedTokenIdsCount() > 0) {
+      hash = (37 * hash) + ALLOWED_TOKEN_IDS_FIELD_NUMBER;
+      hash = (53 * hash) + getAllowedTokenIdsList().hashCode();
     }
     switch (constraintCase_) {
       case 16:
@@ -1506,6 +1623,8 @@ private static final long serialVersionUID = 0L;
         choiceBuilder_.clear();
       }
       promptLogprobs_ = 0;
+      minTokens_ = 0;
+      allowedTokenIds_ = emptyIntList();
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1552,6 +1671,11 @@ private static final long serialVersionUID = 0L;
         bitField0_ = (bitField0_ & ~0x00002000);
       }
       result.stop_ = stop_;
+      if (((bitField0_ & 0x00400000) != 0)) {
+        allowedTokenIds_.makeImmutable();
+        bitField0_ = (bitField0_ & ~0x00400000);
+      }
+      result.allowedTokenIds_ = allowedTokenIds_;
     }
 
     private void buildPartial0(io.pagedserve.v1.SamplingParams result) {
@@ -1611,6 +1735,10 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x00100000) != 0)) {
         result.promptLogprobs_ = promptLogprobs_;
         to_bitField0_ |= 0x00000800;
+      }
+      if (((from_bitField0_ & 0x00200000) != 0)) {
+        result.minTokens_ = minTokens_;
+        to_bitField0_ |= 0x00001000;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -1729,6 +1857,19 @@ private static final long serialVersionUID = 0L;
       bitField0_ |= 0x00004000;
       if (other.hasPromptLogprobs()) {
         setPromptLogprobs(other.getPromptLogprobs());
+      }
+      if (other.hasMinTokens()) {
+        setMinTokens(other.getMinTokens());
+      }
+      if (!other.allowedTokenIds_.isEmpty()) {
+        if (allowedTokenIds_.isEmpty()) {
+          allowedTokenIds_ = other.allowedTokenIds_;
+          bitField0_ = (bitField0_ & ~0x00400000);
+        } else {
+          ensureAllowedTokenIdsIsMutable();
+          allowedTokenIds_.addAll(other.allowedTokenIds_);
+        }
+        onChanged();
       }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
@@ -1913,6 +2054,27 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00100000;
               break;
             } // case 168
+            case 176: {
+              minTokens_ = input.readUInt32();
+              bitField0_ |= 0x00200000;
+              break;
+            } // case 176
+            case 184: {
+              int v = input.readUInt32();
+              ensureAllowedTokenIdsIsMutable();
+              allowedTokenIds_.addInt(v);
+              break;
+            } // case 184
+            case 186: {
+              int length = input.readRawVarint32();
+              int limit = input.pushLimit(length);
+              ensureAllowedTokenIdsIsMutable();
+              while (input.getBytesUntilLimit() > 0) {
+                allowedTokenIds_.addInt(input.readUInt32());
+              }
+              input.popLimit(limit);
+              break;
+            } // case 186
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -3669,6 +3831,182 @@ private static final long serialVersionUID = 0L;
     public Builder clearPromptLogprobs() {
       bitField0_ = (bitField0_ & ~0x00100000);
       promptLogprobs_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int minTokens_ ;
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return Whether the minTokens field is set.
+     */
+    @java.lang.Override
+    public boolean hasMinTokens() {
+      return ((bitField0_ & 0x00200000) != 0);
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return The minTokens.
+     */
+    @java.lang.Override
+    public int getMinTokens() {
+      return minTokens_;
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @param value The minTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setMinTokens(int value) {
+      
+      minTokens_ = value;
+      bitField0_ |= 0x00200000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearMinTokens() {
+      bitField0_ = (bitField0_ & ~0x00200000);
+      minTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.Internal.IntList allowedTokenIds_ = emptyIntList();
+    private void ensureAllowedTokenIdsIsMutable() {
+      if (!((bitField0_ & 0x00400000) != 0)) {
+        allowedTokenIds_ = mutableCopy(allowedTokenIds_);
+        bitField0_ |= 0x00400000;
+      }
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return A list containing the allowedTokenIds.
+     */
+    public java.util.List<java.lang.Integer>
+        getAllowedTokenIdsList() {
+      return ((bitField0_ & 0x00400000) != 0) ?
+               java.util.Collections.unmodifiableList(allowedTokenIds_) : allowedTokenIds_;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return The count of allowedTokenIds.
+     */
+    public int getAllowedTokenIdsCount() {
+      return allowedTokenIds_.size();
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param index The index of the element to return.
+     * @return The allowedTokenIds at the given index.
+     */
+    public int getAllowedTokenIds(int index) {
+      return allowedTokenIds_.getInt(index);
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param index The index to set the value at.
+     * @param value The allowedTokenIds to set.
+     * @return This builder for chaining.
+     */
+    public Builder setAllowedTokenIds(
+        int index, int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.setInt(index, value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param value The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllowedTokenIds(int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.addInt(value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param values The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllAllowedTokenIds(
+        java.lang.Iterable<? extends java.lang.Integer> values) {
+      ensureAllowedTokenIdsIsMutable();
+      com.google.protobuf.AbstractMessageLite.Builder.addAll(
+          values, allowedTokenIds_);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearAllowedTokenIds() {
+      allowedTokenIds_ = emptyIntList();
+      bitField0_ = (bitField0_ & ~0x00400000);
       onChanged();
       return this;
     }

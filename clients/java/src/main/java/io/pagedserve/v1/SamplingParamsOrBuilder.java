@@ -513,5 +513,58 @@ public interface SamplingParamsOrBuilder extends
    */
   int getPromptLogprobs();
 
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return Whether the minTokens field is set.
+   */
+  boolean hasMinTokens();
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return The minTokens.
+   */
+  int getMinTokens();
+
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  java.util.List<java.lang.Integer> getAllowedTokenIdsList();
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return The count of allowedTokenIds.
+   */
+  int getAllowedTokenIdsCount();
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  int getAllowedTokenIds(int index);
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }
