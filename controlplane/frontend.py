@@ -322,6 +322,9 @@ class Frontend:
             if bad:
                 name = field("logit_bias")
                 raise invalid_argument(f"{name} keys must be token ids in [0, {vocab}), got {bad[:5]}", name)
+        if params.allowed_token_ids and vocab is not None and params.allowed_token_ids[-1] >= vocab:
+            name = field("allowed_token_ids")
+            raise invalid_argument(f"{name} must be token ids in [0, {vocab})", name)
         if not prompt_token_ids:
             raise invalid_argument("prompt: tokenizes to no tokens")
         context = self.max_model_len()

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API we accept (pydantic), and the parameters we refuse.
 
 The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`cache_salt`, `priority`, `prompt_logprobs`) are honoured, so `extra_body={...}` from the official client works; `model` may
+`min_tokens`, `allowed_token_ids`, `cache_salt`, `priority`, `prompt_logprobs`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
 `pagedserve.controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
@@ -48,9 +48,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # of theirs are not implemented)
     "guided_whitespace_pattern": _unset,
     "structural_tag": _unset,
-    "min_tokens": _falsy,
     "bad_words": _falsy,
-    "allowed_token_ids": _unset,
     "include_stop_str_in_output": _falsy,
     "skip_special_tokens": _true_or_unset,
     "spaces_between_special_tokens": _true_or_unset,
@@ -94,6 +92,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: EOS and stop_token_ids are masked until min_tokens were generated; only
+    # allowed_token_ids (when set) can be generated. Range-checked by `Frontend.validate`.
+    min_tokens: StrictInt | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     cache_salt: str | None = None
     # Seconds the server may spend on the request, queue included (controlplane/deadlines.py):
     # past it the response is 504 (a stream ends with the tokens so far, then the error).
