@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
 from pagedserve.common.telemetry import extract
@@ -62,7 +63,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.frontend.check_model(request.model or None)  # proto3: "" is unset
         await self.frontend.dispatcher.wait_for_startup(None if remaining is None else start + remaining)
         prompt, use = self._prompt_ids(request)
-        sampling = sampling_fields_from_proto(request.sampling_params)
+        try:
+            sampling = sampling_fields_from_proto(request.sampling_params)
+        except InvalidField as exc:  # an id list refused before it is copied out of the message
+            name = f"sampling_params.{exc.field}"
+            raise invalid_argument(f"{name} {exc.reason}", name) from None
         forced = forced_tool_constraint(use, sampling)
         if forced is not None:
             sampling["constraint"] = forced[0]

@@ -1,0 +1,143 @@
+"""vLLM's sampling extras end to end (tiny random model with a tokenizer): `min_tokens` and
+`allowed_token_ids` from the official `openai` client's `extra_body` and from the Python gRPC
+client are honoured, and every bad value is refused naming its field."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from pagedserve.clients.python import GenerationClient, StreamChunk
+from pagedserve.controlplane.tokenizer import Tokenizer
+from tests.e2e.hardening.tiny_served import VOCAB, make_tiny_served_model
+from tests.e2e.harness import ServerThread, engine_config
+
+PROMPT = "Hello world, the capital of France is"
+EOS = 2  # the tiny served model's </s>
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_served_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(engine_config(model, num_blocks=128, max_model_len=512, block_size=4), model)
+    yield srv
+    idle = srv.wait_idle()
+    assert idle.snapshot.stats.free_blocks == idle.snapshot.stats.total_blocks
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_http_allowed_token_ids(client: openai.OpenAI, model: Path) -> None:
+    tok = Tokenizer(model)
+    token = tok.encode(" Paris")[0]
+    extra = {"allowed_token_ids": [token], "ignore_eos": True}
+    out = client.completions.create(
+        model="llama", prompt=PROMPT, max_tokens=5, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].text == tok.decode([token] * 5)
+    chat = client.chat.completions.create(
+        model="llama",
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
+        extra_body=extra,  # type: ignore[arg-type]
+    )
+    assert chat.choices[0].message.content == tok.decode([token] * 4)
+
+
+def test_http_min_tokens(client: openai.OpenAI) -> None:
+    extra: dict[str, Any] = {"logit_bias": {str(EOS): 100}}  # EOS would be every token's argmax
+    out = client.completions.create(
+        model="llama", prompt=PROMPT, max_tokens=20, temperature=0, extra_body=extra
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 1
+    extra["min_tokens"] = 6
+    out = client.completions.create(
+        model="llama", prompt=PROMPT, max_tokens=20, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens == 7  # 6, then EOS
+    chat = client.chat.completions.create(
+        model="llama",
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        extra_body=extra,  # type: ignore[arg-type]
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 7
+
+
+def post(server: ServerThread, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    host, port = server.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"min_tokens": "3"}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("extra", "field"), BAD_VALUES)
+def test_http_bad_values_are_400_naming_the_field(
+    server: ServerThread, path: str, extra: dict[str, Any], field: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 4, **extra}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = MESSAGES
+    status, answer = post(server, path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"].split("[")[0] == field, answer  # an element: its index too
+
+
+def test_grpc_extras(server: ServerThread) -> None:
+    with GenerationClient(server.grpc_address, timeout=60) as client:
+        items = client.generate_stream(
+            PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=[7, 9]
+        )
+        ids = [t for i in items if isinstance(i, StreamChunk) for t in i.token_ids]
+        assert len(ids) == 8 and set(ids) <= {7, 9}
+        [done] = client.generate(
+            PROMPT, max_tokens=20, temperature=0.0, min_tokens=5, logit_bias={EOS: 100.0}
+        )
+        assert done.completion_tokens == 6 and done.finish_reason == "stop"
+        for kwargs, field in [
+            ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+            ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
+            ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(PROMPT, **{"max_tokens": 4, **kwargs})
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+            assert f"sampling_params.{field}" in err.value.details()  # type: ignore[attr-defined]
