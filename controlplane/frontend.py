@@ -33,7 +33,7 @@ from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.refusals import RefusalLog
-from pagedserve.controlplane.request import GenerationRequest, new_request_id
+from pagedserve.controlplane.request import GenerationRequest, new_request_id, truncated_prompt
 from pagedserve.controlplane.stream_events import CompletionDone as CompletionDone
 from pagedserve.controlplane.stream_events import StreamEvent as StreamEvent
 from pagedserve.controlplane.stream_events import TextDelta as TextDelta
@@ -265,6 +265,8 @@ class Frontend:
         deadline: float | None = None,
         timeout_s: float | None = None,
         priority: int | None = None,
+        include_stop_str_in_output: bool = False,
+        truncate_prompt_tokens: int | None = None,
         field_prefix: str = "sampling_params.",
         field_names: Mapping[str, str] | None = None,
         request_id_field: str = "request_id",
@@ -282,12 +284,17 @@ class Frontend:
         per-sample state is made only for a validated `n`). `request_id` is the client's
         label (`request_id_field` names where it came from); the request is keyed by a fresh
         server id. Its deadline: the soonest of `deadline` (the call's), the client's `timeout_s`
-        and the server's default. `priority`: lower is scheduled earlier (None: 0).
+        and the server's default. `priority`: lower is scheduled earlier (None: 0). vLLM's
+        `truncate_prompt_tokens` keeps only the prompt's last tokens, before anything else.
         """
         names = field_names or {}
 
         def field(name: str) -> str:
             return f"{field_prefix}{names.get(name, name)}"
+
+        prompt_token_ids = truncated_prompt(
+            prompt_token_ids, truncate_prompt_tokens, field("truncate_prompt_tokens")
+        )
 
         due = request_deadline(deadline, timeout_s, self.request_timeout_s)
         if request_id is not None:
@@ -337,6 +344,7 @@ class Frontend:
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
             stop=tuple(stop),
+            include_stop_str_in_output=include_stop_str_in_output,
             cache_salt=salt,
             deadline=None if due is None else due.at,
             deadline_source="" if due is None else due.source,
@@ -415,11 +423,7 @@ class Frontend:
         self, gen: GenerationRequest, start: float, trace_context: Mapping[str, str]
     ) -> AsyncIterator[StreamEvent]:
         metrics = self.metrics
-        prompt = list(gen.prompt_token_ids)
-        completions = [
-            _Completion(IncrementalDetokenizer(self.tokenizer, prompt, gen.stop))
-            for _ in range(gen.num_samples)
-        ]
+        completions = [_Completion(gen.detokenizer(self.tokenizer)) for _ in range(gen.num_samples)]
         queue_seconds = 0.0
         events = self.dispatcher.generate(gen, trace_context)
         async with contextlib.aclosing(events):
