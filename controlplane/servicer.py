@@ -32,6 +32,10 @@ from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generati
 log = get_logger(__name__)
 
 
+def _truncate_prompt_tokens(params: common_pb2.SamplingParams) -> int | None:
+    return params.truncate_prompt_tokens if params.HasField("truncate_prompt_tokens") else None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
@@ -79,6 +83,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             cache_salt=request.cache_salt or None,
             priority=request.priority,
             deadline=None if remaining is None else start + remaining,
+            include_stop_str_in_output=request.sampling_params.include_stop_str_in_output,
+            truncate_prompt_tokens=_truncate_prompt_tokens(request.sampling_params),
         )
         if forced is not None:  # a compile refusal names the tools, not sampling_params
             gen = dataclasses.replace(gen, constraint_field=forced[1])

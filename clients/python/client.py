@@ -173,6 +173,8 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int | None = None,
     allowed_token_ids: Sequence[int] = (),
+    include_stop_str_in_output: bool = False,
+    truncate_prompt_tokens: int | None = None,
     request_id: str = "",
     cache_salt: str = "",
     priority: int = 0,
@@ -190,7 +192,9 @@ def build_request(
     `tools`, `tool_choice` and `parallel_tool_calls` (chat prompts only) as the module says.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
     vLLM's `min_tokens`: EOS and stop token ids cannot end a completion before that many
-    tokens; `allowed_token_ids`: when non-empty, only these ids can be generated.
+    tokens; `allowed_token_ids`: when non-empty, only these ids can be generated;
+    `include_stop_str_in_output`: a matched stop string stays in the text;
+    `truncate_prompt_tokens`: only the prompt's last that many tokens are kept.
     `prompt_logprobs` (vLLM's): each prompt token's logprob given its prefix plus that many top
     alternatives, on the first chunk of completion 0 (its `TokenChunk.prompt_logprobs`).
     `priority` (vLLM's): lower is scheduled earlier, default 0, in [-1000000, 1000000]; it may
@@ -205,6 +209,7 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
         allowed_token_ids=list(allowed_token_ids),
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     set_constraint(
         params, json_schema=json_schema, json_object=json_object, regex=regex, choice=choice, grammar=grammar
@@ -221,6 +226,7 @@ def build_request(
         ("logprobs", logprobs),
         ("prompt_logprobs", prompt_logprobs),
         ("min_tokens", min_tokens),
+        ("truncate_prompt_tokens", truncate_prompt_tokens),
     ):
         if value is not None:
             setattr(params, name, value)

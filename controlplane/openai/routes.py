@@ -163,6 +163,8 @@ class OpenAIRoutes:
                 cache_salt=body.cache_salt,
                 timeout_s=body.timeout,
                 priority=body.priority,
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
                 field_prefix="",
                 field_names=field_names,
                 request_id_field="x-request-id",

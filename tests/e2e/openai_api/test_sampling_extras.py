@@ -1,6 +1,7 @@
-"""vLLM's sampling extras end to end (tiny random model with a tokenizer): `min_tokens` and
-`allowed_token_ids` from the official `openai` client's `extra_body` and from the Python gRPC
-client are honoured, and every bad value is refused naming its field."""
+"""vLLM's sampling extras end to end (tiny random model with a tokenizer): `min_tokens`,
+`allowed_token_ids`, `include_stop_str_in_output` and `truncate_prompt_tokens` from the official
+`openai` client's `extra_body` and from the Python gRPC client are honoured, and every bad
+value is refused naming its field."""
 
 from __future__ import annotations
 
@@ -84,6 +85,35 @@ def test_http_min_tokens(client: openai.OpenAI) -> None:
     assert chat.usage is not None and chat.usage.completion_tokens == 7
 
 
+def test_http_include_stop_str_in_output(client: openai.OpenAI) -> None:
+    plain = dict(model="llama", prompt=PROMPT, max_tokens=12, temperature=0)
+    text = client.completions.create(**plain, extra_body={"ignore_eos": True}).choices[0].text  # type: ignore[call-overload]
+    stop = text[4:6]
+    at = text.find(stop)
+    for include, expected in ((False, text[:at]), (True, text[: at + len(stop)])):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+        out = client.completions.create(**plain, stop=[stop], extra_body=extra)  # type: ignore[call-overload]
+        assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+        chunks = client.completions.create(**plain, stop=[stop], stream=True, extra_body=extra)  # type: ignore[call-overload]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_http_truncate_prompt_tokens(client: openai.OpenAI, model: Path) -> None:
+    tail = Tokenizer(model).encode(PROMPT)[-3:]
+    plain = dict(model="llama", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    expected = client.completions.create(prompt=tail, **plain).choices[0].text  # type: ignore[call-overload]
+    extra = {"ignore_eos": True, "truncate_prompt_tokens": 3}
+    out = client.completions.create(**{**plain, "extra_body": extra}, prompt=PROMPT)  # type: ignore[call-overload]
+    assert out.usage.prompt_tokens == 3 and out.choices[0].text == expected
+    chat = client.chat.completions.create(
+        model="llama",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 2},  # type: ignore[arg-type]
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 2
+
+
 def post(server: ServerThread, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     host, port = server.http_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -103,6 +133,12 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
     ({"allowed_token_ids": 5}, "allowed_token_ids"),
     ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "3"}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2**40}, "truncate_prompt_tokens"),
 ]
 
 
@@ -132,7 +168,22 @@ def test_grpc_extras(server: ServerThread) -> None:
             PROMPT, max_tokens=20, temperature=0.0, min_tokens=5, logit_bias={EOS: 100.0}
         )
         assert done.completion_tokens == 6 and done.finish_reason == "stop"
+        [whole] = client.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+        stop = whole.text[4:6]
+        at = whole.text.find(stop)
+        [kept] = client.generate(
+            PROMPT,
+            max_tokens=10,
+            temperature=0.0,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        )
+        assert kept.text == whole.text[: at + len(stop)] and kept.stop_string == stop
+        [short] = client.generate(PROMPT, max_tokens=2, truncate_prompt_tokens=3)
+        assert short.prompt_tokens == 3
         for kwargs, field in [
+            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
             ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
             ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
             ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),

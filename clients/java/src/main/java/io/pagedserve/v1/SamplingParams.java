@@ -986,6 +986,48 @@ private static final long serialVersionUID = 0L;
   }
   private int allowedTokenIdsMemoizedSerializedSize = -1;
 
+  public static final int INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER = 24;
+  private boolean includeStopStrInOutput_ = false;
+  /**
+   * <pre>
+   * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+   * </pre>
+   *
+   * <code>bool include_stop_str_in_output = 24;</code>
+   * @return The includeStopStrInOutput.
+   */
+  @java.lang.Override
+  public boolean getIncludeStopStrInOutput() {
+    return includeStopStrInOutput_;
+  }
+
+  public static final int TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER = 25;
+  private int truncatePromptTokens_ = 0;
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return Whether the truncatePromptTokens field is set.
+   */
+  @java.lang.Override
+  public boolean hasTruncatePromptTokens() {
+    return ((bitField0_ & 0x00002000) != 0);
+  }
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return The truncatePromptTokens.
+   */
+  @java.lang.Override
+  public int getTruncatePromptTokens() {
+    return truncatePromptTokens_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -1081,6 +1123,12 @@ private static final long serialVersionUID = 0L;
     }
     for (int i = 0; i < allowedTokenIds_.size(); i++) {
       output.writeUInt32NoTag(allowedTokenIds_.getInt(i));
+    }
+    if (includeStopStrInOutput_ != false) {
+      output.writeBool(24, includeStopStrInOutput_);
+    }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      output.writeUInt32(25, truncatePromptTokens_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -1211,6 +1259,14 @@ private static final long serialVersionUID = 0L;
       }
       allowedTokenIdsMemoizedSerializedSize = dataSize;
     }
+    if (includeStopStrInOutput_ != false) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(24, includeStopStrInOutput_);
+    }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(25, truncatePromptTokens_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1307,6 +1363,13 @@ private static final long serialVersionUID = 0L;
     }
     if (!getAllowedTokenIdsList()
         .equals(other.getAllowedTokenIdsList())) return false;
+    if (getIncludeStopStrInOutput()
+        != other.getIncludeStopStrInOutput()) return false;
+    if (hasTruncatePromptTokens() != other.hasTruncatePromptTokens()) return false;
+    if (hasTruncatePromptTokens()) {
+      if (getTruncatePromptTokens()
+          != other.getTruncatePromptTokens()) return false;
+    }
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 16:
@@ -1420,6 +1483,13 @@ private static final long serialVersionUID = 0L;
     if (getAllowedTokenIdsCount() > 0) {
       hash = (37 * hash) + ALLOWED_TOKEN_IDS_FIELD_NUMBER;
       hash = (53 * hash) + getAllowedTokenIdsList().hashCode();
+    }
+    hash = (37 * hash) + INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER;
+    hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+        getIncludeStopStrInOutput());
+    if (hasTruncatePromptTokens()) {
+      hash = (37 * hash) + TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER;
+      hash = (53 * hash) + getTruncatePromptTokens();
     }
     switch (constraintCase_) {
       case 16:
@@ -1625,6 +1695,8 @@ private static final long serialVersionUID = 0L;
       promptLogprobs_ = 0;
       minTokens_ = 0;
       allowedTokenIds_ = emptyIntList();
+      includeStopStrInOutput_ = false;
+      truncatePromptTokens_ = 0;
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1739,6 +1811,13 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x00200000) != 0)) {
         result.minTokens_ = minTokens_;
         to_bitField0_ |= 0x00001000;
+      }
+      if (((from_bitField0_ & 0x00800000) != 0)) {
+        result.includeStopStrInOutput_ = includeStopStrInOutput_;
+      }
+      if (((from_bitField0_ & 0x01000000) != 0)) {
+        result.truncatePromptTokens_ = truncatePromptTokens_;
+        to_bitField0_ |= 0x00002000;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -1870,6 +1949,12 @@ private static final long serialVersionUID = 0L;
           allowedTokenIds_.addAll(other.allowedTokenIds_);
         }
         onChanged();
+      }
+      if (other.getIncludeStopStrInOutput() != false) {
+        setIncludeStopStrInOutput(other.getIncludeStopStrInOutput());
+      }
+      if (other.hasTruncatePromptTokens()) {
+        setTruncatePromptTokens(other.getTruncatePromptTokens());
       }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
@@ -2075,6 +2160,16 @@ private static final long serialVersionUID = 0L;
               input.popLimit(limit);
               break;
             } // case 186
+            case 192: {
+              includeStopStrInOutput_ = input.readBool();
+              bitField0_ |= 0x00800000;
+              break;
+            } // case 192
+            case 200: {
+              truncatePromptTokens_ = input.readUInt32();
+              bitField0_ |= 0x01000000;
+              break;
+            } // case 200
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -4007,6 +4102,106 @@ private static final long serialVersionUID = 0L;
     public Builder clearAllowedTokenIds() {
       allowedTokenIds_ = emptyIntList();
       bitField0_ = (bitField0_ & ~0x00400000);
+      onChanged();
+      return this;
+    }
+
+    private boolean includeStopStrInOutput_ ;
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @return The includeStopStrInOutput.
+     */
+    @java.lang.Override
+    public boolean getIncludeStopStrInOutput() {
+      return includeStopStrInOutput_;
+    }
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @param value The includeStopStrInOutput to set.
+     * @return This builder for chaining.
+     */
+    public Builder setIncludeStopStrInOutput(boolean value) {
+      
+      includeStopStrInOutput_ = value;
+      bitField0_ |= 0x00800000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearIncludeStopStrInOutput() {
+      bitField0_ = (bitField0_ & ~0x00800000);
+      includeStopStrInOutput_ = false;
+      onChanged();
+      return this;
+    }
+
+    private int truncatePromptTokens_ ;
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return Whether the truncatePromptTokens field is set.
+     */
+    @java.lang.Override
+    public boolean hasTruncatePromptTokens() {
+      return ((bitField0_ & 0x01000000) != 0);
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return The truncatePromptTokens.
+     */
+    @java.lang.Override
+    public int getTruncatePromptTokens() {
+      return truncatePromptTokens_;
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @param value The truncatePromptTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setTruncatePromptTokens(int value) {
+      
+      truncatePromptTokens_ = value;
+      bitField0_ |= 0x01000000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearTruncatePromptTokens() {
+      bitField0_ = (bitField0_ & ~0x01000000);
+      truncatePromptTokens_ = 0;
       onChanged();
       return this;
     }

@@ -566,5 +566,34 @@ public interface SamplingParamsOrBuilder extends
    */
   int getAllowedTokenIds(int index);
 
+  /**
+   * <pre>
+   * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+   * </pre>
+   *
+   * <code>bool include_stop_str_in_output = 24;</code>
+   * @return The includeStopStrInOutput.
+   */
+  boolean getIncludeStopStrInOutput();
+
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return Whether the truncatePromptTokens field is set.
+   */
+  boolean hasTruncatePromptTokens();
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return The truncatePromptTokens.
+   */
+  int getTruncatePromptTokens();
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }
