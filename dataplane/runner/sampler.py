@@ -70,13 +70,24 @@ def masked_ids(params: SamplingParams, num_output: int, eos_token_id: int | None
     return ids
 
 
+def bad_word_ids(params: SamplingParams, output_ids: Sequence[int]) -> list[int]:
+    """The ids bad words mask after `output_ids`: each one-token word's, and each longer
+    word's last token when the output ends with the rest of the word (vLLM's semantics)."""
+    ids = []
+    for word in params.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix == 0 or (len(output_ids) >= prefix and tuple(output_ids[-prefix:]) == word[:-1]):
+            ids.append(word[-1])
+    return ids
+
+
 def apply_masks(
-    logits: torch.Tensor, params: SamplingParams, num_output: int, eos_token_id: int | None
+    logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int], eos_token_id: int | None
 ) -> torch.Tensor:
     """One row [V] with the tokens `params` forbid now set to -inf, in place: all but
-    `allowed_token_ids`, then what min_tokens masks (`masked_ids`). A mask that would leave
-    no token at all (e.g. only EOS allowed before min_tokens) is skipped, so there is always
-    a token to pick."""
+    `allowed_token_ids`, then what min_tokens (`masked_ids`) and bad words (`bad_word_ids`)
+    mask. A mask that would leave no token at all (e.g. only EOS allowed before min_tokens)
+    is skipped, so there is always a token to pick."""
     vocab = logits.shape[-1]
     if params.allowed_token_ids is not None:
         keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
@@ -86,7 +97,8 @@ def apply_masks(
             masked[keep] = logits[keep]
         if bool(torch.isfinite(masked).any()):
             logits.copy_(masked)
-    ids = [t for t in masked_ids(params, num_output, eos_token_id) if t < vocab]
+    forbidden = masked_ids(params, len(output_ids), eos_token_id) + bad_word_ids(params, output_ids)
+    ids = [t for t in forbidden if t < vocab]
     if ids:
         index = torch.tensor(ids, dtype=torch.long, device=logits.device)
         kept = logits.index_fill(0, index, float("-inf"))
@@ -186,7 +198,7 @@ def sample(
     sample's logit_bias, then its masks (`apply_masks`), then its penalties, apply first
     (greedy samples included); logprobs stay those of the model's raw distribution.
     `histories[i]` = (prompt ids, output ids) of sample i; needed only for samples with
-    penalties or min_tokens. `eos_token_ids[i]`: sample i's EOS, which min_tokens masks.
+    penalties, min_tokens or bad words. `eos_token_ids[i]`: sample i's EOS, which min_tokens masks.
 
     The work over the whole vocabulary is done once per distinct row (bit for bit, found by
     content, so equal rows computed twice are shared too): the filtered probabilities once per
@@ -225,15 +237,14 @@ def _adjusted(
     if not adjusted:
         return raw, rows
     if histories is None and any(params[i].needs_history for i in adjusted):
-        raise ValueError("penalties and min_tokens need the token histories")
+        raise ValueError("penalties, min_tokens and bad words need the token histories")
     own = raw.index_select(0, torch.tensor([rows[i] for i in adjusted], device=raw.device))
     own_params = [params[i] for i in adjusted]
     if any(p.logit_bias for p in own_params):
         own = apply_logit_bias(own, own_params)
     for j, i in enumerate(adjusted):
         if params[i].has_masks:
-            num_output = len(histories[i][1]) if histories is not None else 0
-            apply_masks(own[j], params[i], num_output, eos[i])
+            apply_masks(own[j], params[i], histories[i][1] if histories is not None else (), eos[i])
         if params[i].has_penalties:
             assert histories is not None
             own[j] = apply_penalties(own[j], params[i], *histories[i])

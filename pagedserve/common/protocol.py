@@ -17,6 +17,7 @@ from dataclasses import fields
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
     InvalidField,
     SamplingParams,
@@ -122,6 +123,9 @@ def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
         value = kwargs.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool):
             kwargs[name] = wire_float(_as_float(value))
+    words = kwargs.get("bad_words_token_ids")
+    if isinstance(words, list):
+        kwargs["bad_words_token_ids"] = tuple(tuple(w) if isinstance(w, list) else w for w in words)
     bias = kwargs.get("logit_bias")
     if isinstance(bias, Mapping):
         kwargs["logit_bias"] = {
@@ -141,6 +145,8 @@ def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
             raise InvalidField(name, f"must be at most {top}, got {value}")
     if any(t > _UINT32_MAX for t in params.stop_token_ids):
         raise InvalidField("stop_token_ids", f"must be at most {_UINT32_MAX}")
+    if any(t > _UINT32_MAX for w in params.bad_words_token_ids for t in w):
+        raise InvalidField("bad_words_token_ids", f"must be at most {_UINT32_MAX}")
     if any(t > _UINT32_MAX for t in params.allowed_token_ids or ()):
         raise InvalidField("allowed_token_ids", f"must be at most {_UINT32_MAX}")
     if any(t > _UINT32_MAX for t, _ in params.logit_bias):
@@ -169,6 +175,11 @@ def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, obje
         )
     if msg.allowed_token_ids:
         values["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    if msg.bad_words_token_ids:
+        if sum(len(w.ids) for w in msg.bad_words_token_ids) > MAX_BAD_WORDS_TOKEN_IDS:
+            limit = f"at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all"
+            raise InvalidField("bad_words_token_ids", f"must hold {limit}")
+        values["bad_words_token_ids"] = tuple(tuple(w.ids) for w in msg.bad_words_token_ids)
     values["ignore_eos"] = msg.ignore_eos
     if msg.logit_bias:
         values["logit_bias"] = dict(msg.logit_bias)
@@ -228,6 +239,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
         allowed_token_ids=params.allowed_token_ids or (),
+        bad_words_token_ids=[common_pb2.TokenIdSequence(ids=w) for w in params.bad_words_token_ids],
     )
     if params.seed is not None:
         msg.seed = params.seed

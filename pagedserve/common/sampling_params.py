@@ -25,6 +25,9 @@ against them, per sample and step, so an unbounded list (millions are legal JSON
 the engine thread for everyone; the model's own end-of-sequence ids come on top."""
 MAX_ALLOWED_TOKEN_IDS = MAX_STOP_TOKEN_IDS
 """The most ids `allowed_token_ids` may name (the sampler builds a mask of them per step)."""
+MAX_BAD_WORDS_TOKEN_IDS = 4096
+"""The most token ids all of `bad_words_token_ids` may hold together: the sampler compares the
+output's tail with each word's prefix per sample and step."""
 MIN_SAMPLING_TEMPERATURE = 0.01
 """A sampled request's lowest temperature: a positive temperature below it samples at it (as
 vLLM does). Dividing logits by a tinier one (1e-45 is a valid float32) overflows them to
@@ -54,7 +57,8 @@ class SamplingParams:
     raise `InvalidField` (a ValueError) naming the field. `constraint` (structured outputs,
     pagedserve.common.constraints) makes every completion match a schema, regex, choice or
     grammar. `min_tokens` (<= max_tokens) masks EOS and the stop token ids until that many
-    tokens were generated; `allowed_token_ids` (non-empty) masks every other token.
+    tokens were generated; `allowed_token_ids` (non-empty) masks every other token;
+    `bad_words_token_ids`: token sequences never generated (vLLM's bad_words, tokenized).
     """
 
     max_tokens: int = 16
@@ -77,6 +81,8 @@ class SamplingParams:
     constraint: Constraint | None = None  # structured output: what every completion must match
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
     allowed_token_ids: tuple[int, ...] | None = None  # when set, every other token is masked
+    # Token sequences never generated: a word's last token is masked after the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -139,6 +145,7 @@ class SamplingParams:
             )
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", _bad_words(self.bad_words_token_ids))
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidField(
@@ -170,12 +177,13 @@ class SamplingParams:
     @property
     def has_masks(self) -> bool:
         """Whether the sampler masks tokens for it (allowed_token_ids, min_tokens)."""
-        return self.allowed_token_ids is not None or self.min_tokens > 0
+        return self.allowed_token_ids is not None or self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
     @property
     def needs_history(self) -> bool:
-        """Whether the sampler reads its token history (penalties; min_tokens counts outputs)."""
-        return self.has_penalties or self.min_tokens > 0
+        """Whether the sampler reads its token history (penalties; min_tokens counts outputs,
+        bad words compare its tail)."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
 
 def _allowed_token_ids(value: object) -> tuple[int, ...]:
@@ -189,6 +197,18 @@ def _allowed_token_ids(value: object) -> tuple[int, ...]:
     if bad:
         raise InvalidField("allowed_token_ids", f"must be non-negative integers, got {bad[:5]!r}")
     return tuple(sorted(set(value)))
+
+
+def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    name = "bad_words_token_ids"
+    if not isinstance(value, list | tuple) or any(not isinstance(w, list | tuple) for w in value):
+        raise InvalidField(name, "must be a list of token id sequences")
+    total = sum(len(w) for w in value)
+    if total > MAX_BAD_WORDS_TOKEN_IDS:
+        raise InvalidField(name, f"must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all, got {total}")
+    if any(not w for w in value) or any(not _is_int(t) or t < 0 for w in value for t in w):
+        raise InvalidField(name, "must be non-empty sequences of non-negative token ids")
+    return tuple(tuple(w) for w in value)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

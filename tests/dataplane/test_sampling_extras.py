@@ -1,5 +1,5 @@
-"""vLLM's sampling extras in the sampler and the engine: allowed_token_ids and min_tokens mask
-exactly the tokens they name, logprobs stay those of the raw distribution."""
+"""vLLM's sampling extras in the sampler and the engine: allowed_token_ids, min_tokens and bad
+words mask exactly the tokens they name, logprobs stay those of the raw distribution."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0, 0.5]])
 EOS = 1
 
 
-def adjusted_row(params: SamplingParams, num_output: int = 0) -> torch.Tensor:
-    history = ([4], [0] * num_output)
+def adjusted_row(
+    params: SamplingParams, num_output: int = 0, output: list[int] | None = None
+) -> torch.Tensor:
+    history = ([4], [0] * num_output if output is None else output)
     rows, sample_rows = _adjusted(LOGITS, [params], [0], [history], [EOS])
     return rows[sample_rows[0]]
 
@@ -62,6 +64,18 @@ def test_masks_come_before_penalties_and_sampling() -> None:
     assert draws <= {0, 5}
 
 
+def test_bad_words_mask_single_tokens_always_and_last_tokens_after_their_prefix() -> None:
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[3], [0, 2, 5], [4, 1]], logprobs=0)
+    assert masked(adjusted_row(params, output=[])) == [3]
+    assert masked(adjusted_row(params, output=[0])) == [3]  # [0, 2] not yet: only half the prefix
+    assert masked(adjusted_row(params, output=[1, 0, 2])) == [3, 5]
+    assert masked(adjusted_row(params, output=[0, 2, 4])) == [1, 3]
+    assert masked(adjusted_row(params, output=[2, 0])) == [3]
+    out = sample(LOGITS, [params], [None], [([4], [0, 4])], eos_token_ids=[EOS])
+    assert out[0].token_id == 2  # 1 (the argmax) would end [4, 1]; 3 is banned: next best 2
+    assert out[0].logprob == pytest.approx(float(LOGITS[0].log_softmax(-1)[2]))
+
+
 def test_a_mask_that_would_leave_nothing_is_skipped() -> None:
     params = SamplingParams(temperature=1.0, allowed_token_ids=[EOS], min_tokens=2)
     row = adjusted_row(params)
@@ -80,6 +94,10 @@ def test_a_mask_that_would_leave_nothing_is_skipped() -> None:
         ({"allowed_token_ids": ["1"]}, "allowed_token_ids"),
         ({"allowed_token_ids": 3}, "allowed_token_ids"),
         ({"allowed_token_ids": list(range(MAX_ALLOWED_TOKEN_IDS + 1))}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [[-1]]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [3]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [[1, 2]] * 2049}, "bad_words_token_ids"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -125,4 +143,22 @@ def test_engine_min_tokens_then_stops(llm: LLM) -> None:
     )
     out = llm.generate([[5, 6, 7]], [stop], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and 9 not in out.token_ids[:4]
+    assert_idle(llm)
+
+
+def test_engine_never_generates_a_bad_word(llm: LLM) -> None:
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7]
+    ids = llm.generate([prompt], [plain], use_tqdm=False)[0].outputs[0].token_ids
+    single, pair = ids[0], tuple(ids[2:4])  # its first token, and two tokens it generates later
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[single], pair]
+    )
+    sampled = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, bad_words_token_ids=[[single], pair]
+    )
+    for out in llm.generate([prompt, prompt], [params, sampled], use_tqdm=False):
+        got = out.outputs[0].token_ids
+        assert len(got) == 12 and single not in got, got
+        assert all(tuple(got[i : i + 2]) != pair for i in range(len(got) - 1)), got
     assert_idle(llm)

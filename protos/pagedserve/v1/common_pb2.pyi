@@ -105,6 +105,8 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per completion, >= 1. Default: the rest of the model's context."""
     temperature: _builtins.float
@@ -177,6 +179,18 @@ class SamplingParams(_message.Message):
         generated. Default: every token.
         """
 
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+        tokenizes each with and without a leading space into bad_words_token_ids.
+        """
+
+    @_builtins.property
+    def bad_words_token_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenIdSequence]:
+        """Token sequences never generated: a one-token word is always masked, a longer one's last
+        token once the output ends with the rest of it. At most 4096 ids in all.
+        """
+
     def __init__(
         self,
         *,
@@ -205,10 +219,12 @@ class SamplingParams(_message.Message):
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         include_stop_str_in_output: _builtins.bool = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        bad_words_token_ids: _abc.Iterable[Global___TokenIdSequence] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "bad_words_token_ids", b"bad_words_token_ids", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -272,6 +288,28 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TokenIdSequence(_message.Message):
+    """A sequence of token ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIdSequence: _TypeAlias = TokenIdSequence  # noqa: Y015
 
 @_typing.final
 class Choices(_message.Message):

@@ -595,5 +595,99 @@ public interface SamplingParamsOrBuilder extends
    */
   int getTruncatePromptTokens();
 
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return A list containing the badWords.
+   */
+  java.util.List<java.lang.String>
+      getBadWordsList();
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return The count of badWords.
+   */
+  int getBadWordsCount();
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the element to return.
+   * @return The badWords at the given index.
+   */
+  java.lang.String getBadWords(int index);
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the value to return.
+   * @return The bytes of the badWords at the given index.
+   */
+  com.google.protobuf.ByteString
+      getBadWordsBytes(int index);
+
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  java.util.List<io.pagedserve.v1.TokenIdSequence> 
+      getBadWordsTokenIdsList();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  io.pagedserve.v1.TokenIdSequence getBadWordsTokenIds(int index);
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  int getBadWordsTokenIdsCount();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.TokenIdSequenceOrBuilder> 
+      getBadWordsTokenIdsOrBuilderList();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  io.pagedserve.v1.TokenIdSequenceOrBuilder getBadWordsTokenIdsOrBuilder(
+      int index);
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }
