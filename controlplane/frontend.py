@@ -25,6 +25,7 @@ from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
 from pagedserve.controlplane.auth import request_tenant, tenant_salt
+from pagedserve.controlplane.bad_words import bad_words_token_ids
 from pagedserve.controlplane.deadlines import request_deadline
 from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
 from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
@@ -267,6 +268,7 @@ class Frontend:
         priority: int | None = None,
         include_stop_str_in_output: bool = False,
         truncate_prompt_tokens: int | None = None,
+        bad_words: Sequence[object] = (),
         field_prefix: str = "sampling_params.",
         field_names: Mapping[str, str] | None = None,
         request_id_field: str = "request_id",
@@ -314,6 +316,10 @@ class Frontend:
         for i, s in enumerate(stop):
             check_text(s, f"{field('stop')}[{i}]", MAX_STOP_STRING_CHARS)
         values = dict(sampling)
+        if bad_words:  # vLLM's: tokenized here, masked by the data plane's sampler
+            values["bad_words_token_ids"] = bad_words_token_ids(
+                self.tokenizer.encode, bad_words, field("bad_words")
+            )
         explicit_max_tokens = values.get("max_tokens") is not None
         if not explicit_max_tokens:
             values["max_tokens"] = self.default_max_tokens(len(prompt_token_ids))

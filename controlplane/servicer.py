@@ -85,6 +85,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             deadline=None if remaining is None else start + remaining,
             include_stop_str_in_output=request.sampling_params.include_stop_str_in_output,
             truncate_prompt_tokens=_truncate_prompt_tokens(request.sampling_params),
+            bad_words=request.sampling_params.bad_words,
         )
         if forced is not None:  # a compile refusal names the tools, not sampling_params
             gen = dataclasses.replace(gen, constraint_field=forced[1])

@@ -175,6 +175,7 @@ def build_request(
     allowed_token_ids: Sequence[int] = (),
     include_stop_str_in_output: bool = False,
     truncate_prompt_tokens: int | None = None,
+    bad_words: Sequence[str] = (),
     request_id: str = "",
     cache_salt: str = "",
     priority: int = 0,
@@ -194,7 +195,8 @@ def build_request(
     vLLM's `min_tokens`: EOS and stop token ids cannot end a completion before that many
     tokens; `allowed_token_ids`: when non-empty, only these ids can be generated;
     `include_stop_str_in_output`: a matched stop string stays in the text;
-    `truncate_prompt_tokens`: only the prompt's last that many tokens are kept.
+    `truncate_prompt_tokens`: only the prompt's last that many tokens are kept; `bad_words`:
+    words never generated.
     `prompt_logprobs` (vLLM's): each prompt token's logprob given its prefix plus that many top
     alternatives, on the first chunk of completion 0 (its `TokenChunk.prompt_logprobs`).
     `priority` (vLLM's): lower is scheduled earlier, default 0, in [-1000000, 1000000]; it may
@@ -210,6 +212,7 @@ def build_request(
         ignore_eos=ignore_eos,
         allowed_token_ids=list(allowed_token_ids),
         include_stop_str_in_output=include_stop_str_in_output,
+        bad_words=list(bad_words),
     )
     set_constraint(
         params, json_schema=json_schema, json_object=json_object, regex=regex, choice=choice, grammar=grammar

@@ -165,6 +165,7 @@ class OpenAIRoutes:
                 priority=body.priority,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
+                bad_words=body.bad_words or (),
                 field_prefix="",
                 field_names=field_names,
                 request_id_field="x-request-id",

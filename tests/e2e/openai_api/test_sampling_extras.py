@@ -1,5 +1,5 @@
 """vLLM's sampling extras end to end (tiny random model with a tokenizer): `min_tokens`,
-`allowed_token_ids`, `include_stop_str_in_output` and `truncate_prompt_tokens` from the official
+`allowed_token_ids`, `bad_words`, `include_stop_str_in_output` and `truncate_prompt_tokens` from the official
 `openai` client's `extra_body` and from the Python gRPC client are honoured, and every bad
 value is refused naming its field."""
 
@@ -114,6 +114,30 @@ def test_http_truncate_prompt_tokens(client: openai.OpenAI, model: Path) -> None
     assert chat.usage is not None and chat.usage.prompt_tokens == 2
 
 
+def test_http_bad_words(client: openai.OpenAI, model: Path) -> None:
+    tok = Tokenizer(model)
+    plain = dict(model="llama", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+    out = client.completions.create(**plain, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    tokens = out.choices[0].logprobs.tokens
+    # A generated token that is a whole word whose ban names that very token: it never comes back.
+    token = next(
+        t
+        for t in tokens
+        if t.strip().isalnum() and len(tok.encode(t)) == 1 and occurring(tok, [t.strip()], tok.encode(t))
+    )
+    extra = {"ignore_eos": True, "bad_words": [token.strip()]}
+    banned = client.completions.create(**plain, extra_body=extra)  # type: ignore[call-overload]
+    assert token not in banned.choices[0].logprobs.tokens and len(banned.choices[0].logprobs.tokens) == 12
+
+
+def occurring(tok: Tokenizer, words: list[str], ids: list[int]) -> list[tuple[int, ...]]:
+    """The token sequences `words` ban (tokenized as the server does) that occur in `ids`."""
+    from pagedserve.controlplane.bad_words import bad_words_token_ids
+
+    sequences = bad_words_token_ids(tok.encode, words, "bad_words")
+    return [seq for seq in sequences if any(tuple(ids[i : i + len(seq)]) == seq for i in range(len(ids)))]
+
+
 def post(server: ServerThread, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     host, port = server.http_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -134,6 +158,11 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"allowed_token_ids": 5}, "allowed_token_ids"),
     ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"bad_words": "cat"}, "bad_words"),
+    ({"bad_words": [3]}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": ["x" * 257]}, "bad_words"),
+    ({"bad_words": ["x"] * 65}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
@@ -168,7 +197,8 @@ def test_grpc_extras(server: ServerThread) -> None:
             PROMPT, max_tokens=20, temperature=0.0, min_tokens=5, logit_bias={EOS: 100.0}
         )
         assert done.completion_tokens == 6 and done.finish_reason == "stop"
-        [whole] = client.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+        greedy: dict[str, Any] = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+        [whole] = client.generate(PROMPT, **greedy)
         stop = whole.text[4:6]
         at = whole.text.find(stop)
         [kept] = client.generate(
@@ -180,10 +210,24 @@ def test_grpc_extras(server: ServerThread) -> None:
             include_stop_str_in_output=True,
         )
         assert kept.text == whole.text[: at + len(stop)] and kept.stop_string == stop
+        ids = [
+            t
+            for i in client.generate_stream(PROMPT, **greedy)
+            if isinstance(i, StreamChunk)
+            for t in i.token_ids
+        ]
+        # A two-token word the output holds (as the server tokenizes it): banned, it never comes back.
+        tok = Tokenizer(server.controlplane.dispatcher.config.model)
+        pairs = [tok.decode(ids[i : i + 2]) for i in range(len(ids) - 1)]
+        word = next(w for w in pairs if w.strip() and any(len(q) == 2 for q in occurring(tok, [w], ids)))
+        items = client.generate_stream(PROMPT, **greedy, bad_words=[word])
+        banned = [t for i in items if isinstance(i, StreamChunk) for t in i.token_ids]
+        assert len(banned) == 10 and not occurring(tok, [word], banned), (word, banned)
         [short] = client.generate(PROMPT, max_tokens=2, truncate_prompt_tokens=3)
         assert short.prompt_tokens == 3
         for kwargs, field in [
             ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+            ({"bad_words": [""]}, "bad_words[0]"),
             ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
             ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
             ({"allowed_token_ids": list(range(2000))}, "allowed_token_ids"),
