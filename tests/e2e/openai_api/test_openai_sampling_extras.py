@@ -105,6 +105,14 @@ def test_http_truncate_prompt_tokens(client: openai.OpenAI, model: Path) -> None
     extra = {"ignore_eos": True, "truncate_prompt_tokens": 3}
     out = client.completions.create(**{**plain, "extra_body": extra}, prompt=PROMPT)  # type: ignore[call-overload]
     assert out.usage.prompt_tokens == 3 and out.choices[0].text == expected
+    # echo and prompt logprobs show the prompt as kept
+    extra = {"truncate_prompt_tokens": 3, "prompt_logprobs": 0}
+    echo = client.completions.create(
+        model="llama", prompt=PROMPT, echo=True, logprobs=0, max_tokens=0, extra_body=extra
+    )
+    assert echo.choices[0].text == Tokenizer(model).decode(tail, skip_special_tokens=False)
+    assert len(echo.choices[0].logprobs.token_logprobs) == 3  # type: ignore[union-attr]
+    assert len(echo.choices[0].model_extra["prompt_logprobs"]) == 3  # type: ignore[index]
     chat = client.chat.completions.create(
         model="llama",
         messages=MESSAGES,
