@@ -6,6 +6,10 @@ re-reads a small window (`prefix_offset`..end) and emits only what grew past the
 read, holding back text while it ends in U+FFFD (an incomplete character). The window starts
 a few prompt tokens back so tokenizers whose decoders strip a leading space (SentencePiece
 "▁") still produce it for the first generated word.
+
+vLLM's extras: with `include_stop` a matched stop string stays in the text; before
+`min_tokens` tokens were generated no stop string is matched (one ending inside those tokens
+never ends the completion).
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
@@ -33,6 +45,10 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (stop string excluded once one matched)
         self._sent = 0  # characters of `text` already returned
         self.stop_string: str | None = None
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        self._match_end = 0  # a stop string must end past this many characters of `text`
 
     @property
     def stopped(self) -> bool:
@@ -42,6 +58,10 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns the text that can be sent now (maybe empty)."""
         if self.stopped:
             return ""
+        short = self._min_tokens - 1 - self._num_tokens
+        if 0 < short < len(token_ids):  # the min_tokens-th token is inside: match from exactly it
+            return self.add(token_ids[:short]) + self.add(token_ids[short:])
+        self._num_tokens += len(token_ids)
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
@@ -50,7 +70,9 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-        if self._stop:
+        if self._num_tokens < self._min_tokens:
+            self._match_end = len(self.text)
+        elif self._stop:
             self._match_stop()
         return self._take(final=self.stopped)
 
@@ -62,11 +84,11 @@ class IncrementalDetokenizer:
         start = max(0, self._sent - self._holdback)
         best: tuple[int, str] | None = None
         for s in self._stop:
-            at = self.text.find(s, start)
+            at = self.text.find(s, max(start, self._match_end - len(s) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, s)
         if best is not None:
-            self.text = self.text[: best[0]]
+            self.text = self.text[: best[0] + (len(best[1]) if self._include_stop else 0)]
             self.stop_string = best[1]
 
     def _take(self, final: bool) -> str:

@@ -25,6 +25,7 @@ from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
 from pagedserve.controlplane.auth import request_tenant, tenant_salt
+from pagedserve.controlplane.bad_words import bad_words_token_ids
 from pagedserve.controlplane.deadlines import request_deadline
 from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
 from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
@@ -33,7 +34,7 @@ from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.refusals import RefusalLog
-from pagedserve.controlplane.request import GenerationRequest, new_request_id
+from pagedserve.controlplane.request import GenerationRequest, new_request_id, truncated_prompt
 from pagedserve.controlplane.stream_events import CompletionDone as CompletionDone
 from pagedserve.controlplane.stream_events import StreamEvent as StreamEvent
 from pagedserve.controlplane.stream_events import TextDelta as TextDelta
@@ -265,6 +266,9 @@ class Frontend:
         deadline: float | None = None,
         timeout_s: float | None = None,
         priority: int | None = None,
+        include_stop_str_in_output: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        bad_words: Sequence[object] = (),
         field_prefix: str = "sampling_params.",
         field_names: Mapping[str, str] | None = None,
         request_id_field: str = "request_id",
@@ -282,12 +286,17 @@ class Frontend:
         per-sample state is made only for a validated `n`). `request_id` is the client's
         label (`request_id_field` names where it came from); the request is keyed by a fresh
         server id. Its deadline: the soonest of `deadline` (the call's), the client's `timeout_s`
-        and the server's default. `priority`: lower is scheduled earlier (None: 0).
+        and the server's default. `priority`: lower is scheduled earlier (None: 0). vLLM's
+        `truncate_prompt_tokens` keeps only the prompt's last tokens, before anything else.
         """
         names = field_names or {}
 
         def field(name: str) -> str:
             return f"{field_prefix}{names.get(name, name)}"
+
+        prompt_token_ids = truncated_prompt(
+            prompt_token_ids, truncate_prompt_tokens, field("truncate_prompt_tokens")
+        )
 
         due = request_deadline(deadline, timeout_s, self.request_timeout_s)
         if request_id is not None:
@@ -307,6 +316,10 @@ class Frontend:
         for i, s in enumerate(stop):
             check_text(s, f"{field('stop')}[{i}]", MAX_STOP_STRING_CHARS)
         values = dict(sampling)
+        if bad_words:  # vLLM's: tokenized here, masked by the data plane's sampler
+            values["bad_words_token_ids"] = bad_words_token_ids(
+                self.tokenizer.encode, bad_words, field("bad_words")
+            )
         explicit_max_tokens = values.get("max_tokens") is not None
         if not explicit_max_tokens:
             values["max_tokens"] = self.default_max_tokens(len(prompt_token_ids))
@@ -322,6 +335,9 @@ class Frontend:
             if bad:
                 name = field("logit_bias")
                 raise invalid_argument(f"{name} keys must be token ids in [0, {vocab}), got {bad[:5]}", name)
+        if params.allowed_token_ids and vocab is not None and params.allowed_token_ids[-1] >= vocab:
+            name = field("allowed_token_ids")
+            raise invalid_argument(f"{name} must be token ids in [0, {vocab})", name)
         if not prompt_token_ids:
             raise invalid_argument("prompt: tokenizes to no tokens")
         context = self.max_model_len()
@@ -334,6 +350,7 @@ class Frontend:
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
             stop=tuple(stop),
+            include_stop_str_in_output=include_stop_str_in_output,
             cache_salt=salt,
             deadline=None if due is None else due.at,
             deadline_source="" if due is None else due.source,
@@ -412,11 +429,7 @@ class Frontend:
         self, gen: GenerationRequest, start: float, trace_context: Mapping[str, str]
     ) -> AsyncIterator[StreamEvent]:
         metrics = self.metrics
-        prompt = list(gen.prompt_token_ids)
-        completions = [
-            _Completion(IncrementalDetokenizer(self.tokenizer, prompt, gen.stop))
-            for _ in range(gen.num_samples)
-        ]
+        completions = [_Completion(gen.detokenizer(self.tokenizer)) for _ in range(gen.num_samples)]
         queue_seconds = 0.0
         events = self.dispatcher.generate(gen, trace_context)
         async with contextlib.aclosing(events):

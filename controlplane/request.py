@@ -14,12 +14,14 @@ id, or using any character in it, can never touch another request.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.common.protocol import sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.controlplane.auth import request_tenant
+from pagedserve.controlplane.detokenizer import Decoder, IncrementalDetokenizer
+from pagedserve.controlplane.errors import invalid_argument
 from pagedserve.controlplane.tenants import DEFAULT_TENANT
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
@@ -29,12 +31,27 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+MAX_TRUNCATE_PROMPT_TOKENS = 2**32 - 1  # the wire's uint32
+
+
+def truncated_prompt(ids: Sequence[int], keep: object, field_name: str) -> Sequence[int]:
+    """vLLM's truncate_prompt_tokens: only the last `keep` (an integer >= 1; None: all)
+    prompt tokens."""
+    if keep is None:
+        return ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= MAX_TRUNCATE_PROMPT_TOKENS:
+        reason = f"must be an integer in [1, {MAX_TRUNCATE_PROMPT_TOKENS}], got {str(keep)[:32]}"
+        raise invalid_argument(f"{field_name} {reason}", field_name)
+    return ids[-keep:]
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str  # server-generated (`new_request_id`): the key of all in-flight state
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     stop: tuple[str, ...] = ()  # matched here on the detokenized text; never sent to a data plane
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     cache_salt: str | None = None
     deadline: float | None = None  # time.monotonic() value: the soonest source (controlplane/deadlines.py)
     deadline_source: str = ""  # what set it, as an error names it ("timeout of 2 s")
@@ -69,6 +86,16 @@ class GenerationRequest:
     def max_total_tokens(self) -> int:
         """The tokens it may take: prompt + max_tokens × n (what tenants are charged)."""
         return self.num_prompt_tokens + self.max_tokens * self.num_samples
+
+    def detokenizer(self, tokenizer: Decoder) -> IncrementalDetokenizer:
+        """A new completion's detokenizer: this request's stop strings, matched as it asked."""
+        return IncrementalDetokenizer(
+            tokenizer,
+            list(self.prompt_token_ids),
+            self.stop,
+            include_stop=self.include_stop_str_in_output,
+            min_tokens=self.sampling_params.min_tokens,
+        )
 
     def to_proto(self, trace_context: Mapping[str, str] | None = None) -> dataplane_pb2.SubmitCommand:
         """The submit command for a data plane; `trace_context` is the W3C context of the

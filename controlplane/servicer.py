@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
 from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
 from pagedserve.common.telemetry import extract
@@ -29,6 +30,10 @@ from pagedserve.controlplane.tools.output import CompletionParsers, finish_reaso
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
+
+
+def _truncate_prompt_tokens(params: common_pb2.SamplingParams) -> int | None:
+    return params.truncate_prompt_tokens if params.HasField("truncate_prompt_tokens") else None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -62,7 +67,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.frontend.check_model(request.model or None)  # proto3: "" is unset
         await self.frontend.dispatcher.wait_for_startup(None if remaining is None else start + remaining)
         prompt, use = self._prompt_ids(request)
-        sampling = sampling_fields_from_proto(request.sampling_params)
+        try:
+            sampling = sampling_fields_from_proto(request.sampling_params)
+        except InvalidField as exc:  # an id list refused before it is copied out of the message
+            name = f"sampling_params.{exc.field}"
+            raise invalid_argument(f"{name} {exc.reason}", name) from None
         forced = forced_tool_constraint(use, sampling)
         if forced is not None:
             sampling["constraint"] = forced[0]
@@ -74,6 +83,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             cache_salt=request.cache_salt or None,
             priority=request.priority,
             deadline=None if remaining is None else start + remaining,
+            include_stop_str_in_output=request.sampling_params.include_stop_str_in_output,
+            truncate_prompt_tokens=_truncate_prompt_tokens(request.sampling_params),
+            bad_words=request.sampling_params.bad_words,
         )
         if forced is not None:  # a compile refusal names the tools, not sampling_params
             gen = dataclasses.replace(gen, constraint_field=forced[1])

@@ -171,6 +171,11 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int | None = None,
+    allowed_token_ids: Sequence[int] = (),
+    include_stop_str_in_output: bool = False,
+    truncate_prompt_tokens: int | None = None,
+    bad_words: Sequence[str] = (),
     request_id: str = "",
     cache_salt: str = "",
     priority: int = 0,
@@ -187,6 +192,11 @@ def build_request(
     """A GenerateRequest for a text prompt, a list of token ids or a list of chat messages.
     `tools`, `tool_choice` and `parallel_tool_calls` (chat prompts only) as the module says.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits.
+    vLLM's `min_tokens`: EOS and stop token ids cannot end a completion before that many
+    tokens; `allowed_token_ids`: when non-empty, only these ids can be generated;
+    `include_stop_str_in_output`: a matched stop string stays in the text;
+    `truncate_prompt_tokens`: only the prompt's last that many tokens are kept; `bad_words`:
+    words never generated.
     `prompt_logprobs` (vLLM's): each prompt token's logprob given its prefix plus that many top
     alternatives, on the first chunk of completion 0 (its `TokenChunk.prompt_logprobs`).
     `priority` (vLLM's): lower is scheduled earlier, default 0, in [-1000000, 1000000]; it may
@@ -197,7 +207,12 @@ def build_request(
     `json_object=True` (any JSON object), `regex` (the whole output matches it), `choice` (the
     output is exactly one of these strings) or `grammar` (EBNF, GBNF dialect, a `root` rule)."""
     params = common_pb2.SamplingParams(
-        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        allowed_token_ids=list(allowed_token_ids),
+        include_stop_str_in_output=include_stop_str_in_output,
+        bad_words=list(bad_words),
     )
     set_constraint(
         params, json_schema=json_schema, json_object=json_object, regex=regex, choice=choice, grammar=grammar
@@ -213,6 +228,8 @@ def build_request(
         ("n", n),
         ("logprobs", logprobs),
         ("prompt_logprobs", prompt_logprobs),
+        ("min_tokens", min_tokens),
+        ("truncate_prompt_tokens", truncate_prompt_tokens),
     ):
         if value is not None:
             setattr(params, name, value)

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API we accept (pydantic), and the parameters we refuse.
 
 The vLLM-style extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`cache_salt`, `priority`, `prompt_logprobs`) are honoured, so `extra_body={...}` from the official client works; `model` may
+`min_tokens`, `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
+`truncate_prompt_tokens`, `cache_salt`, `priority`, `prompt_logprobs`) are honoured, so `extra_body={...}` from the official client works; `model` may
 be omitted (the served model). Structured outputs (`response_format`, vLLM's
 `structured_outputs` and its `guided_*` aliases) are read from the extra fields by
 `pagedserve.controlplane.openai.structured`, tools (`tools`, `tool_choice`, `parallel_tool_calls`) by
@@ -17,7 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pagedserve.common.invalid_field import InvalidField
 from pagedserve.controlplane.tools.definitions import MAX_CALL_ID_CHARS, history_tool_calls
@@ -48,15 +49,10 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # of theirs are not implemented)
     "guided_whitespace_pattern": _unset,
     "structural_tag": _unset,
-    "min_tokens": _falsy,
-    "bad_words": _falsy,
-    "allowed_token_ids": _unset,
-    "include_stop_str_in_output": _falsy,
     "skip_special_tokens": _true_or_unset,
     "spaces_between_special_tokens": _true_or_unset,
     "use_beam_search": _falsy,
     "length_penalty": lambda v: v is None or v == 1,
-    "truncate_prompt_tokens": _unset,
     "return_tokens_as_token_ids": _falsy,
     "chat_template": _unset,
     "chat_template_kwargs": _falsy,
@@ -94,6 +90,14 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: EOS and stop_token_ids are masked until min_tokens were generated; only
+    # allowed_token_ids (when set) can be generated. Range-checked by `Frontend.validate`.
+    min_tokens: StrictInt | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    # vLLM's: a matched stop string stays in the text; only the prompt's last N tokens are kept.
+    include_stop_str_in_output: StrictBool | None = False
+    truncate_prompt_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None  # vLLM's: words never generated
     cache_salt: str | None = None
     # Seconds the server may spend on the request, queue included (controlplane/deadlines.py):
     # past it the response is 504 (a stream ends with the tokens so far, then the error).

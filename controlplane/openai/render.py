@@ -84,10 +84,13 @@ def sampling_fields(
         "top_k",
         "min_p",
         "repetition_penalty",
+        "min_tokens",
     ):
         value = getattr(body, name)
         if value is not None:
             values[name] = value
+    if body.allowed_token_ids is not None:
+        values["allowed_token_ids"] = tuple(body.allowed_token_ids)
     if body.logit_bias:
         values["logit_bias"] = logit_bias_by_id(body.logit_bias)
     if max_tokens is not None:

@@ -163,6 +163,9 @@ class OpenAIRoutes:
                 cache_salt=body.cache_salt,
                 timeout_s=body.timeout,
                 priority=body.priority,
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                bad_words=body.bad_words or (),
                 field_prefix="",
                 field_names=field_names,
                 request_id_field="x-request-id",
@@ -235,9 +238,12 @@ class OpenAIRoutes:
         if body.echo and body.logprobs is not None:  # the prompt's tokens lead `logprobs`
             sampling["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
         gens = self._requests(prompts, body, sampling, http, structured)
+        written: str | list[str] | list[int] | list[list[int]] = body.prompt
+        if body.truncate_prompt_tokens is not None:  # echo and prompt logprobs: the prompt as kept
+            prompts = written = [list(g.prompt_token_ids) for g in gens]
         rid, created = f"cmpl-{response_id(http)}", int(time.time())
         decode, n = self._token_text, body.num_choices
-        echoed = self._prompt_texts(body.prompt, prompts) if body.echo else [""] * len(prompts)
+        echoed = self._prompt_texts(written, prompts) if body.echo else [""] * len(prompts)
 
         def base(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
             out = {

@@ -274,10 +274,11 @@ class ModelRunner:
         ]
         no_history: tuple[list[int], list[int]] = ([], [])
         histories = [
-            (r.prompt_token_ids, r.output_token_ids) if p.has_penalties else no_history
+            (r.prompt_token_ids, r.output_token_ids) if p.needs_history else no_history
             for r, p in zip(requests, params, strict=True)
         ]
-        tokens = sample(logits, params, generators, histories, rows, self.sample_work)
+        eos = [r.eos_token_id for r in requests]
+        tokens = sample(logits, params, generators, histories, rows, self.sample_work, eos)
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _start_mask_fill(self, rows: list[tuple[int, Any]]) -> Any:

@@ -59,6 +59,54 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return logits
 
 
+def masked_ids(params: SamplingParams, num_output: int, eos_token_id: int | None) -> list[int]:
+    """The ids min_tokens masks for a sample that generated `num_output` tokens: its stop
+    token ids and EOS (unless ignored) until it generated `min_tokens`."""
+    if num_output >= params.min_tokens:
+        return []
+    ids = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        ids.append(eos_token_id)
+    return ids
+
+
+def bad_word_ids(params: SamplingParams, output_ids: Sequence[int]) -> list[int]:
+    """The ids bad words mask after `output_ids`: each one-token word's, and each longer
+    word's last token when the output ends with the rest of the word (vLLM's semantics)."""
+    ids = []
+    for word in params.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix == 0 or (len(output_ids) >= prefix and tuple(output_ids[-prefix:]) == word[:-1]):
+            ids.append(word[-1])
+    return ids
+
+
+def apply_masks(
+    logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int], eos_token_id: int | None
+) -> torch.Tensor:
+    """One row [V] with the tokens `params` forbid now set to -inf, in place: all but
+    `allowed_token_ids`, then what min_tokens (`masked_ids`) and bad words (`bad_word_ids`)
+    mask. A mask that would leave no token at all (e.g. only EOS allowed before min_tokens)
+    is skipped, so there is always a token to pick."""
+    vocab = logits.shape[-1]
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
+        masked = torch.full_like(logits, float("-inf"))
+        if len(keep):
+            keep = keep.to(logits.device)
+            masked[keep] = logits[keep]
+        if bool(torch.isfinite(masked).any()):
+            logits.copy_(masked)
+    forbidden = masked_ids(params, len(output_ids), eos_token_id) + bad_word_ids(params, output_ids)
+    ids = [t for t in forbidden if t < vocab]
+    if ids:
+        index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        kept = logits.index_fill(0, index, float("-inf"))
+        if bool(torch.isfinite(kept).any()):
+            logits.copy_(kept)
+    return logits
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply temperature, top_k, top_p and min_p row by row; returns probabilities [N, V]."""
     # logits: [N, V] float32
@@ -140,15 +188,17 @@ def sample(
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     rows: Sequence[int] | None = None,
     work: SamplerWork | None = None,
+    eos_token_ids: Sequence[int | None] | None = None,
 ) -> list[SampledToken]:
     """One token per sample. Greedy samples take the argmax; the others draw with their own
     generator, so a seeded request gets the same tokens whatever else shares its batch.
 
     `rows[i]` is the row of `logits` [R, V] sample i reads (default: row i; several samples
     may read one row, e.g. the n samples of one prompt drawing their first tokens). Each
-    sample's logit_bias, then its penalties, apply first (greedy samples included); logprobs
-    stay those of the model's raw distribution. `histories[i]` = (prompt ids, output ids) of
-    sample i; needed only for samples with penalties.
+    sample's logit_bias, then its masks (`apply_masks`), then its penalties, apply first
+    (greedy samples included); logprobs stay those of the model's raw distribution.
+    `histories[i]` = (prompt ids, output ids) of sample i; needed only for samples with
+    penalties, min_tokens or bad words. `eos_token_ids[i]`: sample i's EOS, which min_tokens masks.
 
     The work over the whole vocabulary is done once per distinct row (bit for bit, found by
     content, so equal rows computed twice are shared too): the filtered probabilities once per
@@ -163,7 +213,8 @@ def sample(
     if len(rows) != n or len(generators) != n:
         raise ValueError(f"{n} samples need {n} rows and generators, got {len(rows)} and {len(generators)}")
     raw = logits
-    logits, sample_rows = _adjusted(raw, params, rows, histories)
+    eos: list[int | None] = list(eos_token_ids) if eos_token_ids is not None else [None] * n
+    logits, sample_rows = _adjusted(raw, params, rows, histories, eos)
     if work is not None:
         work.samples += n
     tokens = _greedy_tokens(logits, params, sample_rows)
@@ -178,19 +229,22 @@ def _adjusted(
     params: list[SamplingParams],
     rows: list[int],
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+    eos: list[int | None],
 ) -> tuple[torch.Tensor, list[int]]:
-    """Samples with a bias or penalties read a row of their own: their raw row, adjusted,
-    appended after the raw rows. Returns the rows and each sample's row among them."""
-    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
+    """Samples with a bias, masks or penalties read a row of their own: their raw row,
+    adjusted, appended after the raw rows. Returns the rows and each sample's row among them."""
+    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties or p.has_masks]
     if not adjusted:
         return raw, rows
-    if histories is None and any(params[i].has_penalties for i in adjusted):
-        raise ValueError("penalties need the token histories")
+    if histories is None and any(params[i].needs_history for i in adjusted):
+        raise ValueError("penalties, min_tokens and bad words need the token histories")
     own = raw.index_select(0, torch.tensor([rows[i] for i in adjusted], device=raw.device))
     own_params = [params[i] for i in adjusted]
     if any(p.logit_bias for p in own_params):
         own = apply_logit_bias(own, own_params)
     for j, i in enumerate(adjusted):
+        if params[i].has_masks:
+            apply_masks(own[j], params[i], histories[i][1] if histories is not None else (), eos[i])
         if params[i].has_penalties:
             assert histories is not None
             own[j] = apply_penalties(own[j], params[i], *histories[i])

@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import fields
 
 from pagedserve.common.constraints import Constraint
-from pagedserve.common.sampling_params import MAX_STOP_TOKEN_IDS, InvalidField, SamplingParams
+from pagedserve.common.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS_TOKEN_IDS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidField,
+    SamplingParams,
+)
 from pagedserve.protos.pagedserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (
@@ -31,6 +37,7 @@ _OPTIONAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
 )
 _FLOAT_FIELDS = (
     "temperature",
@@ -44,6 +51,7 @@ _FLOAT_FIELDS = (
 _UINT32_MAX = 2**32 - 1
 _WIRE_MAX = {
     "max_tokens": _UINT32_MAX,
+    "min_tokens": _UINT32_MAX,
     "n": _UINT32_MAX,
     "logprobs": _UINT32_MAX,
     "prompt_logprobs": _UINT32_MAX,
@@ -115,6 +123,9 @@ def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
         value = kwargs.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool):
             kwargs[name] = wire_float(_as_float(value))
+    words = kwargs.get("bad_words_token_ids")
+    if isinstance(words, list):
+        kwargs["bad_words_token_ids"] = tuple(tuple(w) if isinstance(w, list) else w for w in words)
     bias = kwargs.get("logit_bias")
     if isinstance(bias, Mapping):
         kwargs["logit_bias"] = {
@@ -124,6 +135,9 @@ def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
     stop_ids = kwargs.get("stop_token_ids", ())
     if isinstance(stop_ids, list):
         kwargs["stop_token_ids"] = tuple(stop_ids)
+    allowed = kwargs.get("allowed_token_ids")
+    if isinstance(allowed, list):
+        kwargs["allowed_token_ids"] = tuple(allowed)
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
     for name, top in _WIRE_MAX.items():
         value = getattr(params, name)
@@ -131,6 +145,10 @@ def sampling_params_from_fields(values: Mapping[str, object]) -> SamplingParams:
             raise InvalidField(name, f"must be at most {top}, got {value}")
     if any(t > _UINT32_MAX for t in params.stop_token_ids):
         raise InvalidField("stop_token_ids", f"must be at most {_UINT32_MAX}")
+    if any(t > _UINT32_MAX for w in params.bad_words_token_ids for t in w):
+        raise InvalidField("bad_words_token_ids", f"must be at most {_UINT32_MAX}")
+    if any(t > _UINT32_MAX for t in params.allowed_token_ids or ()):
+        raise InvalidField("allowed_token_ids", f"must be at most {_UINT32_MAX}")
     if any(t > _UINT32_MAX for t, _ in params.logit_bias):
         raise InvalidField("logit_bias", f"keys must be at most {_UINT32_MAX}")
     return params
@@ -150,6 +168,18 @@ def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, obje
         count = len(msg.stop_token_ids)
         raise InvalidField("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {count}")
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if len(msg.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        count = len(msg.allowed_token_ids)
+        raise InvalidField(
+            "allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {count}"
+        )
+    if msg.allowed_token_ids:
+        values["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    if msg.bad_words_token_ids:
+        if sum(len(w.ids) for w in msg.bad_words_token_ids) > MAX_BAD_WORDS_TOKEN_IDS:
+            limit = f"at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all"
+            raise InvalidField("bad_words_token_ids", f"must hold {limit}")
+        values["bad_words_token_ids"] = tuple(tuple(w.ids) for w in msg.bad_words_token_ids)
     values["ignore_eos"] = msg.ignore_eos
     if msg.logit_bias:
         values["logit_bias"] = dict(msg.logit_bias)
@@ -207,6 +237,9 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        allowed_token_ids=params.allowed_token_ids or (),
+        bad_words_token_ids=[common_pb2.TokenIdSequence(ids=w) for w in params.bad_words_token_ids],
     )
     if params.seed is not None:
         msg.seed = params.seed

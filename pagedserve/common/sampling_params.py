@@ -23,6 +23,11 @@ MAX_STOP_TOKEN_IDS = 1024
 """The most stop token ids one request may name: the scheduler checks every sampled token
 against them, per sample and step, so an unbounded list (millions are legal JSON) would hold
 the engine thread for everyone; the model's own end-of-sequence ids come on top."""
+MAX_ALLOWED_TOKEN_IDS = MAX_STOP_TOKEN_IDS
+"""The most ids `allowed_token_ids` may name (the sampler builds a mask of them per step)."""
+MAX_BAD_WORDS_TOKEN_IDS = 4096
+"""The most token ids all of `bad_words_token_ids` may hold together: the sampler compares the
+output's tail with each word's prefix per sample and step."""
 MIN_SAMPLING_TEMPERATURE = 0.01
 """A sampled request's lowest temperature: a positive temperature below it samples at it (as
 vLLM does). Dividing logits by a tinier one (1e-45 is a valid float32) overflows them to
@@ -51,7 +56,9 @@ class SamplingParams:
     added to the logits before sampling; it is kept as sorted (id, bias) pairs. Invalid values
     raise `InvalidField` (a ValueError) naming the field. `constraint` (structured outputs,
     pagedserve.common.constraints) makes every completion match a schema, regex, choice or
-    grammar.
+    grammar. `min_tokens` (<= max_tokens) masks EOS and the stop token ids until that many
+    tokens were generated; `allowed_token_ids` (non-empty) masks every other token;
+    `bad_words_token_ids`: token sequences never generated (vLLM's bad_words, tokenized).
     """
 
     max_tokens: int = 16
@@ -72,6 +79,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL/HF semantics, over prompt and generated tokens
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     constraint: Constraint | None = None  # structured output: what every completion must match
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
+    allowed_token_ids: tuple[int, ...] | None = None  # when set, every other token is masked
+    # Token sequences never generated: a word's last token is masked after the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -127,6 +138,14 @@ class SamplingParams:
             raise InvalidField("stop_token_ids", f"must be non-negative integers, got {shown}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidField(
+                "min_tokens",
+                f"must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}",
+            )
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", _bad_words(self.bad_words_token_ids))
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidField(
@@ -154,6 +173,42 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether the sampler masks tokens for it (allowed_token_ids, min_tokens)."""
+        return self.allowed_token_ids is not None or self.min_tokens > 0 or bool(self.bad_words_token_ids)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler reads its token history (penalties; min_tokens counts outputs,
+        bad words compare its tail)."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
+
+
+def _allowed_token_ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise InvalidField("allowed_token_ids", f"must be a list of token ids, got {type(value).__name__}")
+    if not value or len(value) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidField(
+            "allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(value)}"
+        )
+    bad = [t for t in value if not _is_int(t) or t < 0]
+    if bad:
+        raise InvalidField("allowed_token_ids", f"must be non-negative integers, got {bad[:5]!r}")
+    return tuple(sorted(set(value)))
+
+
+def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    name = "bad_words_token_ids"
+    if not isinstance(value, list | tuple) or any(not isinstance(w, list | tuple) for w in value):
+        raise InvalidField(name, "must be a list of token id sequences")
+    total = sum(len(w) for w in value)
+    if total > MAX_BAD_WORDS_TOKEN_IDS:
+        raise InvalidField(name, f"must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all, got {total}")
+    if any(not w for w in value) or any(not _is_int(t) or t < 0 for w in value for t in w):
+        raise InvalidField(name, "must be non-empty sequences of non-negative token ids")
+    return tuple(tuple(w) for w in value)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -68,3 +68,25 @@ def test_earliest_stop_string_wins() -> None:
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError, match="stop strings"):
         IncrementalDetokenizer(ByteTokenizer(), [1], stop=("",))
+
+
+@pytest.mark.parametrize("step", [1, 3, 40])
+def test_include_stop_keeps_the_matched_stop_string(step: int) -> None:
+    det = IncrementalDetokenizer(ByteTokenizer(), ids("q"), stop=("END", "\n\n"), include_stop=True)
+    sent = "".join(feed(det, ids("answer is 42.\n\nmore text END"), step))
+    assert det.stop_string == "\n\n"
+    assert sent + det.flush() == "answer is 42.\n\n"
+
+
+@pytest.mark.parametrize("step", [1, 2, 4, 40])
+def test_no_stop_string_is_matched_before_min_tokens(step: int) -> None:
+    # "|" is the 3rd token: a stop string ending there is not matched; one ending in the 5th
+    # token (min_tokens = 4 reached) is, even if it starts before.
+    det = IncrementalDetokenizer(ByteTokenizer(), ids("q"), stop=("|", "cd"), min_tokens=4)
+    sent = "".join(feed(det, ids("ab|cde|f"), step))
+    assert det.stop_string == "cd"
+    assert sent + det.flush() == "ab|"
+    for min_tokens, text in ((4, "ab|cde"), (3, "ab")):  # as vLLM: the min_tokens-th token may match
+        det = IncrementalDetokenizer(ByteTokenizer(), ids("q"), stop=("|",), min_tokens=min_tokens)
+        sent = "".join(feed(det, ids("ab|cde|f"), step))
+        assert sent + det.flush() == text

@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
         ({"function_call": "auto"}, "function_call"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"min_tokens": 3}, "min_tokens"),
+        ({"length_penalty": 2}, "length_penalty"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
         # (tools are read by controlplane/tools/definitions.py; an earlier call on a user message
         # or with a bad name is refused here)

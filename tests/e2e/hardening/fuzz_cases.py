@@ -173,7 +173,20 @@ FIELD_HOSTILE: dict[str, st.SearchStrategy[Any]] = {
     "top_k": INTS,
     "model": STRINGS | st.sampled_from(["gpt-4", "", "m" * 10_000]),
     "cache_salt": HOSTILE_TEXT | st.just("s" * 257),
+    # vLLM's sampling extras
+    "min_tokens": INTS | JUNK,
+    "allowed_token_ids": st.lists(INTS | JUNK, max_size=5) | st.just(list(range(1025))),
+    "bad_words": st.lists(HOSTILE_TEXT | JUNK, max_size=5) | st.just(["w"] * 65) | st.just(["x" * 257]),
+    "include_stop_str_in_output": JUNK,
+    "truncate_prompt_tokens": INTS | JUNK,
 }
+_EXTRAS = (
+    "min_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+)
 
 
 def token_ids(low: int = 0, high: int = VOCAB - 1, max_size: int = 8) -> st.SearchStrategy[list[int]]:
@@ -220,7 +233,6 @@ UNSUPPORTED_PARAMS = (
     "guided_whitespace_pattern",
     "structural_tag",
     "use_beam_search",
-    "min_tokens",
     "suffix",
     "best_of",
     "chat_template",
@@ -442,7 +454,7 @@ def _mutate(draw: st.DrawFn, body: Body, chat: bool) -> None:
         names = sorted(
             set(keys)
             | set(_sampling_fields(chat))
-            | {"max_tokens", "prompt", "messages", "echo", "prompt_logprobs"}
+            | {"max_tokens", "prompt", "messages", "echo", "prompt_logprobs", *_EXTRAS}
         )
         name = draw(st.sampled_from(names))
         if name == "prompt":
@@ -748,6 +760,10 @@ HOSTILE_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "repetition_penalty": PB_FLOATS,
     "stop": st.lists(PB_TEXT, max_size=20),
     "logit_bias": st.dictionaries(UINT32, PB_FLOATS, max_size=4) | st.just({i: 1.0 for i in range(301)}),
+    "min_tokens": UINT32,
+    "allowed_token_ids": st.lists(UINT32, max_size=4) | st.just(list(range(1025))),
+    "truncate_prompt_tokens": UINT32,
+    "bad_words": st.lists(PB_TEXT, max_size=4) | st.just(["w"] * 65),
 }
 
 
@@ -764,7 +780,7 @@ class GrpcCase:
 def _sampling_message(values: dict[str, Any]) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
     for name, value in values.items():
-        if name in ("stop_token_ids", "stop"):
+        if name in ("stop_token_ids", "stop", "allowed_token_ids", "bad_words"):
             getattr(msg, name).extend(value)
         elif name == "logit_bias":
             for k, v in value.items():

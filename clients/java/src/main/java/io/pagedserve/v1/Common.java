@@ -25,6 +25,11 @@ public final class Common {
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_TokenIdSequence_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_TokenIdSequence_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
     internal_static_pagedserve_v1_Choices_descriptor;
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
@@ -59,7 +64,7 @@ public final class Common {
   static {
     java.lang.String[] descriptorData = {
       "\n\032pagedserve/v1/common.proto\022\rpagedserve" +
-      ".v1\"\236\006\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
+      ".v1\"\225\010\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
       "(\rH\001\210\001\001\022\030\n\013temperature\030\002 \001(\002H\002\210\001\001\022\022\n\005top" +
       "_p\030\003 \001(\002H\003\210\001\001\022\022\n\005top_k\030\004 \001(\005H\004\210\001\001\022\022\n\005min" +
       "_p\030\005 \001(\002H\005\210\001\001\022\021\n\004seed\030\006 \001(\003H\006\210\001\001\022\026\n\016stop" +
@@ -73,27 +78,34 @@ public final class Common {
       "on_object\030\021 \001(\010H\000\022\017\n\005regex\030\022 \001(\tH\000\022(\n\006ch" +
       "oice\030\023 \001(\0132\026.pagedserve.v1.ChoicesH\000\022\021\n\007" +
       "grammar\030\024 \001(\tH\000\022\034\n\017prompt_logprobs\030\025 \001(\r" +
-      "H\014\210\001\001\0320\n\016LogitBiasEntry\022\013\n\003key\030\001 \001(\r\022\r\n\005" +
-      "value\030\002 \001(\002:\0028\001B\014\n\nconstraintB\r\n\013_max_to" +
-      "kensB\016\n\014_temperatureB\010\n\006_top_pB\010\n\006_top_k" +
-      "B\010\n\006_min_pB\007\n\005_seedB\004\n\002_nB\013\n\t_logprobsB\023" +
-      "\n\021_presence_penaltyB\024\n\022_frequency_penalt" +
-      "yB\025\n\023_repetition_penaltyB\022\n\020_prompt_logp" +
-      "robs\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"P\n\005Usag" +
-      "e\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion_t" +
-      "okens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\"/\n\nTo" +
-      "pLogprob\022\020\n\010token_id\030\001 \001(\r\022\017\n\007logprob\030\002 " +
-      "\001(\002\"G\n\014TokenLogprob\022\017\n\007logprob\030\001 \001(\002\022&\n\003" +
-      "top\030\002 \003(\0132\031.pagedserve.v1.TopLogprob\"[\n\022" +
-      "PromptTokenLogprob\022\017\n\007logprob\030\001 \001(\002\022\014\n\004r" +
-      "ank\030\002 \001(\r\022&\n\003top\030\003 \003(\0132\031.pagedserve.v1.T" +
-      "opLogprob*\226\001\n\014FinishReason\022\035\n\031FINISH_REA" +
-      "SON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020" +
-      "\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_RE" +
-      "ASON_ABORT\020\003\022\034\n\030FINISH_REASON_TOOL_CALLS" +
-      "\020\004BN\n\020io.pagedserve.v1P\001Z8github.com/pag" +
-      "edserve/pagedserve/clients/go/pagedserve" +
-      "v1b\006proto3"
+      "H\014\210\001\001\022\027\n\nmin_tokens\030\026 \001(\rH\r\210\001\001\022\031\n\021allowe" +
+      "d_token_ids\030\027 \003(\r\022\"\n\032include_stop_str_in" +
+      "_output\030\030 \001(\010\022#\n\026truncate_prompt_tokens\030" +
+      "\031 \001(\rH\016\210\001\001\022\021\n\tbad_words\030\032 \003(\t\022;\n\023bad_wor" +
+      "ds_token_ids\030\033 \003(\0132\036.pagedserve.v1.Token" +
+      "IdSequence\0320\n\016LogitBiasEntry\022\013\n\003key\030\001 \001(" +
+      "\r\022\r\n\005value\030\002 \001(\002:\0028\001B\014\n\nconstraintB\r\n\013_m" +
+      "ax_tokensB\016\n\014_temperatureB\010\n\006_top_pB\010\n\006_" +
+      "top_kB\010\n\006_min_pB\007\n\005_seedB\004\n\002_nB\013\n\t_logpr" +
+      "obsB\023\n\021_presence_penaltyB\024\n\022_frequency_p" +
+      "enaltyB\025\n\023_repetition_penaltyB\022\n\020_prompt" +
+      "_logprobsB\r\n\013_min_tokensB\031\n\027_truncate_pr" +
+      "ompt_tokens\"\036\n\017TokenIdSequence\022\013\n\003ids\030\001 " +
+      "\003(\r\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"P\n\005Usage" +
+      "\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion_to" +
+      "kens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\"/\n\nTop" +
+      "Logprob\022\020\n\010token_id\030\001 \001(\r\022\017\n\007logprob\030\002 \001" +
+      "(\002\"G\n\014TokenLogprob\022\017\n\007logprob\030\001 \001(\002\022&\n\003t" +
+      "op\030\002 \003(\0132\031.pagedserve.v1.TopLogprob\"[\n\022P" +
+      "romptTokenLogprob\022\017\n\007logprob\030\001 \001(\002\022\014\n\004ra" +
+      "nk\030\002 \001(\r\022&\n\003top\030\003 \003(\0132\031.pagedserve.v1.To" +
+      "pLogprob*\226\001\n\014FinishReason\022\035\n\031FINISH_REAS" +
+      "ON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020\001" +
+      "\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_REA" +
+      "SON_ABORT\020\003\022\034\n\030FINISH_REASON_TOOL_CALLS\020" +
+      "\004BN\n\020io.pagedserve.v1P\001Z8github.com/page" +
+      "dserve/pagedserve/clients/go/pagedservev" +
+      "1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -104,39 +116,45 @@ public final class Common {
     internal_static_pagedserve_v1_SamplingParams_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_SamplingParams_descriptor,
-        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "JsonSchema", "JsonObject", "Regex", "Choice", "Grammar", "PromptLogprobs", "Constraint", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "PromptLogprobs", });
+        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "JsonSchema", "JsonObject", "Regex", "Choice", "Grammar", "PromptLogprobs", "MinTokens", "AllowedTokenIds", "IncludeStopStrInOutput", "TruncatePromptTokens", "BadWords", "BadWordsTokenIds", "Constraint", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "PromptLogprobs", "MinTokens", "TruncatePromptTokens", });
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_descriptor =
       internal_static_pagedserve_v1_SamplingParams_descriptor.getNestedTypes().get(0);
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_descriptor,
         new java.lang.String[] { "Key", "Value", });
-    internal_static_pagedserve_v1_Choices_descriptor =
+    internal_static_pagedserve_v1_TokenIdSequence_descriptor =
       getDescriptor().getMessageTypes().get(1);
+    internal_static_pagedserve_v1_TokenIdSequence_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_TokenIdSequence_descriptor,
+        new java.lang.String[] { "Ids", });
+    internal_static_pagedserve_v1_Choices_descriptor =
+      getDescriptor().getMessageTypes().get(2);
     internal_static_pagedserve_v1_Choices_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_Choices_descriptor,
         new java.lang.String[] { "Choices", });
     internal_static_pagedserve_v1_Usage_descriptor =
-      getDescriptor().getMessageTypes().get(2);
+      getDescriptor().getMessageTypes().get(3);
     internal_static_pagedserve_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_Usage_descriptor,
         new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
     internal_static_pagedserve_v1_TopLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(3);
+      getDescriptor().getMessageTypes().get(4);
     internal_static_pagedserve_v1_TopLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TopLogprob_descriptor,
         new java.lang.String[] { "TokenId", "Logprob", });
     internal_static_pagedserve_v1_TokenLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(4);
+      getDescriptor().getMessageTypes().get(5);
     internal_static_pagedserve_v1_TokenLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_TokenLogprob_descriptor,
         new java.lang.String[] { "Logprob", "Top", });
     internal_static_pagedserve_v1_PromptTokenLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(5);
+      getDescriptor().getMessageTypes().get(6);
     internal_static_pagedserve_v1_PromptTokenLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_PromptTokenLogprob_descriptor,

@@ -24,6 +24,9 @@ private static final long serialVersionUID = 0L;
   private SamplingParams() {
     stopTokenIds_ = emptyIntList();
     stop_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+    allowedTokenIds_ = emptyIntList();
+    badWords_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+    badWordsTokenIds_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -912,6 +915,243 @@ private static final long serialVersionUID = 0L;
     return promptLogprobs_;
   }
 
+  public static final int MIN_TOKENS_FIELD_NUMBER = 22;
+  private int minTokens_ = 0;
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return Whether the minTokens field is set.
+   */
+  @java.lang.Override
+  public boolean hasMinTokens() {
+    return ((bitField0_ & 0x00001000) != 0);
+  }
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return The minTokens.
+   */
+  @java.lang.Override
+  public int getMinTokens() {
+    return minTokens_;
+  }
+
+  public static final int ALLOWED_TOKEN_IDS_FIELD_NUMBER = 23;
+  @SuppressWarnings("serial")
+  private com.google.protobuf.Internal.IntList allowedTokenIds_;
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  @java.lang.Override
+  public java.util.List<java.lang.Integer>
+      getAllowedTokenIdsList() {
+    return allowedTokenIds_;
+  }
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return The count of allowedTokenIds.
+   */
+  public int getAllowedTokenIdsCount() {
+    return allowedTokenIds_.size();
+  }
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  public int getAllowedTokenIds(int index) {
+    return allowedTokenIds_.getInt(index);
+  }
+  private int allowedTokenIdsMemoizedSerializedSize = -1;
+
+  public static final int INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER = 24;
+  private boolean includeStopStrInOutput_ = false;
+  /**
+   * <pre>
+   * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+   * </pre>
+   *
+   * <code>bool include_stop_str_in_output = 24;</code>
+   * @return The includeStopStrInOutput.
+   */
+  @java.lang.Override
+  public boolean getIncludeStopStrInOutput() {
+    return includeStopStrInOutput_;
+  }
+
+  public static final int TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER = 25;
+  private int truncatePromptTokens_ = 0;
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return Whether the truncatePromptTokens field is set.
+   */
+  @java.lang.Override
+  public boolean hasTruncatePromptTokens() {
+    return ((bitField0_ & 0x00002000) != 0);
+  }
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return The truncatePromptTokens.
+   */
+  @java.lang.Override
+  public int getTruncatePromptTokens() {
+    return truncatePromptTokens_;
+  }
+
+  public static final int BAD_WORDS_FIELD_NUMBER = 26;
+  @SuppressWarnings("serial")
+  private com.google.protobuf.LazyStringList badWords_;
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return A list containing the badWords.
+   */
+  public com.google.protobuf.ProtocolStringList
+      getBadWordsList() {
+    return badWords_;
+  }
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return The count of badWords.
+   */
+  public int getBadWordsCount() {
+    return badWords_.size();
+  }
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the element to return.
+   * @return The badWords at the given index.
+   */
+  public java.lang.String getBadWords(int index) {
+    return badWords_.get(index);
+  }
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the value to return.
+   * @return The bytes of the badWords at the given index.
+   */
+  public com.google.protobuf.ByteString
+      getBadWordsBytes(int index) {
+    return badWords_.getByteString(index);
+  }
+
+  public static final int BAD_WORDS_TOKEN_IDS_FIELD_NUMBER = 27;
+  @SuppressWarnings("serial")
+  private java.util.List<io.pagedserve.v1.TokenIdSequence> badWordsTokenIds_;
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  @java.lang.Override
+  public java.util.List<io.pagedserve.v1.TokenIdSequence> getBadWordsTokenIdsList() {
+    return badWordsTokenIds_;
+  }
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends io.pagedserve.v1.TokenIdSequenceOrBuilder> 
+      getBadWordsTokenIdsOrBuilderList() {
+    return badWordsTokenIds_;
+  }
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  @java.lang.Override
+  public int getBadWordsTokenIdsCount() {
+    return badWordsTokenIds_.size();
+  }
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.TokenIdSequence getBadWordsTokenIds(int index) {
+    return badWordsTokenIds_.get(index);
+  }
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  @java.lang.Override
+  public io.pagedserve.v1.TokenIdSequenceOrBuilder getBadWordsTokenIdsOrBuilder(
+      int index) {
+    return badWordsTokenIds_.get(index);
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -997,6 +1237,28 @@ private static final long serialVersionUID = 0L;
     }
     if (((bitField0_ & 0x00000800) != 0)) {
       output.writeUInt32(21, promptLogprobs_);
+    }
+    if (((bitField0_ & 0x00001000) != 0)) {
+      output.writeUInt32(22, minTokens_);
+    }
+    if (getAllowedTokenIdsList().size() > 0) {
+      output.writeUInt32NoTag(186);
+      output.writeUInt32NoTag(allowedTokenIdsMemoizedSerializedSize);
+    }
+    for (int i = 0; i < allowedTokenIds_.size(); i++) {
+      output.writeUInt32NoTag(allowedTokenIds_.getInt(i));
+    }
+    if (includeStopStrInOutput_ != false) {
+      output.writeBool(24, includeStopStrInOutput_);
+    }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      output.writeUInt32(25, truncatePromptTokens_);
+    }
+    for (int i = 0; i < badWords_.size(); i++) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 26, badWords_.getRaw(i));
+    }
+    for (int i = 0; i < badWordsTokenIds_.size(); i++) {
+      output.writeMessage(27, badWordsTokenIds_.get(i));
     }
     getUnknownFields().writeTo(output);
   }
@@ -1109,6 +1371,44 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(21, promptLogprobs_);
     }
+    if (((bitField0_ & 0x00001000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(22, minTokens_);
+    }
+    {
+      int dataSize = 0;
+      for (int i = 0; i < allowedTokenIds_.size(); i++) {
+        dataSize += com.google.protobuf.CodedOutputStream
+          .computeUInt32SizeNoTag(allowedTokenIds_.getInt(i));
+      }
+      size += dataSize;
+      if (!getAllowedTokenIdsList().isEmpty()) {
+        size += 2;
+        size += com.google.protobuf.CodedOutputStream
+            .computeInt32SizeNoTag(dataSize);
+      }
+      allowedTokenIdsMemoizedSerializedSize = dataSize;
+    }
+    if (includeStopStrInOutput_ != false) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(24, includeStopStrInOutput_);
+    }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(25, truncatePromptTokens_);
+    }
+    {
+      int dataSize = 0;
+      for (int i = 0; i < badWords_.size(); i++) {
+        dataSize += computeStringSizeNoTag(badWords_.getRaw(i));
+      }
+      size += dataSize;
+      size += 2 * getBadWordsList().size();
+    }
+    for (int i = 0; i < badWordsTokenIds_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(27, badWordsTokenIds_.get(i));
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1198,6 +1498,24 @@ private static final long serialVersionUID = 0L;
       if (getPromptLogprobs()
           != other.getPromptLogprobs()) return false;
     }
+    if (hasMinTokens() != other.hasMinTokens()) return false;
+    if (hasMinTokens()) {
+      if (getMinTokens()
+          != other.getMinTokens()) return false;
+    }
+    if (!getAllowedTokenIdsList()
+        .equals(other.getAllowedTokenIdsList())) return false;
+    if (getIncludeStopStrInOutput()
+        != other.getIncludeStopStrInOutput()) return false;
+    if (hasTruncatePromptTokens() != other.hasTruncatePromptTokens()) return false;
+    if (hasTruncatePromptTokens()) {
+      if (getTruncatePromptTokens()
+          != other.getTruncatePromptTokens()) return false;
+    }
+    if (!getBadWordsList()
+        .equals(other.getBadWordsList())) return false;
+    if (!getBadWordsTokenIdsList()
+        .equals(other.getBadWordsTokenIdsList())) return false;
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 16:
@@ -1303,6 +1621,29 @@ private static final long serialVersionUID = 0L;
     if (hasPromptLogprobs()) {
       hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
       hash = (53 * hash) + getPromptLogprobs();
+    }
+    if (hasMinTokens()) {
+      hash = (37 * hash) + MIN_TOKENS_FIELD_NUMBER;
+      hash = (53 * hash) + getMinTokens();
+    }
+    if (getAllowedTokenIdsCount() > 0) {
+      hash = (37 * hash) + ALLOWED_TOKEN_IDS_FIELD_NUMBER;
+      hash = (53 * hash) + getAllowedTokenIdsList().hashCode();
+    }
+    hash = (37 * hash) + INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER;
+    hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+        getIncludeStopStrInOutput());
+    if (hasTruncatePromptTokens()) {
+      hash = (37 * hash) + TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER;
+      hash = (53 * hash) + getTruncatePromptTokens();
+    }
+    if (getBadWordsCount() > 0) {
+      hash = (37 * hash) + BAD_WORDS_FIELD_NUMBER;
+      hash = (53 * hash) + getBadWordsList().hashCode();
+    }
+    if (getBadWordsTokenIdsCount() > 0) {
+      hash = (37 * hash) + BAD_WORDS_TOKEN_IDS_FIELD_NUMBER;
+      hash = (53 * hash) + getBadWordsTokenIdsList().hashCode();
     }
     switch (constraintCase_) {
       case 16:
@@ -1506,6 +1847,19 @@ private static final long serialVersionUID = 0L;
         choiceBuilder_.clear();
       }
       promptLogprobs_ = 0;
+      minTokens_ = 0;
+      allowedTokenIds_ = emptyIntList();
+      includeStopStrInOutput_ = false;
+      truncatePromptTokens_ = 0;
+      badWords_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+      bitField0_ = (bitField0_ & ~0x02000000);
+      if (badWordsTokenIdsBuilder_ == null) {
+        badWordsTokenIds_ = java.util.Collections.emptyList();
+      } else {
+        badWordsTokenIds_ = null;
+        badWordsTokenIdsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x04000000);
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1552,6 +1906,25 @@ private static final long serialVersionUID = 0L;
         bitField0_ = (bitField0_ & ~0x00002000);
       }
       result.stop_ = stop_;
+      if (((bitField0_ & 0x00400000) != 0)) {
+        allowedTokenIds_.makeImmutable();
+        bitField0_ = (bitField0_ & ~0x00400000);
+      }
+      result.allowedTokenIds_ = allowedTokenIds_;
+      if (((bitField0_ & 0x02000000) != 0)) {
+        badWords_ = badWords_.getUnmodifiableView();
+        bitField0_ = (bitField0_ & ~0x02000000);
+      }
+      result.badWords_ = badWords_;
+      if (badWordsTokenIdsBuilder_ == null) {
+        if (((bitField0_ & 0x04000000) != 0)) {
+          badWordsTokenIds_ = java.util.Collections.unmodifiableList(badWordsTokenIds_);
+          bitField0_ = (bitField0_ & ~0x04000000);
+        }
+        result.badWordsTokenIds_ = badWordsTokenIds_;
+      } else {
+        result.badWordsTokenIds_ = badWordsTokenIdsBuilder_.build();
+      }
     }
 
     private void buildPartial0(io.pagedserve.v1.SamplingParams result) {
@@ -1611,6 +1984,17 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x00100000) != 0)) {
         result.promptLogprobs_ = promptLogprobs_;
         to_bitField0_ |= 0x00000800;
+      }
+      if (((from_bitField0_ & 0x00200000) != 0)) {
+        result.minTokens_ = minTokens_;
+        to_bitField0_ |= 0x00001000;
+      }
+      if (((from_bitField0_ & 0x00800000) != 0)) {
+        result.includeStopStrInOutput_ = includeStopStrInOutput_;
+      }
+      if (((from_bitField0_ & 0x01000000) != 0)) {
+        result.truncatePromptTokens_ = truncatePromptTokens_;
+        to_bitField0_ |= 0x00002000;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -1729,6 +2113,61 @@ private static final long serialVersionUID = 0L;
       bitField0_ |= 0x00004000;
       if (other.hasPromptLogprobs()) {
         setPromptLogprobs(other.getPromptLogprobs());
+      }
+      if (other.hasMinTokens()) {
+        setMinTokens(other.getMinTokens());
+      }
+      if (!other.allowedTokenIds_.isEmpty()) {
+        if (allowedTokenIds_.isEmpty()) {
+          allowedTokenIds_ = other.allowedTokenIds_;
+          bitField0_ = (bitField0_ & ~0x00400000);
+        } else {
+          ensureAllowedTokenIdsIsMutable();
+          allowedTokenIds_.addAll(other.allowedTokenIds_);
+        }
+        onChanged();
+      }
+      if (other.getIncludeStopStrInOutput() != false) {
+        setIncludeStopStrInOutput(other.getIncludeStopStrInOutput());
+      }
+      if (other.hasTruncatePromptTokens()) {
+        setTruncatePromptTokens(other.getTruncatePromptTokens());
+      }
+      if (!other.badWords_.isEmpty()) {
+        if (badWords_.isEmpty()) {
+          badWords_ = other.badWords_;
+          bitField0_ = (bitField0_ & ~0x02000000);
+        } else {
+          ensureBadWordsIsMutable();
+          badWords_.addAll(other.badWords_);
+        }
+        onChanged();
+      }
+      if (badWordsTokenIdsBuilder_ == null) {
+        if (!other.badWordsTokenIds_.isEmpty()) {
+          if (badWordsTokenIds_.isEmpty()) {
+            badWordsTokenIds_ = other.badWordsTokenIds_;
+            bitField0_ = (bitField0_ & ~0x04000000);
+          } else {
+            ensureBadWordsTokenIdsIsMutable();
+            badWordsTokenIds_.addAll(other.badWordsTokenIds_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.badWordsTokenIds_.isEmpty()) {
+          if (badWordsTokenIdsBuilder_.isEmpty()) {
+            badWordsTokenIdsBuilder_.dispose();
+            badWordsTokenIdsBuilder_ = null;
+            badWordsTokenIds_ = other.badWordsTokenIds_;
+            bitField0_ = (bitField0_ & ~0x04000000);
+            badWordsTokenIdsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getBadWordsTokenIdsFieldBuilder() : null;
+          } else {
+            badWordsTokenIdsBuilder_.addAllMessages(other.badWordsTokenIds_);
+          }
+        }
       }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
@@ -1913,6 +2352,56 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00100000;
               break;
             } // case 168
+            case 176: {
+              minTokens_ = input.readUInt32();
+              bitField0_ |= 0x00200000;
+              break;
+            } // case 176
+            case 184: {
+              int v = input.readUInt32();
+              ensureAllowedTokenIdsIsMutable();
+              allowedTokenIds_.addInt(v);
+              break;
+            } // case 184
+            case 186: {
+              int length = input.readRawVarint32();
+              int limit = input.pushLimit(length);
+              ensureAllowedTokenIdsIsMutable();
+              while (input.getBytesUntilLimit() > 0) {
+                allowedTokenIds_.addInt(input.readUInt32());
+              }
+              input.popLimit(limit);
+              break;
+            } // case 186
+            case 192: {
+              includeStopStrInOutput_ = input.readBool();
+              bitField0_ |= 0x00800000;
+              break;
+            } // case 192
+            case 200: {
+              truncatePromptTokens_ = input.readUInt32();
+              bitField0_ |= 0x01000000;
+              break;
+            } // case 200
+            case 210: {
+              java.lang.String s = input.readStringRequireUtf8();
+              ensureBadWordsIsMutable();
+              badWords_.add(s);
+              break;
+            } // case 210
+            case 218: {
+              io.pagedserve.v1.TokenIdSequence m =
+                  input.readMessage(
+                      io.pagedserve.v1.TokenIdSequence.parser(),
+                      extensionRegistry);
+              if (badWordsTokenIdsBuilder_ == null) {
+                ensureBadWordsTokenIdsIsMutable();
+                badWordsTokenIds_.add(m);
+              } else {
+                badWordsTokenIdsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 218
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -3671,6 +4160,761 @@ private static final long serialVersionUID = 0L;
       promptLogprobs_ = 0;
       onChanged();
       return this;
+    }
+
+    private int minTokens_ ;
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return Whether the minTokens field is set.
+     */
+    @java.lang.Override
+    public boolean hasMinTokens() {
+      return ((bitField0_ & 0x00200000) != 0);
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return The minTokens.
+     */
+    @java.lang.Override
+    public int getMinTokens() {
+      return minTokens_;
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @param value The minTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setMinTokens(int value) {
+      
+      minTokens_ = value;
+      bitField0_ |= 0x00200000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+     * logits are masked), in [0, max_tokens]. Default 0.
+     * </pre>
+     *
+     * <code>optional uint32 min_tokens = 22;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearMinTokens() {
+      bitField0_ = (bitField0_ & ~0x00200000);
+      minTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.Internal.IntList allowedTokenIds_ = emptyIntList();
+    private void ensureAllowedTokenIdsIsMutable() {
+      if (!((bitField0_ & 0x00400000) != 0)) {
+        allowedTokenIds_ = mutableCopy(allowedTokenIds_);
+        bitField0_ |= 0x00400000;
+      }
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return A list containing the allowedTokenIds.
+     */
+    public java.util.List<java.lang.Integer>
+        getAllowedTokenIdsList() {
+      return ((bitField0_ & 0x00400000) != 0) ?
+               java.util.Collections.unmodifiableList(allowedTokenIds_) : allowedTokenIds_;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return The count of allowedTokenIds.
+     */
+    public int getAllowedTokenIdsCount() {
+      return allowedTokenIds_.size();
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param index The index of the element to return.
+     * @return The allowedTokenIds at the given index.
+     */
+    public int getAllowedTokenIds(int index) {
+      return allowedTokenIds_.getInt(index);
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param index The index to set the value at.
+     * @param value The allowedTokenIds to set.
+     * @return This builder for chaining.
+     */
+    public Builder setAllowedTokenIds(
+        int index, int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.setInt(index, value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param value The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllowedTokenIds(int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.addInt(value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @param values The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllAllowedTokenIds(
+        java.lang.Iterable<? extends java.lang.Integer> values) {
+      ensureAllowedTokenIdsIsMutable();
+      com.google.protobuf.AbstractMessageLite.Builder.addAll(
+          values, allowedTokenIds_);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+     * generated. Default: every token.
+     * </pre>
+     *
+     * <code>repeated uint32 allowed_token_ids = 23;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearAllowedTokenIds() {
+      allowedTokenIds_ = emptyIntList();
+      bitField0_ = (bitField0_ & ~0x00400000);
+      onChanged();
+      return this;
+    }
+
+    private boolean includeStopStrInOutput_ ;
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @return The includeStopStrInOutput.
+     */
+    @java.lang.Override
+    public boolean getIncludeStopStrInOutput() {
+      return includeStopStrInOutput_;
+    }
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @param value The includeStopStrInOutput to set.
+     * @return This builder for chaining.
+     */
+    public Builder setIncludeStopStrInOutput(boolean value) {
+      
+      includeStopStrInOutput_ = value;
+      bitField0_ |= 0x00800000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+     * </pre>
+     *
+     * <code>bool include_stop_str_in_output = 24;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearIncludeStopStrInOutput() {
+      bitField0_ = (bitField0_ & ~0x00800000);
+      includeStopStrInOutput_ = false;
+      onChanged();
+      return this;
+    }
+
+    private int truncatePromptTokens_ ;
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return Whether the truncatePromptTokens field is set.
+     */
+    @java.lang.Override
+    public boolean hasTruncatePromptTokens() {
+      return ((bitField0_ & 0x01000000) != 0);
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return The truncatePromptTokens.
+     */
+    @java.lang.Override
+    public int getTruncatePromptTokens() {
+      return truncatePromptTokens_;
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @param value The truncatePromptTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setTruncatePromptTokens(int value) {
+      
+      truncatePromptTokens_ = value;
+      bitField0_ |= 0x01000000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+     * </pre>
+     *
+     * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearTruncatePromptTokens() {
+      bitField0_ = (bitField0_ & ~0x01000000);
+      truncatePromptTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.LazyStringList badWords_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+    private void ensureBadWordsIsMutable() {
+      if (!((bitField0_ & 0x02000000) != 0)) {
+        badWords_ = new com.google.protobuf.LazyStringArrayList(badWords_);
+        bitField0_ |= 0x02000000;
+       }
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @return A list containing the badWords.
+     */
+    public com.google.protobuf.ProtocolStringList
+        getBadWordsList() {
+      return badWords_.getUnmodifiableView();
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @return The count of badWords.
+     */
+    public int getBadWordsCount() {
+      return badWords_.size();
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param index The index of the element to return.
+     * @return The badWords at the given index.
+     */
+    public java.lang.String getBadWords(int index) {
+      return badWords_.get(index);
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param index The index of the value to return.
+     * @return The bytes of the badWords at the given index.
+     */
+    public com.google.protobuf.ByteString
+        getBadWordsBytes(int index) {
+      return badWords_.getByteString(index);
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param index The index to set the value at.
+     * @param value The badWords to set.
+     * @return This builder for chaining.
+     */
+    public Builder setBadWords(
+        int index, java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      ensureBadWordsIsMutable();
+      badWords_.set(index, value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param value The badWords to add.
+     * @return This builder for chaining.
+     */
+    public Builder addBadWords(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      ensureBadWordsIsMutable();
+      badWords_.add(value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param values The badWords to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllBadWords(
+        java.lang.Iterable<java.lang.String> values) {
+      ensureBadWordsIsMutable();
+      com.google.protobuf.AbstractMessageLite.Builder.addAll(
+          values, badWords_);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearBadWords() {
+      badWords_ = com.google.protobuf.LazyStringArrayList.EMPTY;
+      bitField0_ = (bitField0_ & ~0x02000000);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+     * tokenizes each with and without a leading space into bad_words_token_ids.
+     * </pre>
+     *
+     * <code>repeated string bad_words = 26;</code>
+     * @param value The bytes of the badWords to add.
+     * @return This builder for chaining.
+     */
+    public Builder addBadWordsBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      ensureBadWordsIsMutable();
+      badWords_.add(value);
+      onChanged();
+      return this;
+    }
+
+    private java.util.List<io.pagedserve.v1.TokenIdSequence> badWordsTokenIds_ =
+      java.util.Collections.emptyList();
+    private void ensureBadWordsTokenIdsIsMutable() {
+      if (!((bitField0_ & 0x04000000) != 0)) {
+        badWordsTokenIds_ = new java.util.ArrayList<io.pagedserve.v1.TokenIdSequence>(badWordsTokenIds_);
+        bitField0_ |= 0x04000000;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.TokenIdSequence, io.pagedserve.v1.TokenIdSequence.Builder, io.pagedserve.v1.TokenIdSequenceOrBuilder> badWordsTokenIdsBuilder_;
+
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public java.util.List<io.pagedserve.v1.TokenIdSequence> getBadWordsTokenIdsList() {
+      if (badWordsTokenIdsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(badWordsTokenIds_);
+      } else {
+        return badWordsTokenIdsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public int getBadWordsTokenIdsCount() {
+      if (badWordsTokenIdsBuilder_ == null) {
+        return badWordsTokenIds_.size();
+      } else {
+        return badWordsTokenIdsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public io.pagedserve.v1.TokenIdSequence getBadWordsTokenIds(int index) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        return badWordsTokenIds_.get(index);
+      } else {
+        return badWordsTokenIdsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder setBadWordsTokenIds(
+        int index, io.pagedserve.v1.TokenIdSequence value) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.set(index, value);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder setBadWordsTokenIds(
+        int index, io.pagedserve.v1.TokenIdSequence.Builder builderForValue) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder addBadWordsTokenIds(io.pagedserve.v1.TokenIdSequence value) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.add(value);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder addBadWordsTokenIds(
+        int index, io.pagedserve.v1.TokenIdSequence value) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.add(index, value);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder addBadWordsTokenIds(
+        io.pagedserve.v1.TokenIdSequence.Builder builderForValue) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.add(builderForValue.build());
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder addBadWordsTokenIds(
+        int index, io.pagedserve.v1.TokenIdSequence.Builder builderForValue) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder addAllBadWordsTokenIds(
+        java.lang.Iterable<? extends io.pagedserve.v1.TokenIdSequence> values) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        ensureBadWordsTokenIdsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, badWordsTokenIds_);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder clearBadWordsTokenIds() {
+      if (badWordsTokenIdsBuilder_ == null) {
+        badWordsTokenIds_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x04000000);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public Builder removeBadWordsTokenIds(int index) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        ensureBadWordsTokenIdsIsMutable();
+        badWordsTokenIds_.remove(index);
+        onChanged();
+      } else {
+        badWordsTokenIdsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public io.pagedserve.v1.TokenIdSequence.Builder getBadWordsTokenIdsBuilder(
+        int index) {
+      return getBadWordsTokenIdsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public io.pagedserve.v1.TokenIdSequenceOrBuilder getBadWordsTokenIdsOrBuilder(
+        int index) {
+      if (badWordsTokenIdsBuilder_ == null) {
+        return badWordsTokenIds_.get(index);  } else {
+        return badWordsTokenIdsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public java.util.List<? extends io.pagedserve.v1.TokenIdSequenceOrBuilder> 
+         getBadWordsTokenIdsOrBuilderList() {
+      if (badWordsTokenIdsBuilder_ != null) {
+        return badWordsTokenIdsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(badWordsTokenIds_);
+      }
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public io.pagedserve.v1.TokenIdSequence.Builder addBadWordsTokenIdsBuilder() {
+      return getBadWordsTokenIdsFieldBuilder().addBuilder(
+          io.pagedserve.v1.TokenIdSequence.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public io.pagedserve.v1.TokenIdSequence.Builder addBadWordsTokenIdsBuilder(
+        int index) {
+      return getBadWordsTokenIdsFieldBuilder().addBuilder(
+          index, io.pagedserve.v1.TokenIdSequence.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Token sequences never generated: a one-token word is always masked, a longer one's last
+     * token once the output ends with the rest of it. At most 4096 ids in all.
+     * </pre>
+     *
+     * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+     */
+    public java.util.List<io.pagedserve.v1.TokenIdSequence.Builder> 
+         getBadWordsTokenIdsBuilderList() {
+      return getBadWordsTokenIdsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        io.pagedserve.v1.TokenIdSequence, io.pagedserve.v1.TokenIdSequence.Builder, io.pagedserve.v1.TokenIdSequenceOrBuilder> 
+        getBadWordsTokenIdsFieldBuilder() {
+      if (badWordsTokenIdsBuilder_ == null) {
+        badWordsTokenIdsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            io.pagedserve.v1.TokenIdSequence, io.pagedserve.v1.TokenIdSequence.Builder, io.pagedserve.v1.TokenIdSequenceOrBuilder>(
+                badWordsTokenIds_,
+                ((bitField0_ & 0x04000000) != 0),
+                getParentForChildren(),
+                isClean());
+        badWordsTokenIds_ = null;
+      }
+      return badWordsTokenIdsBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

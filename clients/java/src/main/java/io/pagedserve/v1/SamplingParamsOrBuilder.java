@@ -513,5 +513,181 @@ public interface SamplingParamsOrBuilder extends
    */
   int getPromptLogprobs();
 
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return Whether the minTokens field is set.
+   */
+  boolean hasMinTokens();
+  /**
+   * <pre>
+   * vLLM's: EOS and stop_token_ids cannot end a completion before this many tokens (their
+   * logits are masked), in [0, max_tokens]. Default 0.
+   * </pre>
+   *
+   * <code>optional uint32 min_tokens = 22;</code>
+   * @return The minTokens.
+   */
+  int getMinTokens();
+
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  java.util.List<java.lang.Integer> getAllowedTokenIdsList();
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @return The count of allowedTokenIds.
+   */
+  int getAllowedTokenIdsCount();
+  /**
+   * <pre>
+   * vLLM's: when non-empty, only these token ids (in [0, vocab_size), at most 1024) can be
+   * generated. Default: every token.
+   * </pre>
+   *
+   * <code>repeated uint32 allowed_token_ids = 23;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  int getAllowedTokenIds(int index);
+
+  /**
+   * <pre>
+   * vLLM's: a matched stop string stays in the output text (it still ends the completion).
+   * </pre>
+   *
+   * <code>bool include_stop_str_in_output = 24;</code>
+   * @return The includeStopStrInOutput.
+   */
+  boolean getIncludeStopStrInOutput();
+
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return Whether the truncatePromptTokens field is set.
+   */
+  boolean hasTruncatePromptTokens();
+  /**
+   * <pre>
+   * vLLM's: only the prompt's last N tokens are kept, N &gt;= 1. Default: the whole prompt.
+   * </pre>
+   *
+   * <code>optional uint32 truncate_prompt_tokens = 25;</code>
+   * @return The truncatePromptTokens.
+   */
+  int getTruncatePromptTokens();
+
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return A list containing the badWords.
+   */
+  java.util.List<java.lang.String>
+      getBadWordsList();
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @return The count of badWords.
+   */
+  int getBadWordsCount();
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the element to return.
+   * @return The badWords at the given index.
+   */
+  java.lang.String getBadWords(int index);
+  /**
+   * <pre>
+   * vLLM's: words never generated (at most 64 strings of at most 256 characters); the server
+   * tokenizes each with and without a leading space into bad_words_token_ids.
+   * </pre>
+   *
+   * <code>repeated string bad_words = 26;</code>
+   * @param index The index of the value to return.
+   * @return The bytes of the badWords at the given index.
+   */
+  com.google.protobuf.ByteString
+      getBadWordsBytes(int index);
+
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  java.util.List<io.pagedserve.v1.TokenIdSequence> 
+      getBadWordsTokenIdsList();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  io.pagedserve.v1.TokenIdSequence getBadWordsTokenIds(int index);
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  int getBadWordsTokenIdsCount();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  java.util.List<? extends io.pagedserve.v1.TokenIdSequenceOrBuilder> 
+      getBadWordsTokenIdsOrBuilderList();
+  /**
+   * <pre>
+   * Token sequences never generated: a one-token word is always masked, a longer one's last
+   * token once the output ends with the rest of it. At most 4096 ids in all.
+   * </pre>
+   *
+   * <code>repeated .pagedserve.v1.TokenIdSequence bad_words_token_ids = 27;</code>
+   */
+  io.pagedserve.v1.TokenIdSequenceOrBuilder getBadWordsTokenIdsOrBuilder(
+      int index);
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }
