@@ -297,7 +297,9 @@ class TokenIdSequence(_message.Message):
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids, in order."""
+
     def __init__(
         self,
         *,

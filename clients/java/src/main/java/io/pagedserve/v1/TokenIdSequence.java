@@ -52,6 +52,10 @@ private static final long serialVersionUID = 0L;
   @SuppressWarnings("serial")
   private com.google.protobuf.Internal.IntList ids_;
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @return A list containing the ids.
    */
@@ -61,6 +65,10 @@ private static final long serialVersionUID = 0L;
     return ids_;
   }
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @return The count of ids.
    */
@@ -68,6 +76,10 @@ private static final long serialVersionUID = 0L;
     return ids_.size();
   }
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @param index The index of the element to return.
    * @return The ids at the given index.
@@ -453,6 +465,10 @@ private static final long serialVersionUID = 0L;
       }
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @return A list containing the ids.
      */
@@ -462,6 +478,10 @@ private static final long serialVersionUID = 0L;
                java.util.Collections.unmodifiableList(ids_) : ids_;
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @return The count of ids.
      */
@@ -469,6 +489,10 @@ private static final long serialVersionUID = 0L;
       return ids_.size();
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @param index The index of the element to return.
      * @return The ids at the given index.
@@ -477,6 +501,10 @@ private static final long serialVersionUID = 0L;
       return ids_.getInt(index);
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @param index The index to set the value at.
      * @param value The ids to set.
@@ -491,6 +519,10 @@ private static final long serialVersionUID = 0L;
       return this;
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @param value The ids to add.
      * @return This builder for chaining.
@@ -503,6 +535,10 @@ private static final long serialVersionUID = 0L;
       return this;
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @param values The ids to add.
      * @return This builder for chaining.
@@ -516,6 +552,10 @@ private static final long serialVersionUID = 0L;
       return this;
     }
     /**
+     * <pre>
+     * The token ids, in order.
+     * </pre>
+     *
      * <code>repeated uint32 ids = 1;</code>
      * @return This builder for chaining.
      */

@@ -8,16 +8,28 @@ public interface TokenIdSequenceOrBuilder extends
     com.google.protobuf.MessageOrBuilder {
 
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @return A list containing the ids.
    */
   java.util.List<java.lang.Integer> getIdsList();
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @return The count of ids.
    */
   int getIdsCount();
   /**
+   * <pre>
+   * The token ids, in order.
+   * </pre>
+   *
    * <code>repeated uint32 ids = 1;</code>
    * @param index The index of the element to return.
    * @return The ids at the given index.
