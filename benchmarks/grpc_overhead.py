@@ -93,9 +93,9 @@ def run_offline(args: argparse.Namespace, prompts: list[list[int]], lengths: lis
     while engine.has_unfinished_requests():
         result = engine.step()
         now = time.perf_counter()
-        for rid, token in result.new_tokens.items():
-            times[rid].append(now)
-            tokens[rid].append(token)
+        for rid, taken in result.new_tokens.items():
+            times[rid].extend([now] * len(taken))
+            tokens[rid].extend(taken)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "times": times, "tokens": tokens, "start": start}
 

@@ -17,6 +17,7 @@ from pagedserve.common.env import MODEL_HOME_HELP
 from pagedserve.common.lifecycle import is_loopback
 from pagedserve.common.models.store import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, format_bytes, parse_bytes, setting
+from pagedserve.dataplane.speculative.config import SpeculativeConfig
 from pagedserve.kernels.names import BACKENDS, KV_CACHE_DTYPES
 
 # The kernels' own vocabulary (pagedserve.kernels.names is a torch-free leaf: so is this module).
@@ -195,12 +196,26 @@ class SchedulerConfig:
         maximum=3600,
     )
 
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding as JSON in vLLM\'s shape, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+        "(methods: ngram, suffix; default: off)",
+    )
+
     def __post_init__(self) -> None:
         check_bounds(self)
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: speculative decoding is off)."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass(frozen=True)

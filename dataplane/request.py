@@ -130,6 +130,11 @@ class Request:
         # A sample whose first token was drawn from its primary's logits row, before it computed
         # its prompt (LLMEngine, parallel sampling): its prompt's end, until it is computed.
         self.first_chunk_end: int | None = None
+        # Speculative decoding: tokens drafted to follow its last token, verified in its next
+        # step (dataplane/speculative); never part of `all_token_ids` until accepted.
+        self.spec_token_ids: list[int] = []
+        self.num_spec_drafted = 0  # drafted tokens verified, and those accepted
+        self.num_spec_accepted = 0
 
     @property
     def num_prompt_tokens(self) -> int:

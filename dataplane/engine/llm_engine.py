@@ -19,6 +19,7 @@ from pagedserve.dataplane.runner.quant_linear import weight_bytes
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, Scheduler, SchedulerOutput
 from pagedserve.dataplane.scheduler.step_budget import split_tokens
+from pagedserve.dataplane.speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -28,6 +29,30 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 MAX_ISOLATED_REQUESTS = 256
 """The most requests a faulted step is rerun one by one for (a batch is at most max_num_seqs)."""
+
+
+def _appended_tokens(
+    out: SchedulerOutput, sampled: dict[str, SampledToken], before: dict[str, int]
+) -> dict[str, list[int]]:
+    """The tokens each request took this step (a drafted run: its accepted drafts, then its
+    own token, up to a stop within it), their logprobs recorded; the riders' first tokens."""
+    taken: dict[str, list[int]] = {}
+    for item in out.scheduled:
+        request = item.request
+        token = sampled.get(request.request_id)
+        if token is None:
+            continue
+        run = [*token.accepted, token][: request.num_output_tokens - before[request.request_id]]
+        for t in run:
+            if t.logprob is not None:
+                request.output_logprobs.append(t.logprob)
+                if t.top_logprobs is not None:
+                    request.output_top_logprobs.append(t.top_logprobs)
+        if run:
+            taken[request.request_id] = [t.token_id for t in run]
+    scheduled = set(before)
+    taken.update((rid, [t.token_id]) for rid, t in sampled.items() if rid not in scheduled)
+    return taken
 
 
 class LLMEngine:
@@ -60,6 +85,8 @@ class LLMEngine:
         self.startup.done("kernels", weight_bytes=weight_bytes(self.runner.model))
         self._ids = itertools.count()
         self.groups = SampleGroups(self.runner, self.scheduler, loaded.model.config.vocab_size)
+        spec = config.scheduler.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
         self._grammars: CompileService | None = None
 
     # -- requests ----------------------------------------------------------------------------
@@ -200,6 +227,8 @@ class LLMEngine:
         """Schedule, run the model once on the flattened batch (after the step's swap copies),
         take the sampled tokens and retire finished requests."""
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.room)
         out = self.scheduler.schedule()
         riders, draws = self.groups.plan(out)
         sampled, faulted = self._execute(out, riders)
@@ -238,23 +267,27 @@ class LLMEngine:
         """Append each scheduled request's token (and logprobs), let the samples' groups take
         their first tokens, retire what finished."""
         mixed = self.scheduler.mixed_step_budget  # (None: --prefill-stretch off, nothing timed)
-        timed = mixed is not None and not out.is_empty
+        timed = (mixed is not None or self.speculator is not None) and not out.is_empty
         tokens = split_tokens(out) if timed else None  # before the output moves them on
-        for item in out.scheduled:
-            token = sampled.get(item.request.request_id)
-            if token is not None and token.logprob is not None:
-                item.request.output_logprobs.append(token.logprob)
-                if token.top_logprobs is not None:
-                    item.request.output_top_logprobs.append(token.top_logprobs)
-        token_ids = {rid: t.token_id for rid, t in sampled.items()}
-        finished = self.scheduler.update_from_output(out, token_ids) if not out.is_empty else []
+        accepted = {rid: [a.token_id for a in t.accepted] for rid, t in sampled.items() if t.accepted}
+        before = {item.request.request_id: item.request.num_output_tokens for item in out.scheduled}
+        finished = (
+            self.scheduler.update_from_output(out, {r: t.token_id for r, t in sampled.items()}, accepted)
+            if not out.is_empty
+            else []
+        )
+        token_ids = _appended_tokens(out, sampled, before)
         drawn, done = self.groups.collect(riders, sampled, draws)
-        token_ids.update((rid, t.token_id) for rid, t in drawn.items())
+        token_ids.update((rid, [t.token_id]) for rid, t in drawn.items())
         finished.extend(done)
         self.runner.fill_masks_ahead(out.scheduled)
         self._retire(finished)
-        if mixed is not None and tokens is not None:
-            mixed.observe(*tokens, time.perf_counter() - started)
+        if tokens is not None:
+            elapsed = time.perf_counter() - started
+            if mixed is not None:
+                mixed.observe(*tokens, elapsed)
+            if self.speculator is not None:
+                self.speculator.verified(out, accepted, elapsed if tokens[0] == 0 else None)
         return StepResult(token_ids, finished, out.num_batched_tokens, len(out.preempted), faulted)
 
     def _retire(self, finished: list[Request]) -> None:
@@ -262,6 +295,8 @@ class LLMEngine:
         for request in finished:
             request.finish_time = now
             self.runner.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finished(finished)
         if finished and not self.has_unfinished_requests():
             # Idle is the one moment every block must be free: verify it (O(num_blocks)).
             self.check_integrity()
@@ -318,7 +353,18 @@ class LLMEngine:
             swap_seconds=self.swap_seconds,
             host_total_blocks=0 if self.host_pool is None else self.host_pool.num_blocks,
             host_free_blocks=0 if self.host_pool is None else self.host_pool.num_free_blocks,
+            **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "spec_drafts": spec.runs,
+            "spec_draft_tokens": spec.drafted_tokens,
+            "spec_accepted_tokens": spec.accepted_tokens,
+        }
 
     def take_kv_events(self) -> list[KVEventRecord]:
         """The KV events since the last call (none unless the cache config enables them)."""

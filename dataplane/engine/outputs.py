@@ -11,11 +11,12 @@ from pagedserve.dataplane.request import Request
 
 @dataclass
 class StepResult:
-    """What one step produced: new tokens per request and the requests that finished.
+    """What one step produced: new tokens per request (several after a drafted run was
+    accepted) and the requests that finished.
     `faulted`: requests whose own work in the step raised (engine id -> the error), aborted
     with their samples and blocks freed; the rest of the batch went on without them."""
 
-    new_tokens: dict[str, int]
+    new_tokens: dict[str, list[int]]
     finished: list[Request]
     num_batched_tokens: int
     num_preempted: int
@@ -44,6 +45,10 @@ class EngineStats:
     swap_seconds: float = 0.0  # cumulative wall time spent copying swapped blocks
     host_total_blocks: int = 0
     host_free_blocks: int = 0
+    # Speculative decoding, cumulative: drafted runs verified, their tokens, those accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def usage(self) -> float:

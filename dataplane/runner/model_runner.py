@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,8 +19,9 @@ from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
 from pagedserve.dataplane.runner.prompt_logprobs import PromptRows, add_prompt_logprobs, prompt_rows
 from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
-from pagedserve.dataplane.runner.sampler import SampledToken, SamplerWork, sample
+from pagedserve.dataplane.runner.sampler import SampledToken, SamplerWork, accept_drafts, sample
 from pagedserve.dataplane.scheduler import Request, SchedulerOutput
+from pagedserve.dataplane.scheduler.output import ScheduledRequest
 from pagedserve.kernels import build_attention_metadata, swap_blocks
 from pagedserve.kernels.backend import resolve_backend
 from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
@@ -155,13 +157,23 @@ class ModelRunner:
             return None
         return load_cpu_kernels()
 
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
+    def _generator_for(self, request: Request, offset: int) -> torch.Generator:
+        """The generator of a drawn sample's token at output position `num_output_tokens +
+        offset`. A seeded request's draw depends on its seed and that position only, so it
+        draws the same token from the same distribution however its steps are cut (drafted
+        runs verified or not, preempted or not): its text repeats exactly."""
+        seed = request.sampling_params.seed
+        if seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
-            self._generators[request_id] = gen
-        return gen
+            position = request.num_output_tokens + offset
+            gen.manual_seed((seed * 0x9E3779B97F4A7C15 + position) & (2**63 - 1))
+            return gen
+        own = self._generators.get(request.request_id)
+        if own is None:
+            own = torch.Generator(device=self.device)
+            own.manual_seed(self._seed_rng.getrandbits(63))
+            self._generators[request.request_id] = own
+        return own
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
@@ -223,20 +235,26 @@ class ModelRunner:
             if wanted is not None:
                 scored.append(wanted)
             inputs.input_ids.extend(r.all_token_ids[start:end])
+            inputs.input_ids.extend(item.spec_token_ids)  # (drafts: past the known tokens)
             inputs.positions.extend(range(start, end))
             inputs.query_lens.append(item.num_new_tokens)
             inputs.seq_lens.append(end)
             inputs.block_tables.append(r.block_table)
-            if item.samples:
-                sample_rows.append(len(inputs.input_ids) - 1)
+            if item.samples:  # a drafted run samples at its last known token and every draft
+                sample_rows.extend(
+                    range(len(inputs.input_ids) - 1 - len(item.spec_token_ids), len(inputs.input_ids))
+                )
         if self.step_listener is not None:
             inputs.swap_out.extend(self._pending_swap_out)
             inputs.swap_in.extend(self._pending_swap_in)
             self._pending_swap_out, self._pending_swap_in = [], []
             self.step_listener(inputs)
         sampling = [s for s in out.scheduled if s.samples]
+        first_rows = list(itertools.accumulate((1 + len(s.spec_token_ids) for s in sampling), initial=0))
         constrained = [
-            (i, s.request.grammar) for i, s in enumerate(sampling) if s.request.grammar is not None
+            (first_rows[i], s.request.grammar)
+            for i, s in enumerate(sampling)
+            if s.request.grammar is not None
         ]
         filled = self._start_mask_fill(constrained) if constrained else None  # overlaps the forward
         hidden = self._forward(inputs)
@@ -248,14 +266,34 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index)).float()  # [N, vocab]
         if constrained:
             self._mask_logits(logits, constrained, filled)
-        samples = [s.request for s in sampling]
-        rows = list(range(len(sampling)))
-        for row, s in enumerate(sampling):
+        return self._sample_step(logits, sampling, first_rows, riders)
+
+    def _sample_step(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledRequest],
+        first_rows: list[int],
+        riders: Mapping[str, Sequence[Request]] | None,
+    ) -> dict[str, SampledToken]:
+        """The step's tokens from its logits rows: each sampling request's (a drafted run:
+        one per row, then verified, `accept_drafts`), then its riders' from its first row."""
+        samples = [s.request for s in sampling for _ in range(1 + len(s.spec_token_ids))]
+        rows = list(range(len(samples)))
+        for i, s in enumerate(sampling):
             if riders and s.request.request_id in riders:
+                row = first_rows[i]
                 self.kept_rows[s.request.request_id] = logits[row].clone()
                 samples.extend(riders[s.request.request_id])
                 rows.extend([row] * len(riders[s.request.request_id]))
-        return self._sample(logits, samples, rows)
+        tokens = self._sample_rows(logits, samples, rows)
+        end = first_rows[-1]
+        result = {r.request_id: t for r, t in zip(samples[end:], tokens[end:], strict=True)}
+        for i, s in enumerate(sampling):
+            run = tokens[first_rows[i] : first_rows[i + 1]]
+            result[s.request.request_id] = (
+                accept_drafts(s.spec_token_ids, run) if s.spec_token_ids else run[0]
+            )
+        return result
 
     @torch.inference_mode()
     def draw(self, row: torch.Tensor, requests: Sequence[Request]) -> dict[str, SampledToken]:
@@ -267,10 +305,22 @@ class ModelRunner:
         self, logits: torch.Tensor, requests: list[Request], rows: list[int]
     ) -> dict[str, SampledToken]:
         """Request i's next token from row `rows[i]` of logits [R, vocab] (`sample`)."""
+        tokens = self._sample_rows(logits, requests, rows)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def _sample_rows(
+        self, logits: torch.Tensor, requests: list[Request], rows: list[int]
+    ) -> list[SampledToken]:
+        """The token of each of `requests` (one may be listed once per row it samples, in row
+        order: a drafted run, whose draws then follow each other in its generator)."""
         params = [r.sampling_params for r in requests]
+        offsets = [0] * len(requests)
+        for i in range(1, len(requests)):
+            if requests[i] is requests[i - 1]:
+                offsets[i] = offsets[i - 1] + 1  # the next row of a drafted run
         generators: list[torch.Generator | None] = [
-            None if p.greedy else self._generator_for(r.request_id, p.seed)
-            for r, p in zip(requests, params, strict=True)
+            None if p.greedy else self._generator_for(r, offset)
+            for r, p, offset in zip(requests, params, offsets, strict=True)
         ]
         no_history: tuple[list[int], list[int]] = ([], [])
         histories = [
@@ -278,8 +328,7 @@ class ModelRunner:
             for r, p in zip(requests, params, strict=True)
         ]
         eos = [r.eos_token_id for r in requests]
-        tokens = sample(logits, params, generators, histories, rows, self.sample_work, eos)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        return sample(logits, params, generators, histories, rows, self.sample_work, eos)
 
     def _start_mask_fill(self, rows: list[tuple[int, Any]]) -> Any:
         """Structured outputs: start filling the constrained rows' token bitmask, on a worker

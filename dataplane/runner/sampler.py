@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,26 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # under the model's raw distribution, when asked for
     top_logprobs: list[tuple[int, float]] | None = None
+    # Speculative decoding: the drafted tokens the step accepted before this one, in order.
+    accepted: list[SampledToken] = field(default_factory=list)
+
+
+def accept_drafts(drafts: Sequence[int], row_tokens: list[SampledToken]) -> SampledToken:
+    """Verify `drafts` against the tokens sampled at each of their rows (`row_tokens[j]` from
+    the distribution after drafts[:j], one more row than drafts): the longest prefix of drafts
+    equal to the sampled tokens is accepted, and the sampled token after it ends the run.
+
+    For a greedy sample this keeps the argmax chain exactly. For a drawn one it is the
+    rejection sampling of speculative decoding (Leviathan et al., 2023) with a drafter whose
+    distribution is a point mass: draft d at a row is accepted with probability p(d), and a
+    rejection leaves the token drawn from p conditioned on not being d, the normalised
+    residual max(0, p - q). So every emitted token follows the target distribution."""
+    m = 0
+    while m < len(drafts) and row_tokens[m].token_id == drafts[m]:
+        m += 1
+    last = row_tokens[m]
+    last.accepted = row_tokens[:m]
+    return last
 
 
 def apply_penalties(

@@ -10,14 +10,18 @@ from pagedserve.dataplane.request import Request
 
 @dataclass
 class ScheduledRequest:
+    """`num_new_tokens` of `request` computed this step; with `spec_token_ids` (speculative
+    decoding) the last of them are those drafted tokens, after its last known token."""
+
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, so a new one is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from pagedserve.common import admission_rules
 from pagedserve.dataplane.config import SchedulerConfig
@@ -65,7 +65,7 @@ from pagedserve.dataplane.scheduler.priority import (
     sole_blocks,
 )
 from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget, decodes_next, urgent_prompt_tokens
-from pagedserve.dataplane.scheduler.stopping import stop_reason
+from pagedserve.dataplane.scheduler.stopping import append_until_stop, stop_reason
 
 
 class Scheduler:
@@ -122,6 +122,10 @@ class Scheduler:
             request.num_prompt_tokens, request.sampling_params.max_tokens, self.max_model_len
         )
 
+    def room(self, request: Request) -> int:
+        """Tokens `request` may still append before max_tokens or max_model_len ends it."""
+        return self.max_total_tokens(request) - request.num_tokens
+
     def add_request(self, request: Request) -> None:
         """Queue `request`, or raise ValueError when it can never run (so it cannot hang)."""
         if request.request_id in self.requests:
@@ -174,6 +178,9 @@ class Scheduler:
                 if num_new == 0:
                     i += 1  # a prompt chunk past this step's bound: it goes on next step
                     continue
+            drafts = self._drafts(request, num_new, budget) if decoding else []
+            if drafts:
+                num_new += len(drafts)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out, now)
@@ -181,12 +188,24 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             budget -= num_new
             if not decoding:
                 prefill -= num_new
             i += 1
         return budget, prefill
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafted tokens `request` verifies this step (speculative decoding): as many of
+        its `spec_token_ids` as the budget holds, and none when their KV slots would need a
+        block the pool cannot spare without preempting (a draft never evicts anyone)."""
+        drafts = request.spec_token_ids[: max(0, budget - num_new)]
+        if not drafts:
+            return []
+        needed = self.kv_cache.num_blocks_for(request.num_computed_tokens + num_new + len(drafts))
+        if needed - len(request.block_table) > self.kv_cache.pool.num_free_blocks:
+            return []
+        return drafts
 
     def _prefill_bound(self, budget: int, ranks: Priorities | None) -> int:
         """Prompt tokens this step may compute: bounded while requests decode (their next
@@ -381,28 +400,42 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_computed_tokens)
                 return
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        accepted: Mapping[str, Sequence[int]] | None = None,
+    ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, and retire finished requests.
 
         `sampled` maps request id to the token drawn for each scheduled request whose
-        `samples` was true. Returns the requests that finished this step (blocks freed).
+        `samples` was true; `accepted`, to the drafted tokens a speculative step accepted
+        before it (a prefix of its `spec_token_ids`). The rejected drafts' KV slots are
+        given back (a block left empty returns to the pool) and only accepted tokens count as
+        computed, so prefix-cache hashes never cover a rejected token. A stop inside an
+        accepted run ends the request there. Returns the requests that finished this step
+        (blocks freed).
         """
         finished: list[Request] = []
         for item in output.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            run = [*(accepted or {}).get(request.request_id, ()), *(() if token is None else (token,))]
+            rejected = len(item.spec_token_ids) - max(0, len(run) - 1)
+            request.num_computed_tokens += item.num_new_tokens - rejected
+            if rejected:
+                self.kv_cache.trim(request, request.num_computed_tokens)
             if request.first_chunk_end is not None and request.num_computed_tokens >= request.first_chunk_end:
                 request.first_chunk_end = None  # its prompt is computed: from here on as any sample
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
-            token = sampled.get(request.request_id)
-            if token is None:
+            if not run:
+                self.kv_cache.cache_blocks(request, request.num_computed_tokens)
                 continue
-            if request.num_computed_tokens != request.num_tokens:
+            if request.num_computed_tokens != request.num_tokens + len(run) - 1:
                 raise RuntimeError(f"token sampled for {request} before its computed tokens caught up")
-            request.append_output_token(token)
-            reason = self.stop_reason(request, token)
+            reason = append_until_stop(request, run, self.max_model_len)
+            self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)

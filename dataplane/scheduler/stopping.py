@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagedserve.dataplane.request import Request, RequestStatus
 
 
@@ -18,4 +20,15 @@ def stop_reason(request: Request, token: int, max_model_len: int) -> RequestStat
         return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def append_until_stop(request: Request, run: Sequence[int], max_model_len: int) -> RequestStatus | None:
+    """Append a step's tokens (one, or an accepted drafted run and its own token) to
+    `request`, up to the first that ends it; why it ends, if one does."""
+    for token in run:
+        request.append_output_token(token)
+        reason = stop_reason(request, token, max_model_len)
+        if reason is not None:
+            return reason
     return None

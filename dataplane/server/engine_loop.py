@@ -184,14 +184,14 @@ class EngineLoop:
         started = time.perf_counter()
         result = self.engine.step()
         self.metrics.step.observe(time.perf_counter() - started)
-        self.metrics.generated(len(result.new_tokens))
+        self.metrics.generated(sum(len(t) for t in result.new_tokens.values()))
         self._stats_dirty = True
-        for engine_id, token_id in result.new_tokens.items():
+        for engine_id, token_ids in result.new_tokens.items():
             sample = self._groups.sample(engine_id)
             group = self._groups.get(sample.key) if sample is not None else None
             if sample is None or group is None:
                 continue
-            self._streams.outbox(sample.key.stream_id).deltas.append(group.delta(sample.index, token_id))
+            self._streams.outbox(sample.key.stream_id).deltas.append(group.delta(sample.index, token_ids))
         for request in result.finished:
             self._on_sample_finished(request)
         for engine_id, error in result.faulted.items():

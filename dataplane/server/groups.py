@@ -82,8 +82,9 @@ class Group:
         phase = _tracer.start_span("pagedserve.prefill", context=set_span_in_context(span))
         return cls(key, engine_id, samples, wants_logprobs, span=span, phase=phase)
 
-    def delta(self, index: int, token_id: int) -> dataplane_pb2.TokenDelta:
-        """The wire delta of a token sample `index` drew; its first token ends the prefill span."""
+    def delta(self, index: int, token_ids: list[int]) -> dataplane_pb2.TokenDelta:
+        """The wire delta of the tokens sample `index` took in a step (several after an
+        accepted drafted run); its first token ends the prefill span."""
         request = self.samples[index]
         if not self.decoding:  # the prompt is computed: prefill ends, decode begins
             self.decoding = True
@@ -93,14 +94,14 @@ class Group:
         delta = dataplane_pb2.TokenDelta(
             request_id=self.key.request_id,
             index=index,
-            token_ids=[token_id],
+            token_ids=token_ids,
             num_cached_tokens=request.num_cached_tokens,
         )
         if self.wants_logprobs:
-            delta.logprobs.append(last_logprob(request))
+            delta.logprobs.extend(last_logprobs(request, len(token_ids)))
         if (
             index == 0
-            and request.num_output_tokens == 1
+            and request.num_output_tokens == len(token_ids)
             and request.sampling_params.prompt_logprobs is not None
         ):
             delta.prompt_logprobs.extend(prompt_logprobs(request))
@@ -174,13 +175,16 @@ class GroupTable:
         return iter(list(self._groups.values()))  # a copy: callers may remove as they go
 
 
-def last_logprob(request: Request) -> common_pb2.TokenLogprob:
-    """The wire logprob (and top alternatives) of a request's latest token."""
-    msg = common_pb2.TokenLogprob(logprob=request.output_logprobs[-1] if request.output_logprobs else 0.0)
-    if request.output_top_logprobs:
-        for token_id, logprob in request.output_top_logprobs[-1]:
-            msg.top.append(common_pb2.TopLogprob(token_id=token_id, logprob=logprob))
-    return msg
+def last_logprobs(request: Request, count: int) -> list[common_pb2.TokenLogprob]:
+    """The wire logprobs (and top alternatives) of a request's latest `count` tokens."""
+    out = []
+    tops = request.output_top_logprobs
+    for i in range(len(request.output_logprobs) - count, len(request.output_logprobs)):
+        msg = common_pb2.TokenLogprob(logprob=request.output_logprobs[i] if i >= 0 else 0.0)
+        if 0 <= i < len(tops):
+            msg.top.extend(common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in tops[i])
+        out.append(msg)
+    return out
 
 
 def prompt_logprobs(request: Request) -> list[common_pb2.PromptTokenLogprob]:
@@ -207,6 +211,8 @@ def request_finished(sample: SampleId, request: Request) -> dataplane_pb2.Reques
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
             cached_tokens=request.num_cached_tokens,
+            spec_draft_tokens=request.num_spec_drafted,
+            spec_accepted_tokens=request.num_spec_accepted,
         ),
         time_to_first_token_seconds=(first - request.arrival_time) if first else 0.0,
         e2e_seconds=end - request.arrival_time,

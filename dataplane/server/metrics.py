@@ -155,6 +155,21 @@ class _EngineCollector(Collector):
             "cpu_kv_cache_free_blocks", "Free blocks of the host (swap) pool.", stats.host_free_blocks
         )
         yield counter("num_aborted_requests", "Requests aborted before they finished.", self.aborted())
+        yield counter(
+            "spec_decode_num_drafts",
+            "Speculative decoding: drafted runs verified (one per sequence and step that drafted).",
+            stats.spec_drafts,
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative decoding: drafted tokens verified.",
+            stats.spec_draft_tokens,
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: drafted tokens accepted (mean acceptance length = this / num_drafts).",
+            stats.spec_accepted_tokens,
+        )
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], self.info)
         yield info

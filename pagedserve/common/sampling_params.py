@@ -83,8 +83,12 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # when set, every other token is masked
     # Token sequences never generated: a word's last token is masked after the rest of it.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    # False: never draft for this request, even when the server runs speculative decoding.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculative, bool):
+            raise InvalidField("speculative", f"must be a boolean, got {self.speculative!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidField("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):

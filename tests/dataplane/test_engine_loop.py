@@ -133,7 +133,7 @@ class FakeEngine:
         for request, status in plan.finish.items():
             request.status = status
             request.finish_time = self.clock
-        new_tokens = {r.request_id: t for r, t in plan.tokens.items()}
+        new_tokens = {r.request_id: [t] for r, t in plan.tokens.items()}
         return StepResult(new_tokens, list(plan.finish), len(plan.tokens), 0)
 
     def has_unfinished_requests(self) -> bool:

@@ -346,22 +346,32 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     completion_tokens: _builtins.int
     """Tokens generated for this completion."""
     cached_tokens: _builtins.int
     """Prompt tokens served from the prefix cache."""
+    spec_draft_tokens: _builtins.int
+    """Speculative decoding: tokens drafted for this completion and verified (0 when the server
+    does not draft).
+    """
+    spec_accepted_tokens: _builtins.int
+    """Of those, the tokens accepted: each one saved a forward pass."""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        spec_draft_tokens: _builtins.int = ...,
+        spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,21 +91,22 @@ public final class Common {
       "enaltyB\025\n\023_repetition_penaltyB\022\n\020_prompt" +
       "_logprobsB\r\n\013_min_tokensB\031\n\027_truncate_pr" +
       "ompt_tokens\"\036\n\017TokenIdSequence\022\013\n\003ids\030\001 " +
-      "\003(\r\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"P\n\005Usage" +
-      "\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion_to" +
-      "kens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\"/\n\nTop" +
-      "Logprob\022\020\n\010token_id\030\001 \001(\r\022\017\n\007logprob\030\002 \001" +
-      "(\002\"G\n\014TokenLogprob\022\017\n\007logprob\030\001 \001(\002\022&\n\003t" +
-      "op\030\002 \003(\0132\031.pagedserve.v1.TopLogprob\"[\n\022P" +
-      "romptTokenLogprob\022\017\n\007logprob\030\001 \001(\002\022\014\n\004ra" +
-      "nk\030\002 \001(\r\022&\n\003top\030\003 \003(\0132\031.pagedserve.v1.To" +
-      "pLogprob*\226\001\n\014FinishReason\022\035\n\031FINISH_REAS" +
-      "ON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020\001" +
-      "\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_REA" +
-      "SON_ABORT\020\003\022\034\n\030FINISH_REASON_TOOL_CALLS\020" +
-      "\004BN\n\020io.pagedserve.v1P\001Z8github.com/page" +
-      "dserve/pagedserve/clients/go/pagedservev" +
-      "1b\006proto3"
+      "\003(\r\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"\211\001\n\005Usag" +
+      "e\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion_t" +
+      "okens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\022\031\n\021sp" +
+      "ec_draft_tokens\030\004 \001(\r\022\034\n\024spec_accepted_t" +
+      "okens\030\005 \001(\r\"/\n\nTopLogprob\022\020\n\010token_id\030\001 " +
+      "\001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014TokenLogprob\022\017\n\007" +
+      "logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132\031.pagedserve." +
+      "v1.TopLogprob\"[\n\022PromptTokenLogprob\022\017\n\007l" +
+      "ogprob\030\001 \001(\002\022\014\n\004rank\030\002 \001(\r\022&\n\003top\030\003 \003(\0132" +
+      "\031.pagedserve.v1.TopLogprob*\226\001\n\014FinishRea" +
+      "son\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FI" +
+      "NISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENG" +
+      "TH\020\002\022\027\n\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_" +
+      "REASON_TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P" +
+      "\001Z8github.com/pagedserve/pagedserve/clie" +
+      "nts/go/pagedservev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -140,7 +141,7 @@ public final class Common {
     internal_static_pagedserve_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_Usage_descriptor,
-        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
+        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", "SpecDraftTokens", "SpecAcceptedTokens", });
     internal_static_pagedserve_v1_TopLogprob_descriptor =
       getDescriptor().getMessageTypes().get(4);
     internal_static_pagedserve_v1_TopLogprob_fieldAccessorTable = new

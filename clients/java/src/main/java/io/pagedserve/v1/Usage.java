@@ -92,6 +92,37 @@ private static final long serialVersionUID = 0L;
     return cachedTokens_;
   }
 
+  public static final int SPEC_DRAFT_TOKENS_FIELD_NUMBER = 4;
+  private int specDraftTokens_ = 0;
+  /**
+   * <pre>
+   * Speculative decoding: tokens drafted for this completion and verified (0 when the server
+   * does not draft).
+   * </pre>
+   *
+   * <code>uint32 spec_draft_tokens = 4;</code>
+   * @return The specDraftTokens.
+   */
+  @java.lang.Override
+  public int getSpecDraftTokens() {
+    return specDraftTokens_;
+  }
+
+  public static final int SPEC_ACCEPTED_TOKENS_FIELD_NUMBER = 5;
+  private int specAcceptedTokens_ = 0;
+  /**
+   * <pre>
+   * Of those, the tokens accepted: each one saved a forward pass.
+   * </pre>
+   *
+   * <code>uint32 spec_accepted_tokens = 5;</code>
+   * @return The specAcceptedTokens.
+   */
+  @java.lang.Override
+  public int getSpecAcceptedTokens() {
+    return specAcceptedTokens_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -115,6 +146,12 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       output.writeUInt32(3, cachedTokens_);
     }
+    if (specDraftTokens_ != 0) {
+      output.writeUInt32(4, specDraftTokens_);
+    }
+    if (specAcceptedTokens_ != 0) {
+      output.writeUInt32(5, specAcceptedTokens_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -135,6 +172,14 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(3, cachedTokens_);
+    }
+    if (specDraftTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(4, specDraftTokens_);
+    }
+    if (specAcceptedTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(5, specAcceptedTokens_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -157,6 +202,10 @@ private static final long serialVersionUID = 0L;
         != other.getCompletionTokens()) return false;
     if (getCachedTokens()
         != other.getCachedTokens()) return false;
+    if (getSpecDraftTokens()
+        != other.getSpecDraftTokens()) return false;
+    if (getSpecAcceptedTokens()
+        != other.getSpecAcceptedTokens()) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -174,6 +223,10 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCompletionTokens();
     hash = (37 * hash) + CACHED_TOKENS_FIELD_NUMBER;
     hash = (53 * hash) + getCachedTokens();
+    hash = (37 * hash) + SPEC_DRAFT_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getSpecDraftTokens();
+    hash = (37 * hash) + SPEC_ACCEPTED_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getSpecAcceptedTokens();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -310,6 +363,8 @@ private static final long serialVersionUID = 0L;
       promptTokens_ = 0;
       completionTokens_ = 0;
       cachedTokens_ = 0;
+      specDraftTokens_ = 0;
+      specAcceptedTokens_ = 0;
       return this;
     }
 
@@ -351,6 +406,12 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000004) != 0)) {
         result.cachedTokens_ = cachedTokens_;
+      }
+      if (((from_bitField0_ & 0x00000008) != 0)) {
+        result.specDraftTokens_ = specDraftTokens_;
+      }
+      if (((from_bitField0_ & 0x00000010) != 0)) {
+        result.specAcceptedTokens_ = specAcceptedTokens_;
       }
     }
 
@@ -407,6 +468,12 @@ private static final long serialVersionUID = 0L;
       if (other.getCachedTokens() != 0) {
         setCachedTokens(other.getCachedTokens());
       }
+      if (other.getSpecDraftTokens() != 0) {
+        setSpecDraftTokens(other.getSpecDraftTokens());
+      }
+      if (other.getSpecAcceptedTokens() != 0) {
+        setSpecAcceptedTokens(other.getSpecAcceptedTokens());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -448,6 +515,16 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000004;
               break;
             } // case 24
+            case 32: {
+              specDraftTokens_ = input.readUInt32();
+              bitField0_ |= 0x00000008;
+              break;
+            } // case 32
+            case 40: {
+              specAcceptedTokens_ = input.readUInt32();
+              bitField0_ |= 0x00000010;
+              break;
+            } // case 40
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -593,6 +670,97 @@ private static final long serialVersionUID = 0L;
     public Builder clearCachedTokens() {
       bitField0_ = (bitField0_ & ~0x00000004);
       cachedTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int specDraftTokens_ ;
+    /**
+     * <pre>
+     * Speculative decoding: tokens drafted for this completion and verified (0 when the server
+     * does not draft).
+     * </pre>
+     *
+     * <code>uint32 spec_draft_tokens = 4;</code>
+     * @return The specDraftTokens.
+     */
+    @java.lang.Override
+    public int getSpecDraftTokens() {
+      return specDraftTokens_;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: tokens drafted for this completion and verified (0 when the server
+     * does not draft).
+     * </pre>
+     *
+     * <code>uint32 spec_draft_tokens = 4;</code>
+     * @param value The specDraftTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setSpecDraftTokens(int value) {
+      
+      specDraftTokens_ = value;
+      bitField0_ |= 0x00000008;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: tokens drafted for this completion and verified (0 when the server
+     * does not draft).
+     * </pre>
+     *
+     * <code>uint32 spec_draft_tokens = 4;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearSpecDraftTokens() {
+      bitField0_ = (bitField0_ & ~0x00000008);
+      specDraftTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int specAcceptedTokens_ ;
+    /**
+     * <pre>
+     * Of those, the tokens accepted: each one saved a forward pass.
+     * </pre>
+     *
+     * <code>uint32 spec_accepted_tokens = 5;</code>
+     * @return The specAcceptedTokens.
+     */
+    @java.lang.Override
+    public int getSpecAcceptedTokens() {
+      return specAcceptedTokens_;
+    }
+    /**
+     * <pre>
+     * Of those, the tokens accepted: each one saved a forward pass.
+     * </pre>
+     *
+     * <code>uint32 spec_accepted_tokens = 5;</code>
+     * @param value The specAcceptedTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setSpecAcceptedTokens(int value) {
+      
+      specAcceptedTokens_ = value;
+      bitField0_ |= 0x00000010;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Of those, the tokens accepted: each one saved a forward pass.
+     * </pre>
+     *
+     * <code>uint32 spec_accepted_tokens = 5;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearSpecAcceptedTokens() {
+      bitField0_ = (bitField0_ & ~0x00000010);
+      specAcceptedTokens_ = 0;
       onChanged();
       return this;
     }

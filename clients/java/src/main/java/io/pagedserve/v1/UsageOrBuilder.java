@@ -36,4 +36,25 @@ public interface UsageOrBuilder extends
    * @return The cachedTokens.
    */
   int getCachedTokens();
+
+  /**
+   * <pre>
+   * Speculative decoding: tokens drafted for this completion and verified (0 when the server
+   * does not draft).
+   * </pre>
+   *
+   * <code>uint32 spec_draft_tokens = 4;</code>
+   * @return The specDraftTokens.
+   */
+  int getSpecDraftTokens();
+
+  /**
+   * <pre>
+   * Of those, the tokens accepted: each one saved a forward pass.
+   * </pre>
+   *
+   * <code>uint32 spec_accepted_tokens = 5;</code>
+   * @return The specAcceptedTokens.
+   */
+  int getSpecAcceptedTokens();
 }

@@ -1,0 +1,7 @@
+"""Speculative decoding: model-free drafters propose tokens, one forward verifies them.
+
+`config.py` reads `--speculative-config`; `ngram.py` and `suffix.py` are the drafters behind
+the `Drafter` interface (`drafter.py`); `policy.py` decides per step how many drafted tokens
+are worth verifying. The verification itself is a sampling step (dataplane/runner/sampler.py,
+`verify`), and the scheduler gives rejected tokens' KV slots back. Imports no torch.
+"""
