@@ -126,6 +126,10 @@
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--structured-outputs-compile-timeout=%v" $v | toJson }}
 {{- end }}
+{{- $v = index $s "speculativeConfig" }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ printf "--speculative-config=%v" $v | toJson }}
+{{- end }}
 {{- $v = index $s "tensorParallelSize" }}
 {{- if not (kindIs "invalid" $v) }}
 - {{ printf "--tensor-parallel-size=%d" (int64 $v) | toJson }}
