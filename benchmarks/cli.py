@@ -95,6 +95,10 @@ SCRIPTS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.gguf_quality",
         "GGUF weights served quantized (Q8_0, Q4_K, Q4_0, the default Q4_1 file): perplexity vs the fp32 model",
     ),
+    "speculative": (
+        "pagedserve.benchmarks.speculative",
+        "speculative decoding: code editing, document QA and chat, with and without n-gram / suffix drafting",
+    ),
     "attention-kernels": (
         "pagedserve.benchmarks.attention_kernels",
         "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",

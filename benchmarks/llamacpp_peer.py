@@ -3,7 +3,9 @@ venv's own interpreter (benchmarks/llamacpp_env.py).
 
     <llama-cpp-venv>/bin/python benchmarks/llamacpp_peer.py JOB.json RESULT.json
 
-JOB: {"gguf": path, "threads": n, "runs": {name: {"prompts": [[token ids]], "max_tokens": n}}}.
+JOB: {"gguf": path, "threads": n, "runs": {name: {"prompts": [[token ids]], "max_tokens": n}},
+"prompt_lookup": k (optional: prompt-lookup decoding drafting k tokens), "n_ctx": n (optional),
+"stop_at_eos": true (optional: end a prompt's output at its end-of-sequence token)}.
 RESULT: {"version", "load_seconds", "runs": {name: {"seconds", "outputs": [[token ids]]}}}.
 Greedy (top_k 1), each prompt's tokens fed as ids (the same ids our engine gets), exactly
 `max_tokens` new tokens per prompt (the generator does not stop at end of sequence), one
@@ -24,14 +26,27 @@ def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     t = time.perf_counter()
+    draft = None
+    if job.get("prompt_lookup"):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=int(job["prompt_lookup"]))
     llm = llama_cpp.Llama(
-        model_path=job["gguf"], n_ctx=2048, n_batch=512, n_threads=int(job["threads"]), verbose=False, seed=0
+        model_path=job["gguf"],
+        n_ctx=int(job.get("n_ctx", 4096)),
+        n_batch=512,
+        n_threads=int(job["threads"]),
+        verbose=False,
+        seed=0,
+        draft_model=draft,
     )
     load_s = time.perf_counter() - t
 
     def generate(prompt: list[int], n: int) -> list[int]:
         out: list[int] = []
         for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if job.get("stop_at_eos") and int(token) == llm.token_eos():
+                break
             out.append(int(token))
             if len(out) == n:
                 break
