@@ -23,6 +23,7 @@ from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.engine_loop import EngineLoop
 from pagedserve.dataplane.server.groups import GroupTable, SampleId, StreamRequestKey
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from tests.clock import FakeClock
 
 ARRIVAL = 100.0  # every fake request arrives then; each step advances the clock by 1 s
 STOP, LENGTH, ABORT = (
@@ -201,9 +202,9 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture()
-def loop(engine: FakeEngine) -> Iterator[EngineLoop]:
+def loop(engine: FakeEngine, clock: FakeClock) -> Iterator[EngineLoop]:
     typed: Engine = engine
-    loop = EngineLoop(typed, IDENTITY)
+    loop = EngineLoop(typed, IDENTITY, clock)
     loop.start()
     yield loop
     loop.stop()
