@@ -76,7 +76,7 @@ class AdmissionQueue(Generic[T]):
         self,
         max_queue_len: int,
         queue_timeout_s: float,
-        release: Callable[[T], None],
+        release: Callable[[T], object],
         weights: Mapping[str, float] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:

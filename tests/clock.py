@@ -73,7 +73,8 @@ class FakeTimeout:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         self._open = False
-        return await self._inner.__aexit__(exc_type, exc, tb)
+        await self._inner.__aexit__(exc_type, exc, tb)  # raises TimeoutError when it expired
+        return None
 
     def _expire(self) -> None:
         if self._open and self._inner.when() is None:

@@ -140,6 +140,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return not self.plans.empty()
 
+    def abort_sample(self, request_id: str, index: int) -> Request | None:
+        raise AssertionError("no per-sample abort here (test_sample_abort.py's engine has one)")
+
     def stats(self) -> EngineStats:
         running = sum(not r.status.finished for g in self.groups.values() for r in g)
         return EngineStats(
@@ -401,7 +404,9 @@ def test_kv_events_and_stats_go_to_every_stream(loop: EngineLoop, engine: FakeEn
     loop.connect(sink_a)
     loop.connect(sink_b)
     settle(loop)
-    stored = BlockStored(block_hashes=(b"h1",), parent_block_hash=None, token_ids=(1, 2), block_size=2)
+    stored = BlockStored(
+        block_hashes=(BlockHash(b"h1"),), parent_block_hash=None, token_ids=(1, 2), block_size=2
+    )
     engine.events.put(KVEventRecord(seq=7, event=stored))
     state = settle(loop)
     for sink in (sink_a, sink_b):

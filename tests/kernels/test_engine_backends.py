@@ -20,9 +20,10 @@ from pagedserve.benchmarks.tiny_models import (
     make_tiny_model,
     reference_greedy,
 )
+from pagedserve.benchmarks.tiny_models import exactness_workload as workload
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.kernels.backend import ResolvedBackends, resolve_backend
-from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all, workload
+from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all
 
 NUM_PROMPTS = 8
 

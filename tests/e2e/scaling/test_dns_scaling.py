@@ -12,11 +12,13 @@ while it drains is back in rotation on the same link; one whose streams outlive
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -70,7 +72,7 @@ class FakeDNS:
         return sorted(self.addresses)
 
 
-async def start_cp(tiny_long: Path, dns: FakeDNS, **kw: float) -> ControlPlane:
+async def start_cp(tiny_long: Path, dns: FakeDNS, **kw: Any) -> ControlPlane:
     config = ControlPlaneConfig(model=str(tiny_long), dataplane_dns=DNS_NAME, dns_refresh_s=0.1, **kw)
     return await start_control_plane(config, "127.0.0.1", 0, http_port=None, resolver=dns)
 
@@ -179,7 +181,7 @@ async def _scale_up_then_down(tiny_long: Path, addresses: list[str]) -> None:
             assert idle.snapshot.stats.prefix_cache_queries > 0  # it served requests
         for address in others:
             await wait_until_async(
-                lambda a=address: _num_streams(a), 10, f"{address} sees the control plane's link close"
+                functools.partial(_num_streams, address), 10, f"{address} sees the control plane's link close"
             )
     finally:
         await cp.stop()
@@ -197,7 +199,7 @@ def slow_down(dp: DataPlane, seconds: float) -> None:
         time.sleep(seconds)
         return step()
 
-    dp.loop.engine.step = slow_step
+    dp.loop.engine.step = slow_step  # type: ignore[method-assign]
 
 
 def test_a_data_plane_back_in_dns_returns_and_one_that_drains_too_long_is_cut(tiny_long: Path) -> None:
