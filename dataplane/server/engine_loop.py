@@ -51,7 +51,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, identity: DataPlaneIdentity, clock: Clock = SYSTEM_CLOCK) -> None:
         self.engine = engine
         self.identity = identity
-        self._clock = clock  # what deadlines are measured on
+        self._clock = clock  # the time submits' deadlines count on
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams = StreamMux()
         self._groups = GroupTable()
