@@ -15,12 +15,13 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pagedserve.controlplane.reasoning import ChoiceReasoning
 from tests.e2e.agents_api.conftest import CONTEXT
 from tests.e2e.harness import ServerThread, engine_config
 
-QUESTION = [{"role": "user", "content": "Say hello."}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 FORCED = {"guided_regex": "<think>[a-c]{3}</think>[x-z]{2}"}
 GREEDY: Any = {"temperature": 0}
 
