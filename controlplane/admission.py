@@ -1,4 +1,4 @@
-"""Admission: a bounded queue of requests waiting for KV budget, with deadlines. No torch.
+"""Admission: a bounded queue of requests waiting for KV budget, with deadlines.
 
 A request is placed at once when nobody of its priority or better is waiting and some data
 plane's budget covers it; otherwise it queues. The next one examined is the best priority

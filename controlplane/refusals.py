@@ -1,4 +1,4 @@
-"""Overload without silence: the public gRPC server's options and the refusal log. No torch.
+"""Overload without silence: the public gRPC server's options and the refusal log.
 
 grpc-core keeps calls that the application has not yet picked up in a backlog and, past
 1,000 of them, drops new ones at random (all of them past 3,000), and drops any still there
