@@ -1,4 +1,4 @@
-"""Admission: a bounded queue of requests waiting for KV budget, with deadlines. No torch.
+"""Admission: a bounded queue of requests waiting for KV budget, with deadlines.
 
 A request is placed at once when nobody of its priority or better is waiting and some data
 plane's budget covers it; otherwise it queues. The next one examined is the best priority
@@ -29,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from pagedserve.common.clock import SYSTEM_CLOCK, Clock
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.tenants import DEFAULT_TENANT
 
@@ -63,7 +63,7 @@ class _Waiter(Generic[T]):
     tenant: str = DEFAULT_TENANT
     cost: float = 0.0  # tokens the tenant's counter is charged when it is placed
     hold: str | None = None  # the key its tokens are held under until `finished` (None: not held)
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = 0.0
     seq: int = field(default_factory=lambda: next(_arrivals))
 
     @property
@@ -76,12 +76,14 @@ class AdmissionQueue(Generic[T]):
         self,
         max_queue_len: int,
         queue_timeout_s: float,
-        release: Callable[[T], None],
+        release: Callable[[T], object],
         weights: Mapping[str, float] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`release` undoes a placement whose requester was cancelled before it could use it.
         `weights`: each tenant's share (a tenant not named has weight 1)."""
         self._release = release
+        self._clock = clock
         self.max_queue_len = max_queue_len
         self.queue_timeout_s = queue_timeout_s
         self.weights = dict(weights or {})
@@ -150,7 +152,7 @@ class AdmissionQueue(Generic[T]):
                 retry_after_s=hint,
             )
         future = asyncio.get_running_loop().create_future()
-        waiter: _Waiter[T] = _Waiter(place, future, priority, tenant, cost, hold)
+        waiter: _Waiter[T] = _Waiter(place, future, priority, tenant, cost, hold, self._clock.monotonic())
         queue = self._queues.setdefault(tenant, [])
         first = not queue
         if first:
@@ -162,7 +164,8 @@ class AdmissionQueue(Generic[T]):
         limit = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
         admitted = False
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout=max(0.0, limit))
+            async with self._clock.timeout(max(0.0, limit)):
+                await asyncio.shield(waiter.future)
             admitted = True
         except TimeoutError:
             if not (waiter.future.done() and not waiter.future.cancelled()):
@@ -178,7 +181,7 @@ class AdmissionQueue(Generic[T]):
             elif not admitted and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self._release(waiter.future.result())  # placed, but the caller went away
         placed = waiter.future.result()
-        waited = time.monotonic() - waiter.enqueued
+        waited = self._clock.monotonic() - waiter.enqueued
         self._mean_wait_s = 0.8 * self._mean_wait_s + 0.2 * waited
         return placed, waited
 

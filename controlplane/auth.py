@@ -1,6 +1,6 @@
 """API keys and tenants for the public endpoints: `Authorization: Bearer <key>` on HTTP, and the
 same `authorization` metadata on gRPC; exactly one such header, never two. Health probes and
-/metrics stay open. No torch.
+/metrics stay open.
 
 Every key belongs to a tenant: the one its keys file names (`tenant-a: key1`), else a tenant
 of its own. The authenticated tenant travels with the request (`request_tenant()`, set by the

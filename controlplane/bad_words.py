@@ -1,5 +1,5 @@
 """vLLM's `bad_words`: words a completion must never contain, tokenized here (the control plane
-owns the tokenizer) into the token sequences the data plane's sampler masks. No torch."""
+owns the tokenizer) into the token sequences the data plane's sampler masks."""
 
 from __future__ import annotations
 

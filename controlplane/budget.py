@@ -1,4 +1,4 @@
-"""Block-budget accounting for one data plane, as one control-plane replica sees it. No torch.
+"""Block-budget accounting for one data plane, as one control-plane replica sees it.
 
 The data plane reports its free blocks (evictable cached blocks included) after every step.
 Between admitting a request and the data plane's first report that covers it (its first

@@ -1,4 +1,4 @@
-"""Control-plane configuration: frozen dataclasses, one place. Imports no torch."""
+"""Control-plane configuration: frozen dataclasses, one place."""
 
 from __future__ import annotations
 

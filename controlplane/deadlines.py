@@ -1,4 +1,4 @@
-"""A request's deadline: the soonest of its sources, and the time left a data plane is sent. No torch.
+"""A request's deadline: the soonest of its sources, and the time left a data plane is sent.
 
 Three sources, the smallest applies: the gRPC call's own deadline, the HTTP body's `timeout`
 (seconds; the OpenAI client's `timeout` option is client-side only, so a client that wants the

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings. Imports no torch.
+"""Incremental detokenization with stop strings.
 
 Token ids arrive a few at a time; the text a client sees must never split a UTF-8 character
 (a byte-level BPE token can hold half of one) and must not include a stop string. Decoding

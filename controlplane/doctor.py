@@ -21,7 +21,7 @@ plane's own. Finished requests are `pagedserve_request_success_total` (summed ov
 reasons) on both: a data plane counts the completions it ran, a control plane those its
 clients saw finish, on all its data planes together (it exports no per-data-plane count), so
 there each data plane's preemptions are weighed against all of them. Exit status: 0 no
-findings, 1 findings, 2 the server could not be read. No torch.
+findings, 1 findings, 2 the server could not be read.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The gRPC `GenerationService` and the OpenAI HTTP routes both turn what a client 
 `GenerationRequest` with `Frontend.validate` (the one validation of a request) and consume
 `Frontend.stream()`: text deltas (detokenized incrementally, stop strings applied) and one
 `CompletionDone` per completion index. Transport-specific framing stays in the servicer and
-the HTTP routes. No torch.
+the HTTP routes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What placement sees of each data-plane link, for one request, at one instant. No torch.
+"""What placement sees of each data-plane link, for one request, at one instant.
 
 The dispatcher hands `plan_placement` (controlplane/placement.py) a `LinkSnapshot` per link:
 its configuration and health, the block budget this replica keeps for it, its load, how much

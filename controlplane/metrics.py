@@ -1,4 +1,4 @@
-"""The control plane's Prometheus metrics, served on its HTTP port at /metrics. No torch.
+"""The control plane's Prometheus metrics, served on its HTTP port at /metrics.
 
 Latencies are measured here, as clients see them (queue, time to first token, time per
 output token, inter-token latency, end to end). The data planes' state (KV usage, running

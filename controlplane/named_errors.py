@@ -1,4 +1,4 @@
-"""A data plane's (or the queue's) failure of a request, reworded as the client named its cause. No torch.
+"""A data plane's (or the queue's) failure of a request, reworded as the client named its cause.
 
 The data plane knows a request only by its wire fields: a constraint it cannot compile is
 "json_schema could not be compiled ...", a deadline is "the request's deadline passed ...".

@@ -1,4 +1,4 @@
-"""Where a request runs, and whether it may move: pure decisions over snapshots. No torch.
+"""Where a request runs, and whether it may move: pure decisions over snapshots.
 
 The Dispatcher takes a `LinkSnapshot` of each data-plane link (health, limits, block budget,
 load, and how much of this request's prompt it caches), asks `plan_placement` where the

@@ -1,4 +1,4 @@
-"""Which data plane caches which KV blocks, built only from their snapshots and KV events. No torch.
+"""Which data plane caches which KV blocks, built only from their snapshots and KV events.
 
 Each data plane's entry is the set of chained block hashes its pool holds. A snapshot
 replaces the set (as of its event sequence number); events after it apply in order. A gap in

@@ -1,4 +1,4 @@
-"""Overload without silence: the public gRPC server's options and the refusal log. No torch.
+"""Overload without silence: the public gRPC server's options and the refusal log.
 
 grpc-core keeps calls that the application has not yet picked up in a backlog and, past
 1,000 of them, drops new ones at random (all of them past 3,000), and drops any still there
@@ -17,13 +17,11 @@ with the count since the last line, so a burst of 10,000 refusals writes a few l
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.common.clock import SYSTEM_CLOCK, Clock
 from pagedserve.common.log import get_logger
 from pagedserve.controlplane.errors import ServiceError
 
@@ -68,9 +66,7 @@ class RefusalLog:
     one, the next refusal of that reason writes it). So the log tells how many there were
     without one line each, and a burst's tail is never left unsaid."""
 
-    def __init__(
-        self, interval_s: float = REFUSAL_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S, clock: Clock = SYSTEM_CLOCK) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._reasons: dict[str, _Reason] = {}
@@ -79,7 +75,7 @@ class RefusalLog:
     def note(self, exc: ServiceError, request_id: str | None = None) -> None:
         """Record one refusal."""
         key = refusal_reason(exc)
-        now = self._clock()
+        now = self._clock.monotonic()
         seen = self._reasons.get(key)
         if seen is None or (seen.suppressed == 0 and now - seen.last_logged >= self.interval_s):
             self._reasons[key] = _Reason(now)
@@ -92,7 +88,7 @@ class RefusalLog:
         elif seen.suppressed == 1:
             with contextlib.suppress(RuntimeError):  # no running loop: the next note flushes
                 delay = seen.last_logged + self.interval_s - now
-                asyncio.get_running_loop().call_later(delay, self.flush, key)
+                self._clock.call_later(delay, lambda: self.flush(key))
 
     def flush(self, key: str) -> None:
         """Write the line for the refusals of `key` not logged yet, if any."""
@@ -100,7 +96,7 @@ class RefusalLog:
         if seen is None or seen.suppressed == 0 or seen.example is None:
             return
         self._write(seen.example, seen.request_id, seen.suppressed)
-        self._reasons[key] = _Reason(self._clock())
+        self._reasons[key] = _Reason(self._clock.monotonic())
 
     def _write(self, exc: ServiceError, request_id: str | None, count: int) -> None:
         self.lines += 1

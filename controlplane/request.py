@@ -1,4 +1,4 @@
-"""A client's request once validated: what travels from the API edge to a data plane. No torch.
+"""A client's request once validated: what travels from the API edge to a data plane.
 
 `Frontend.validate` builds it, from either API (gRPC or OpenAI HTTP), and nothing after that
 re-validates or re-converts it: admission, routing and the stream read its typed fields, and

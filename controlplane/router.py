@@ -1,4 +1,4 @@
-"""Routing: pick the data plane for a request from its cached prefix and its load. No torch.
+"""Routing: pick the data plane for a request from its cached prefix and its load.
 
 Each candidate that can take the request now (its free-block budget covers what the request
 needs there) gets

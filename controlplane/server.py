@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagedserve.common.clock import SYSTEM_CLOCK, Clock
 from pagedserve.common.lifecycle import (
     NO_REUSEPORT,
     StopSignals,
@@ -69,11 +69,12 @@ class Liveness:
     stays 200, since restarting this process would not bring a data plane back.
     """
 
-    def __init__(self, stall_s: float = 30.0) -> None:
+    def __init__(self, stall_s: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self.stall_s = stall_s
         self._interval_s = min(_HEARTBEAT_S, stall_s / 4)
+        self._clock = clock
         self._failure: str | None = None
-        self._beat = time.monotonic()
+        self._beat = clock.monotonic()
         self._vital: list[tuple[str, asyncio.Task[None]]] = []
 
     def fail(self, reason: str) -> None:
@@ -93,7 +94,7 @@ class Liveness:
         for name, task in self._vital:
             if task.done():
                 return f"{name} stopped"
-        stalled = time.monotonic() - self._beat
+        stalled = self._clock.monotonic() - self._beat
         if stalled > self.stall_s:
             return f"the event loop was blocked for {stalled:.0f} s"
         return None
@@ -104,8 +105,8 @@ class Liveness:
 
     async def heartbeat(self) -> None:
         while True:
-            self._beat = time.monotonic()
-            await asyncio.sleep(self._interval_s)
+            self._beat = self._clock.monotonic()
+            await self._clock.sleep(self._interval_s)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`GenerationService` over grpc.aio: the wire format around `Frontend`. No torch.
+"""`GenerationService` over grpc.aio: the wire format around `Frontend`.
 
 Register it with `add_generation_service`: the handlers parse their own requests, so a payload
 that is not the method's message is INVALID_ARGUMENT (grpcio's deserializer would end the

@@ -1,5 +1,5 @@
 """The events of one request's stream (`Frontend.stream`): text deltas and one `CompletionDone`
-per completion index. No torch."""
+per completion index."""
 
 from __future__ import annotations
 

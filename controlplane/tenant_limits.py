@@ -1,4 +1,4 @@
-"""Per-tenant limits: requests in progress and a token rate, refused with a retry hint. No torch.
+"""Per-tenant limits: requests in progress and a token rate, refused with a retry hint.
 
 `TenantLimits.acquire` is called once per request before it queues; it returns a `Lease`
 that `release` must end whatever happens to the request (finished, cancelled, failed,

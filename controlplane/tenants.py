@@ -1,4 +1,4 @@
-"""Tenants' shares and limits, as the API keys file sets them. No torch.
+"""Tenants' shares and limits, as the API keys file sets them.
 
 A tenant (controlplane/auth.py) may be given, in the same keys file as its keys:
 

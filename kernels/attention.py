@@ -164,8 +164,8 @@ def paged_attention_torch(
         n, max_len = g.num_seqs, g.max_blocks * block_size
         # One query token per sequence, so the `group` query heads sharing a kv head are
         # folded into SDPA's query-length axis: one [group, D] x [D, L] product per kv head
-        # instead of `group` matrix-vector products that each re-read K and V (measured ~5%
-        # faster than enable_gqa in fp32, ~4x in bf16, whose single-query path is slow).
+        # instead of `group` matrix-vector products that each re-read K and V (faster than
+        # enable_gqa, whose single-query path is slow in bf16).
         # q: [n, KVH, group, D]
         q = query.index_select(0, g.token_indices).view(n, num_kv_heads, group, head_dim)
         # k, v: [n, KVH, max_len, D], strided views of the gathered [n, max_len, KVH, D]
@@ -196,7 +196,7 @@ def paged_attention_torch(
         k = k.view(nblocks * block_size, num_kv_heads, head_dim)
         v = v.view(nblocks * block_size, num_kv_heads, head_dim)
         # k, v: [1, KVH, seq_len, D]; q: [1, H, query_len, D]. The leading batch dim matters:
-        # on CPU, 3-D inputs fall back to SDPA's unfused math path, 2-3x slower.
+        # on CPU, 3-D inputs fall back to SDPA's slower unfused math path.
         k = k[: p.seq_len].transpose(0, 1).unsqueeze(0)
         v = v[: p.seq_len].transpose(0, 1).unsqueeze(0)
         q = query[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)

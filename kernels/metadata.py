@@ -19,8 +19,8 @@ import torch
 # Decode sequences are attended in groups padded to the longest member. Small groups of
 # similar length waste little work on padding and keep each group's gathered K/V
 # (group tokens x KVH x D x 2) in the CPU caches while the attention reads it back (one
-# gather of all groups up front measured 2-3x slower); larger groups amortise the fixed
-# per-op cost. Tuned with benchmarks/paged_attention_cpu.py on 1-2 threads.
+# gather of all groups up front is slower); larger groups amortise the fixed per-op cost.
+# Tuned with benchmarks/paged_attention_cpu.py.
 DECODE_GROUP_MAX_TOKENS = 4096
 DECODE_GROUP_MAX_SEQS = 16
 # A group also closes when the next (shorter) sequence would leave more than this
@@ -28,8 +28,8 @@ DECODE_GROUP_MAX_SEQS = 16
 DECODE_GROUP_MAX_PAD_FRACTION = 0.25
 # Even past the token budget a group takes min_group_seqs sequences (when their lengths
 # allow), by default one per intra-op thread: SDPA parallelises over (sequence, kv head)
-# pairs, and one long sequence with few kv heads leaves threads idle (measured ~1.8x slower
-# on 2 threads), while on one thread pairing long sequences only adds padding (~1.2x slower).
+# pairs, and one long sequence with few kv heads leaves threads idle, while on one thread
+# pairing long sequences only adds padding.
 
 
 @dataclass(frozen=True)

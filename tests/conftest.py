@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import FakeClock
+
+
+@pytest.fixture()
+def clock() -> FakeClock:
+    """A clock that moves only when the test calls `clock.advance(seconds)`."""
+    return FakeClock()
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:

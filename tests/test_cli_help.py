@@ -61,8 +61,10 @@ def _rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 
 def _problems(where: str, parser: argparse.ArgumentParser) -> list[str]:
     problems = []
-    if not issubclass(parser.formatter_class, HelpFormatter):
-        problems.append(f"{where}: formatter {parser.formatter_class.__name__}, not settings.HelpFormatter")
+    formatter = parser.formatter_class
+    if not (isinstance(formatter, type) and issubclass(formatter, HelpFormatter)):
+        name = getattr(formatter, "__name__", repr(formatter))
+        problems.append(f"{where}: formatter {name}, not settings.HelpFormatter")
     for action in parser._actions:
         if not _shows_a_default(action):
             continue

@@ -56,9 +56,9 @@ def another_value(flag: str, action: argparse.Action, field: dataclasses.Field[A
     if field.metadata["parse"] is parse_bytes:
         return [flag, "1GiB"], 2**30
     bounds = field.metadata["bounds"]
-    value = (field.default or 0) * 2 or 1
+    value = (field.default if isinstance(field.default, int | float) else 0) * 2 or 1
     value = min(value, bounds.get("maximum", value))
-    assert action.type is not None
+    assert callable(action.type)
     return [flag, str(value)], action.type(str(value))
 
 

@@ -4,7 +4,7 @@ list, and prompt-only requests (`echo` with `max_tokens: 0`).
 
 A prompt-only request runs with max_tokens 1 and its generated token is dropped here
 (`prompt_only`): the prompt's logprobs come from the prefill either way, and its KV blocks are
-freed like any finished request's. No torch.
+freed like any finished request's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes, over the same `Frontend` as the gRPC API. No torch.
+"""The OpenAI-compatible routes, over the same `Frontend` as the gRPC API.
 
 `/v1/models` (and `/v1/models/{id}`), `/v1/completions`, `/v1/chat/completions`, and vLLM's
 `/tokenize`, `/detokenize` and `/version`. Streaming is server-sent events (`data: {chunk}`

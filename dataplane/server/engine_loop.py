@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from pagedserve.common.clock import SYSTEM_CLOCK, Clock
 from pagedserve.common.log import get_logger
 from pagedserve.common.priority import priority_refusal
 from pagedserve.common.protocol import sampling_params_from_proto
@@ -47,9 +48,10 @@ _IDLE_WAIT_S = 0.5
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, identity: DataPlaneIdentity) -> None:
+    def __init__(self, engine: Engine, identity: DataPlaneIdentity, clock: Clock = SYSTEM_CLOCK) -> None:
         self.engine = engine
         self.identity = identity
+        self._clock = clock  # the time submits' deadlines count on
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams = StreamMux()
         self._groups = GroupTable()
@@ -117,7 +119,7 @@ class EngineLoop:
 
     def submit(self, stream_id: str, command: dataplane_pb2.SubmitCommand) -> None:
         # A deadline counts from the arrival here, not from when the loop gets to the command.
-        received = time.monotonic()
+        received = self._clock.monotonic()
         self._post(lambda: self._on_submit(stream_id, command, received))
 
     def abort(self, stream_id: str, request_id: str) -> None:
@@ -410,7 +412,7 @@ class EngineLoop:
 
     def _expire(self) -> None:
         """Drop every request past its deadline, before the next step schedules it again."""
-        for key in self._deadlines.expired(time.monotonic()):
+        for key in self._deadlines.expired(self._clock.monotonic()):
             self._on_deadline(key)
 
     def _on_deadline(self, key: StreamRequestKey) -> None:
@@ -445,7 +447,11 @@ class EngineLoop:
         """How long an idle loop may wait for a command: until the soonest deadline at most
         (a request whose grammar compiles is dropped at its deadline, not at the next command)."""
         soonest = self._deadlines.next_deadline()
-        return _IDLE_WAIT_S if soonest is None else min(_IDLE_WAIT_S, max(0.0, soonest - time.monotonic()))
+        return (
+            _IDLE_WAIT_S
+            if soonest is None
+            else min(_IDLE_WAIT_S, max(0.0, soonest - self._clock.monotonic()))
+        )
 
     def _on_drain(self) -> None:
         self._draining = True

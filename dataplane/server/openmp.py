@@ -5,21 +5,18 @@ Spinning: between parallel regions (a step runs hundreds) libgomp's idle threads
 GOMP_SPINCOUNT times before they sleep, 300,000 by default. When another process wants one of
 the engine's cores (the control plane under `serve`, a sidecar, a pod without pinned CPUs),
 each region then waits for the thread that shares its core to get a time slice while the
-others spin on theirs: a step stalls for most of the time the other process runs. Measured on
-2 cores (AMD EPYC Zen 4, `serve --threads 2`): a 1 s busy loop in another process held a
-decoding stream for 788 ms at the default, 55 ms at 3,000, with served throughput within the
-noise (one stream) and 4 % lower (16 streams); in process with nothing else running, one
-stream is ~20 % slower at 3,000. libgomp reads the variable once, when it is loaded, so
-`set_spin_count` must run before torch is imported.
+others spin on theirs: a step stalls for most of the time the other process runs. A low count
+ends those stalls for a little throughput when nothing else runs (benchmarks/README.md, the
+`busy` case). libgomp reads the variable once, when it is loaded, so `set_spin_count`
+must run before torch is imported.
 
 Releasing: the data plane loads the model (and warms it up) in its main thread, then steps the
 engine in its engine-loop thread. libgomp, torch's OpenMP runtime, keeps a pool of worker
 threads for every thread that ever entered a parallel region, and once the pools together
 hold more threads than there are CPUs it stops spinning between parallel regions (its
-throttled spin count): every fork/join of every op then waits on a futex wake-up. Measured
-on the default model, 2 cores, a 16-row decode step: 52 ms when stepped in the loading
-thread, 70 ms in a second thread, 44 ms in the second thread once the loading thread's pool
-was released. `omp_pause_resource_all(omp_pause_hard)` (OpenMP 5.0) ends the calling
+throttled spin count): every fork/join of every op then waits on a futex wake-up, and a step
+in the engine-loop thread runs slower than in the loading thread until the loading thread's
+pool is released. `omp_pause_resource_all(omp_pause_hard)` (OpenMP 5.0) ends the calling
 thread's pool; a later parallel region in that thread would start a new one, so the main
 thread must not run torch ops afterwards (it only serves gRPC).
 """

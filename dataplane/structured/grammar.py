@@ -143,7 +143,7 @@ class TokenMasks:
     the engine retires requests, schedules and builds the next step's inputs, single-threaded
     Python that leaves a core idle. Filling during the forward instead (as `start_fill` does
     for a row without a current fill ahead: a new, resumed or recomputed sample) takes a core
-    from the forward's threads: on 2 cores that made constrained decoding ~10 % slower.
+    from the forward's threads, which slows the step down on a machine with few cores.
     `apply` waits for the fills, copies the rows filled ahead into the step's bitmask, then
     masks the logits. Nothing touches a matcher between its fill and the step's sampling: the
     engine accepts tokens after sampling, and fill jobs run one at a time, in order.

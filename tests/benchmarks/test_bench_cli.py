@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,9 +23,9 @@ from pagedserve.common.models import DEFAULT_MODEL, ModelNotFoundError, resolve_
 REPO = Path(__file__).resolve().parents[2]
 
 
-def outputs(out: Path, name: str) -> dict[str, object]:
+def outputs(out: Path, name: str) -> dict[str, Any]:
     assert (out / f"{name}.png").stat().st_size > 0
-    doc: dict[str, object] = json.loads((out / f"{name}.json").read_text())
+    doc: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
     assert doc["benchmark"] == name and doc["tables"]
     return doc
 
@@ -88,7 +89,7 @@ def test_throughput_against_both_transformers_peers(tiny_chat_model: Path, tmp_p
     ]
     assert main(["bench", "throughput", *args]) == 0
     doc = outputs(tmp_path, "throughput")
-    assert [p["name"] for p in doc["peers"]] == [  # type: ignore[union-attr]
+    assert [p["name"] for p in doc["peers"]] == [
         "transformers generate, static batch 2",
         "transformers generate_batch (continuous)",
     ]
@@ -99,16 +100,16 @@ def test_throughput_rounds_interleave_ours_and_the_peer(tiny_chat_model: Path, t
     args += ["--peers", "transformers", "--peer-batch-size", "2", "--skip-roofline", "--repeats", "2"]
     assert main(["bench", "throughput", *args, "--out", str(tmp_path), "--no-progress"]) == 0
     doc = outputs(tmp_path, "throughput")
-    rounds = doc["rounds"]  # type: ignore[index]
+    rounds = doc["rounds"]
     name = "transformers generate, static batch 2"
     assert len(rounds["rounds"]) == 2 and list(rounds["median_speedup"]) == [name]
     # round 1 is the main table's run
-    assert rounds["rounds"][0]["ours_seconds"] == doc["engine"]["total_seconds"]  # type: ignore[index]
+    assert rounds["rounds"][0]["ours_seconds"] == doc["engine"]["total_seconds"]
     for r in rounds["rounds"]:
         assert r["speedup"][name] == pytest.approx(r["peer_seconds"][name] / r["ours_seconds"])
     speedups = sorted(r["speedup"][name] for r in rounds["rounds"])
     assert rounds["median_speedup"][name] == pytest.approx(sum(speedups) / 2)
-    table = next(t for t in doc["tables"] if t["title"] == "Rounds, interleaved")  # type: ignore[union-attr]
+    table = next(t for t in doc["tables"] if t["title"] == "Rounds, interleaved")
     assert [row[0] for row in table["rows"]] == ["1", "2", "median"]
 
 
@@ -208,7 +209,7 @@ def test_serve_loads_a_running_server_over_grpc_and_openai(tmp_path: Path) -> No
             assert main(["bench", "serve", *args, "--out", str(out), "--no-progress"]) == 0
             doc = outputs(out, "serve")
             assert (doc["completed"], doc["failed"]) == (4, 0)
-            assert doc["latency_ms"]["TTFT"]["p50"] > 0  # type: ignore[index]
+            assert doc["latency_ms"]["TTFT"]["p50"] > 0
         srv.wait_idle()
     finally:
         srv.close()
@@ -272,11 +273,10 @@ def test_bench_writes_a_fresh_directory_by_default_never_the_committed_results(
 def test_the_default_results_folder_is_fresh_and_relative_to_where_bench_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pagedserve.benchmarks.report
     from pagedserve.benchmarks.report import RESULTS_ROOT, default_out_dir
 
     assert str(RESULTS_ROOT) == "pagedserve-bench-results"  # under the current directory
-    monkeypatch.setattr(pagedserve.benchmarks.report.time, "strftime", lambda fmt: "20261130-120000")
+    monkeypatch.setattr("pagedserve.benchmarks.report.time.strftime", lambda fmt: "20261130-120000")
     made = []
     for _ in range(3):
         made.append(default_out_dir("memory", tmp_path))

@@ -259,8 +259,8 @@ def test_quiet_progress_silences_the_libraries_bars_but_not_errors(capfd: pytest
     def draw_bars() -> None:
         for bar in (
             hf_logging.tqdm(range(3), desc="Writing model shards"),
-            gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."),
-            hub_utils.tqdm(range(3), desc="Downloading"),
+            gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."),  # type: ignore[attr-defined]
+            hub_utils.tqdm(range(3), desc="Downloading"),  # type: ignore[attr-defined]
         ):
             for _ in bar:
                 pass

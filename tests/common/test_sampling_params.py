@@ -130,6 +130,6 @@ def test_a_tiny_positive_temperature_or_repetition_penalty_is_applied_as_the_min
 
 
 def test_stop_token_ids_are_bounded() -> None:
-    assert SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).stop_token_ids[-1] == 1023
+    assert SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))).stop_token_ids[-1] == 1023
     with pytest.raises(ValueError, match=r"^stop_token_ids must hold at most 1024 token ids, got 2000000$"):
-        SamplingParams(stop_token_ids=[7] * 2_000_000)
+        SamplingParams(stop_token_ids=(7,) * 2_000_000)

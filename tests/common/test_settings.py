@@ -109,7 +109,7 @@ def test_llm_settings_are_engine_config_fields() -> None:
 
 
 def test_help_shows_defaults() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,index]
     text = " ".join(serve.format_help().split())
     assert "--kv-cache-memory KV_CACHE_MEMORY" in text
     assert "(default: 2GiB)" in text

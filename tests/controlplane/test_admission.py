@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from pagedserve.controlplane.admission import AdmissionQueue
 from pagedserve.controlplane.budget import BlockBudget
 from pagedserve.controlplane.errors import ServiceError
+from tests.clock import FakeClock
 
 
 class Pool:
@@ -29,16 +29,19 @@ class Pool:
         return place
 
 
-async def until_waiting(q: AdmissionQueue[str], n: int, timeout_s: float = 5.0) -> None:
+async def until_waiting(q: AdmissionQueue[str], n: int, turns: int = 1000) -> None:
     """Let the event loop run until exactly `n` requests wait in `q` (or fail)."""
-    deadline = time.monotonic() + timeout_s
-    while len(q) != n:
-        assert time.monotonic() < deadline, f"{len(q)} requests waiting, expected {n}"
-        await asyncio.sleep(0)
+    for _ in range(turns):
+        if len(q) == n:
+            return
+        await asyncio.sleep(0)  # one turn of the event loop, no time
+    raise AssertionError(f"{len(q)} requests waiting, expected {n}")
 
 
-def make_queue(pool: Pool, max_len: int = 4, timeout: float = 5.0) -> AdmissionQueue[str]:
-    return AdmissionQueue(max_len, timeout, release=pool.budget.release)
+def make_queue(
+    pool: Pool, max_len: int = 4, timeout: float = 5.0, clock: FakeClock | None = None
+) -> AdmissionQueue[str]:
+    return AdmissionQueue(max_len, timeout, release=pool.budget.release, clock=clock or FakeClock())
 
 
 def test_placed_at_once_when_it_fits() -> None:
@@ -91,12 +94,41 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
 def test_deadline_while_queued() -> None:
     async def run() -> None:
         pool = Pool(1)
-        q = make_queue(pool)
+        clock = FakeClock()
+        q = make_queue(pool, clock=clock)
         await q.admit(pool.placer("a", 1))
+        task = asyncio.create_task(q.admit(pool.placer("b", 1), timeout_s=0.5))
+        await until_waiting(q, 1)
+        clock.advance(0.4)
+        await asyncio.sleep(0)
+        assert not task.done() and len(q) == 1  # still within its deadline
+        clock.advance(0.1)
         with pytest.raises(ServiceError) as err:
-            await q.admit(pool.placer("b", 1), timeout_s=0.05)
+            await task
         assert err.value.code == "DEADLINE_EXCEEDED"
+        assert err.value.message == "no data plane had KV blocks for this request within 0.5s"
         assert len(q) == 0
+
+    asyncio.run(run())
+
+
+def test_the_queue_timeout_bounds_a_longer_request_timeout_and_waits_are_measured() -> None:
+    async def run() -> None:
+        pool = Pool(1)
+        clock = FakeClock()
+        q = make_queue(pool, timeout=2.0, clock=clock)
+        await q.admit(pool.placer("a", 1))
+        late = asyncio.create_task(q.admit(pool.placer("late", 1), timeout_s=30.0))
+        await until_waiting(q, 1)
+        clock.advance(2.0)
+        with pytest.raises(ServiceError, match=r"within 2\.0s"):
+            await late
+        placed = asyncio.create_task(q.admit(pool.placer("b", 1)))
+        await until_waiting(q, 1)
+        clock.advance(0.75)
+        pool.budget.release("a")
+        q.poke()
+        assert await placed == ("b", 0.75)
 
     asyncio.run(run())
 
@@ -168,29 +200,28 @@ async def _leaves_then_next_is_placed(leave: str) -> float:
     (`leave`: its deadline passes, or its caller is cancelled), the small one must be placed
     at once, not at its own deadline. Returns how long the small one waited."""
     pool = Pool(10)
-    q = make_queue(pool, timeout=30.0)
+    clock = FakeClock()
+    q = make_queue(pool, timeout=30.0, clock=clock)
     await q.admit(pool.placer("running", 6))  # 4 blocks left
-    big = asyncio.create_task(q.admit(pool.placer("big", 8), timeout_s=0.2 if leave == "deadline" else None))
+    big = asyncio.create_task(q.admit(pool.placer("big", 8), timeout_s=0.25 if leave == "deadline" else None))
     await until_waiting(q, 1)
     small = asyncio.create_task(q.admit(pool.placer("small", 2)))
     await until_waiting(q, 2)
-    started = time.monotonic()
+    clock.advance(0.25)  # the big one's deadline, if it has one
     if leave == "cancel":
-        await asyncio.sleep(0.2)
         big.cancel()
-    placed, _ = await asyncio.wait_for(small, 20.0)  # nothing else ever pokes the queue
+    await until_waiting(q, 0)  # nothing else ever pokes the queue, and no more time passes
+    placed, waited = await small
     assert placed == "small" and pool.budget.holds("small") and not pool.budget.holds("big")
     with pytest.raises((ServiceError, asyncio.CancelledError)):
         await big
-    return time.monotonic() - started
+    return waited
 
 
 @pytest.mark.parametrize("leave", ["deadline", "cancel"])
 def test_a_request_leaving_the_queue_wakes_it_so_the_next_is_placed_at_once(leave: str) -> None:
-    waited = asyncio.run(_leaves_then_next_is_placed(leave))
-    # Woken by the leaving request, not by its own deadline (30 s): half of that tells the two
-    # apart on any machine, however loaded.
-    assert waited < 15.0, waited
+    # Placed the instant the big one left, not at its own deadline (30 s).
+    assert asyncio.run(_leaves_then_next_is_placed(leave)) == 0.25
 
 
 def test_the_head_refused_while_queued_is_skipped_for_the_next() -> None:

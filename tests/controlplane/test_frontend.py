@@ -180,7 +180,9 @@ def test_unset_max_tokens_is_the_rest_of_the_context_over_either_api() -> None:
     fe = frontend(FakeDispatcher([[[HELLO]]]))
     prompt = [HELLO, COMMA, WORLD]
     over_grpc = fe.validate(prompt, sampling_fields_from_proto(common_pb2.SamplingParams(temperature=0.5)))
-    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0.5)
+    body = ChatCompletionRequest.model_validate(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}
+    )
     over_http = fe.validate(prompt, sampling_fields(body, None, None), field_prefix="")
     assert over_grpc.sampling_params == over_http.sampling_params
     assert over_grpc.max_tokens == CONTEXT - 3
@@ -205,7 +207,14 @@ def test_without_any_data_plane_an_unset_max_tokens_is_unavailable() -> None:
 
 def test_the_wire_message_carries_exactly_the_validated_params() -> None:
     fe = frontend(FakeDispatcher([[[HELLO]]]))
-    sampling = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "seed": 5, "n": 2, "logprobs": 3}
+    sampling: dict[str, Any] = {
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 5,
+        "n": 2,
+        "logprobs": 3,
+    }
     sampling |= {"presence_penalty": 0.100000001, "stop_token_ids": [4], "ignore_eos": True}
     gen = fe.validate([HELLO, COMMA], sampling, ["?"], request_id="r4", cache_salt="salt")
     assert gen.sampling_params.temperature == 0.7

@@ -79,12 +79,13 @@ def test_completions_refusals_and_defaults() -> None:
     assert (
         CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0}).unsupported() is None
     )
-    for extra, param in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"echo": True, "stream": True}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"suffix": "s"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-    ]:
+    ]
+    for extra, param in cases:
         refused = CompletionRequest.model_validate({"prompt": "x", **extra}).unsupported()
         assert refused is not None and refused[0] == param
 

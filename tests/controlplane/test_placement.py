@@ -13,10 +13,12 @@ import pytest
 
 from pagedserve.common.admission_rules import refusal
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.controlplane.admission import HeldBack
 from pagedserve.controlplane.config import ControlPlaneConfig, RoutingWeights
 from pagedserve.controlplane.dataplane_client import DataPlaneConnection
-from pagedserve.controlplane.dispatcher import Dispatcher, prompt_hashes
+from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.link_snapshots import prompt_hashes
 from pagedserve.controlplane.placement import (
     NO_DATAPLANE,
     WAIT,
@@ -217,7 +219,7 @@ def test_the_dispatcher_snapshots_its_links_and_reserves_the_planned_blocks() ->
     hot = _link(dispatcher, "hot:1", free=64, hashes=hashes(16, "seed"))
     assert [s.cached_blocks for s in dispatcher.snapshots(hashes)] == [0, 2]
     reservation = dispatcher._place(request, frozenset(), hashes)
-    assert reservation is not None
+    assert reservation is not None and not isinstance(reservation, HeldBack)
     assert (reservation.connection, reservation.need_blocks, reservation.cached_blocks) == (hot, 2, 2)
     assert hot.budget.reserved_blocks == 2 and cold.budget.reserved_blocks == 0
     [hot_snapshot] = [s for s in dispatcher.snapshots(hashes) if s.address == "hot:1"]

@@ -73,7 +73,7 @@ def test_the_admission_queue_places_lower_priorities_first_and_equals_in_order()
             for rid, p in (("low-a", 10), ("mid", 5), ("low-b", 10), ("high", 0), ("mid-b", 5))
         }
         await until_waiting(q, 5)
-        order = []
+        order: list[str] = []
         for _ in range(5):
             pool.budget.release(order[-1] if order else "running")
             q.poke()

@@ -3,21 +3,12 @@ tail of a burst written when its interval ends; figures do not split a reason.""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import structlog
 
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.refusals import PUBLIC_SERVER_OPTIONS, RefusalLog, refusal_reason
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def full(waiting: int) -> ServiceError:
@@ -26,7 +17,7 @@ def full(waiting: int) -> ServiceError:
 
 
 def test_one_line_per_reason_per_interval_with_the_count() -> None:
-    clock = Clock()
+    clock = FakeClock()
     refusals = RefusalLog(interval_s=10.0, clock=clock)
     with structlog.testing.capture_logs() as logs:
         for i in range(1_000):  # no running loop: the next refusal after the interval flushes
@@ -43,16 +34,21 @@ def test_one_line_per_reason_per_interval_with_the_count() -> None:
 
 
 def test_the_tail_of_a_burst_is_written_when_its_interval_ends() -> None:
-    async def burst() -> list[dict[str, object]]:
-        refusals = RefusalLog(interval_s=0.05)
-        with structlog.testing.capture_logs() as logs:
-            for i in range(100):
-                refusals.note(full(i))
-            await asyncio.sleep(0.3)  # the loop runs the scheduled flush; nothing else refuses
-        return [entry for entry in logs if entry["event"] == "requests_refused"]
+    clock = FakeClock()
+    refusals = RefusalLog(interval_s=10.0, clock=clock)
+    with structlog.testing.capture_logs() as logs:
 
-    lines = asyncio.run(burst())
-    assert [line["count"] for line in lines] == [1, 99]
+        def counts() -> list[object]:
+            return [line["count"] for line in logs if line["event"] == "requests_refused"]
+
+        for i in range(100):
+            refusals.note(full(i))
+            clock.advance(0.0625)
+        assert counts() == [1]
+        clock.advance(10.0 - 100 * 0.0625 - 0.0625)
+        assert counts() == [1]
+        clock.advance(0.0625)  # the interval ends: its scheduled flush writes the tail
+        assert counts() == [1, 99]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -219,7 +220,7 @@ CHATML_WITH_TOOLS = (
 
 def test_templates_that_read_tools_get_them_as_openai_json() -> None:
     use = parse_openai_tools({"tools": [WEATHER]})
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "weather?"},
         {
             "role": "assistant",
@@ -245,7 +246,7 @@ def test_templates_that_read_tools_get_them_as_openai_json() -> None:
 
 def test_templates_without_tools_get_the_hermes_prompt() -> None:
     use = parse_openai_tools({"tools": [WEATHER]})
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "weather?"},
         {
             "role": "assistant",

@@ -4,13 +4,11 @@ through the engine's abort path, refused DEADLINE_EXCEEDED after the tokens it s
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from pagedserve.dataplane.request import RequestStatus
 from pagedserve.dataplane.server.deadlines import Deadlines
 from pagedserve.dataplane.server.engine_loop import EngineLoop
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from tests.clock import FakeClock
 from tests.dataplane.test_engine_loop import FakeEngine, Plan, Sink, engine, loop, run_step, settle
 
 __all__ = ["engine", "loop"]  # the fixtures, used by name
@@ -67,13 +65,6 @@ def submit(loop: EngineLoop, stream: str, request_id: str, timeout_ms: int, rege
     )
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, f"{what}: not within {timeout_s}s"
-        time.sleep(0.01)
-
-
 def dropped(loop: EngineLoop, state: str) -> float:
     value = loop.metrics.registry.get_sample_value(
         "pagedserve_deadline_exceeded_requests_total", {"state": state}
@@ -81,22 +72,38 @@ def dropped(loop: EngineLoop, state: str) -> float:
     return value or 0.0
 
 
+def test_an_idle_loop_waits_for_commands_until_the_soonest_deadline_at_most(
+    loop: EngineLoop, clock: FakeClock
+) -> None:
+    stream = loop.connect(Sink())
+    settle(loop)
+    assert loop._idle_wait_s() == 0.5  # no deadline: the loop's own bound
+    submit(loop, stream, "r", timeout_ms=250)
+    settle(loop)
+    assert loop._idle_wait_s() == 0.25  # so it wakes by itself to drop the request
+    clock.advance(0.125)
+    assert loop._idle_wait_s() == 0.125
+
+
 def test_running_waiting_and_swapped_requests_are_dropped_at_their_deadline(
-    loop: EngineLoop, engine: FakeEngine
+    loop: EngineLoop, engine: FakeEngine, clock: FakeClock
 ) -> None:
     sink = Sink()
     stream = loop.connect(sink)
-    submit(loop, stream, "running", timeout_ms=300)
-    submit(loop, stream, "waiting", timeout_ms=300)
-    submit(loop, stream, "swapped", timeout_ms=300)
+    submit(loop, stream, "running", timeout_ms=250)
+    submit(loop, stream, "waiting", timeout_ms=250)
+    submit(loop, stream, "swapped", timeout_ms=250)
     submit(loop, stream, "patient", timeout_ms=0)  # no deadline
     settle(loop)
     running, _waiting, swapped, patient = (engine.samples_of(f"s1.{i}")[0] for i in range(1, 5))
     running.status, swapped.status = RequestStatus.RUNNING, RequestStatus.SWAPPED
     run_step(loop, engine, Plan({running: 7, swapped: 8, patient: 9}))
 
-    # The loop is idle (no plan queued): it still wakes at the deadline and drops them.
-    wait_for(lambda: len(sink.rejected()) == 3, "three deadline refusals")
+    clock.advance(0.125)
+    settle(loop)
+    assert sink.rejected() == []  # not yet
+    clock.advance(0.125)
+    settle(loop)
     assert sorted(sink.rejected()) == [("running", DEADLINE), ("swapped", DEADLINE), ("waiting", DEADLINE)]
     assert sorted(engine.aborted) == ["s1.1", "s1.2", "s1.3"]  # the engine's abort path: blocks freed
     assert sink.deltas() == [("running", 0, [7]), ("swapped", 0, [8]), ("patient", 0, [9])]
@@ -114,30 +121,36 @@ def test_running_waiting_and_swapped_requests_are_dropped_at_their_deadline(
     assert [f.request_id for f in sink.finished()] == ["patient"]
 
 
-def test_a_finished_request_leaves_no_deadline_behind(loop: EngineLoop, engine: FakeEngine) -> None:
+def test_a_finished_request_leaves_no_deadline_behind(
+    loop: EngineLoop, engine: FakeEngine, clock: FakeClock
+) -> None:
     sink = Sink()
     stream = loop.connect(sink)
-    submit(loop, stream, "r", timeout_ms=200)
+    submit(loop, stream, "r", timeout_ms=250)
     settle(loop)
     first = engine.samples_of("s1.1")[0]
     run_step(loop, engine, Plan({first: 5}, {first: RequestStatus.FINISHED_STOPPED}))
     # The same id again, now without a deadline: the old one must not end it.
     submit(loop, stream, "r", timeout_ms=0)
     settle(loop)
-    time.sleep(0.4)
+    clock.advance(1.0)
     state = settle(loop)
     assert sink.rejected() == []
     assert [r.request_id for r in state.requests] == ["r"]
     assert dropped(loop, "waiting") == 0.0
 
 
-def test_a_request_past_its_deadline_never_steps_again(loop: EngineLoop, engine: FakeEngine) -> None:
+def test_a_request_past_its_deadline_never_steps_again(
+    loop: EngineLoop, engine: FakeEngine, clock: FakeClock
+) -> None:
     sink = Sink()
     stream = loop.connect(sink)
     submit(loop, stream, "r", timeout_ms=100)
     settle(loop)
     request = engine.samples_of("s1.1")[0]
-    wait_for(lambda: bool(sink.rejected()), "the deadline refusal")
+    clock.advance(0.1)
+    settle(loop)
+    assert sink.rejected() == [("r", DEADLINE)]
     # A step planned for it after its deadline: the loop dropped it first, nothing streams.
     run_step(loop, engine, Plan({}))
     assert sink.deltas() == []
@@ -145,12 +158,15 @@ def test_a_request_past_its_deadline_never_steps_again(loop: EngineLoop, engine:
 
 
 def test_a_request_compiling_its_grammar_is_dropped_at_its_deadline(
-    loop: EngineLoop, engine: FakeEngine
+    loop: EngineLoop, engine: FakeEngine, clock: FakeClock
 ) -> None:
     sink = Sink()
     stream = loop.connect(sink)
     submit(loop, stream, "r", timeout_ms=100, regex="a+")
-    wait_for(lambda: bool(sink.rejected()), "the deadline refusal")
+    settle(loop)
+    assert sink.rejected() == []  # compiling, within its deadline
+    clock.advance(0.1)
+    settle(loop)
     assert sink.rejected() == [("r", DEADLINE)]
     assert dropped(loop, "compiling") == 1.0
     engine.compiler.finish(grammar=object())  # the compile ends after the deadline: ignored

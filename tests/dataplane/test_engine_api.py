@@ -199,7 +199,7 @@ def test_offline_text_withholds_an_incomplete_trailing_character_as_a_stream_doe
             temperature=1.0,
             seed=seed,
             ignore_eos=True,
-            logit_bias={complete: 100, partial: 100},
+            logit_bias=((complete, 100.0), (partial, 100.0)),
         )
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         stream = IncrementalDetokenizer(tokenizer, prompt)

@@ -23,6 +23,7 @@ from pagedserve.dataplane.server.engine_api import DataPlaneIdentity, Engine
 from pagedserve.dataplane.server.engine_loop import EngineLoop
 from pagedserve.dataplane.server.groups import GroupTable, SampleId, StreamRequestKey
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+from tests.clock import FakeClock
 
 ARRIVAL = 100.0  # every fake request arrives then; each step advances the clock by 1 s
 STOP, LENGTH, ABORT = (
@@ -139,6 +140,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return not self.plans.empty()
 
+    def abort_sample(self, request_id: str, index: int) -> Request | None:
+        raise AssertionError("no per-sample abort here (test_sample_abort.py's engine has one)")
+
     def stats(self) -> EngineStats:
         running = sum(not r.status.finished for g in self.groups.values() for r in g)
         return EngineStats(
@@ -201,9 +205,9 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture()
-def loop(engine: FakeEngine) -> Iterator[EngineLoop]:
+def loop(engine: FakeEngine, clock: FakeClock) -> Iterator[EngineLoop]:
     typed: Engine = engine
-    loop = EngineLoop(typed, IDENTITY)
+    loop = EngineLoop(typed, IDENTITY, clock)
     loop.start()
     yield loop
     loop.stop()
@@ -400,7 +404,9 @@ def test_kv_events_and_stats_go_to_every_stream(loop: EngineLoop, engine: FakeEn
     loop.connect(sink_a)
     loop.connect(sink_b)
     settle(loop)
-    stored = BlockStored(block_hashes=(b"h1",), parent_block_hash=None, token_ids=(1, 2), block_size=2)
+    stored = BlockStored(
+        block_hashes=(BlockHash(b"h1"),), parent_block_hash=None, token_ids=(1, 2), block_size=2
+    )
     engine.events.put(KVEventRecord(seq=7, event=stored))
     state = settle(loop)
     for sink in (sink_a, sink_b):

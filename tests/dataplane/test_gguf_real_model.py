@@ -61,13 +61,15 @@ def test_greedy_chat_tokens_equal_the_fp32_engines() -> None:
         del llm
     ties = 0
     for i, (got, want) in enumerate(zip(runs[QUANTIZED], runs[DEFAULT_MODEL], strict=True)):
-        first_got, first_want = got.outputs[0].top_logprobs[0], want.outputs[0].top_logprobs[0]
+        got_top, want_top = got.outputs[0].top_logprobs, want.outputs[0].top_logprobs
+        assert got_top is not None and want_top is not None
+        first_got, first_want = got_top[0], want_top[0]
         assert [t for t, _ in first_got] == [t for t, _ in first_want]
         assert max(abs(a - b) for (_, a), (_, b) in zip(first_got, first_want, strict=True)) < 1e-3
         if got.token_ids == want.token_ids:
             continue
         pos = next(j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)) if a != b)
-        (_, best), (_, runner_up) = want.outputs[0].top_logprobs[pos][:2]
+        (_, best), (_, runner_up) = want_top[pos][:2]
         assert best - runner_up < TIE_TOLERANCE * 10, f"prompt {i} parts at token {pos} without a tie"
         ties += 1
     assert ties <= 1

@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from pagedserve.dataplane.runner import linear_selection
 from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear, pack_linears
 from pagedserve.dataplane.runner.linear_selection import ROW_BANDS, ShapeChoice, select_linears
 from pagedserve.kernels.cpu_ext import CpuKernels, load_cpu_kernels
+
+R = TypeVar("R")
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +57,10 @@ class Stack(nn.Module):
         self.small = nn.Linear(64, 32, bias=False)
 
 
-def slowed(fn: Callable[..., object], calls: list[int]) -> Callable[..., object]:
+def slowed(fn: Callable[..., R], calls: list[int]) -> Callable[..., R]:
     """fn, then ~1 ms of waiting: slower than either kernel on a 512 x 512 layer at 256 rows."""
 
-    def slow(*args: object) -> object:
+    def slow(*args: object) -> R:
         calls.append(1)
         out = fn(*args)
         end = time.perf_counter() + 1e-3
@@ -68,8 +71,8 @@ def slowed(fn: Callable[..., object], calls: list[int]) -> Callable[..., object]
     return slow
 
 
-def counting(fn: Callable[..., object], calls: list[int]) -> Callable[..., object]:
-    def count(*args: object) -> object:
+def counting(fn: Callable[..., R], calls: list[int]) -> Callable[..., R]:
+    def count(*args: object) -> R:
         calls.append(1)
         return fn(*args)
 

@@ -50,7 +50,7 @@ def test_greedy_tokens_are_unchanged_by_prefix_hits(
     model: tuple[Path, list[Reference]], kwargs: dict[str, int]
 ) -> None:
     path, refs = model
-    llm = LLM(str(path), max_model_len=128, **kwargs)  # type: ignore[arg-type]
+    llm = LLM(str(path), max_model_len=128, **kwargs)
     items = workload()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in items]
     outputs = llm.generate([p for p, _ in items], params, use_tqdm=False)

@@ -30,14 +30,15 @@ def masked(row: torch.Tensor) -> list[int]:
 
 
 def test_allowed_token_ids_mask_every_other_token() -> None:
-    row = adjusted_row(SamplingParams(temperature=0.0, allowed_token_ids=[2, 4, 99]))
+    row = adjusted_row(SamplingParams(temperature=0.0, allowed_token_ids=(2, 4, 99)))
     assert masked(row) == [0, 1, 3, 5]
     assert row[2] == 1.0 and row[4] == -1.0  # the allowed keep their logits
-    out = sample(LOGITS, [SamplingParams(temperature=0.0, allowed_token_ids=[2, 4], logprobs=1)], [None])
+    out = sample(LOGITS, [SamplingParams(temperature=0.0, allowed_token_ids=(2, 4), logprobs=1)], [None])
     assert out[0].token_id == 2
     raw = LOGITS[0].log_softmax(-1)
     assert out[0].logprob == pytest.approx(float(raw[2]))  # the raw distribution's
-    assert out[0].top_logprobs == [(1, pytest.approx(float(raw[1])))]
+    [(alternative, logprob)] = out[0].top_logprobs or []
+    assert alternative == 1 and logprob == pytest.approx(float(raw[1]))
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_the_nth_token() -> None:
@@ -55,7 +56,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_the_nth_token() -> None:
 
 
 def test_masks_come_before_penalties_and_sampling() -> None:
-    params = SamplingParams(temperature=1.0, allowed_token_ids=[0, 5], repetition_penalty=2.0, seed=1)
+    params = SamplingParams(temperature=1.0, allowed_token_ids=(0, 5), repetition_penalty=2.0, seed=1)
     row = adjusted_row(params)
     assert masked(row) == [1, 2, 3, 4]
     gen = torch.Generator()
@@ -65,7 +66,7 @@ def test_masks_come_before_penalties_and_sampling() -> None:
 
 
 def test_bad_words_mask_single_tokens_always_and_last_tokens_after_their_prefix() -> None:
-    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[3], [0, 2, 5], [4, 1]], logprobs=0)
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=((3,), (0, 2, 5), (4, 1)), logprobs=0)
     assert masked(adjusted_row(params, output=[])) == [3]
     assert masked(adjusted_row(params, output=[0])) == [3]  # [0, 2] not yet: only half the prefix
     assert masked(adjusted_row(params, output=[1, 0, 2])) == [3, 5]
@@ -77,7 +78,7 @@ def test_bad_words_mask_single_tokens_always_and_last_tokens_after_their_prefix(
 
 
 def test_a_mask_that_would_leave_nothing_is_skipped() -> None:
-    params = SamplingParams(temperature=1.0, allowed_token_ids=[EOS], min_tokens=2)
+    params = SamplingParams(temperature=1.0, allowed_token_ids=(EOS,), min_tokens=2)
     row = adjusted_row(params)
     assert masked(row) == [0, 2, 3, 4, 5]  # EOS stays: it is the only token left
     assert not math.isnan(float(row[EOS]))
@@ -119,7 +120,7 @@ def assert_idle(llm: LLM) -> None:
 
 
 def test_engine_generates_only_allowed_ids(llm: LLM) -> None:
-    allowed = [11, 23, 42]
+    allowed = (11, 23, 42)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
     sampled = SamplingParams(
         max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed
@@ -133,13 +134,13 @@ def test_engine_generates_only_allowed_ids(llm: LLM) -> None:
 
 def test_engine_min_tokens_then_stops(llm: LLM) -> None:
     eos = llm.engine.eos_token_ids[0]
-    forcing = {eos: 100.0}  # EOS would be every token's argmax
+    forcing = ((eos, 100.0),)  # EOS would be every token's argmax
     params = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=5, logit_bias=forcing)
     out = llm.generate([[5, 6, 7]], [params], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
     assert out.finish_reason == "stop"
     stop = SamplingParams(
-        max_tokens=20, temperature=0.0, min_tokens=4, stop_token_ids=(9,), logit_bias={9: 100.0}
+        max_tokens=20, temperature=0.0, min_tokens=4, stop_token_ids=(9,), logit_bias=((9, 100.0),)
     )
     out = llm.generate([[5, 6, 7]], [stop], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and 9 not in out.token_ids[:4]
@@ -152,10 +153,10 @@ def test_engine_never_generates_a_bad_word(llm: LLM) -> None:
     ids = llm.generate([prompt], [plain], use_tqdm=False)[0].outputs[0].token_ids
     single, pair = ids[0], tuple(ids[2:4])  # its first token, and two tokens it generates later
     params = SamplingParams(
-        max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[single], pair]
+        max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=((single,), pair)
     )
     sampled = SamplingParams(
-        max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, bad_words_token_ids=[[single], pair]
+        max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, bad_words_token_ids=((single,), pair)
     )
     for out in llm.generate([prompt, prompt], [params, sampled], use_tqdm=False):
         got = out.outputs[0].token_ids

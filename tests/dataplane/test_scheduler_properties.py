@@ -6,21 +6,17 @@ tokens need; preemption picks the most recently admitted requests and keeps thei
 draining finishes everything within a bound of steps, and then every block is free.
 
 Prompts are drawn from a few shared prefixes with random tails and salts, so prefix-cache
-hits, shared blocks and evictions mix in. A shadow of the KV cache records, for every slot a
-step writes, which token prefix (and salt) its KV belongs to: every computed position a
-scheduled request attends to must hold its own prefix, so a wrong hit, a cross-salt hit or a
-write into a shared or cached block is caught. Replaying the KV events into a set must
-reproduce the pool's cached hashes after every operation.
+hits, shared blocks and evictions mix in. The shadow KV (scheduler_harness.py) catches a wrong
+hit, a cross-salt hit or a write into a shared or cached block. Replaying the KV events into a
+set must reproduce the pool's cached hashes after every operation.
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
 from dataclasses import dataclass
 
-from hypothesis import currently_in_test_context, given, settings, target
-from hypothesis import event as hypothesis_event
+from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
@@ -36,10 +32,16 @@ from pagedserve.dataplane.kvcache import (
 )
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.dataplane.scheduler.step_budget import MixedStepBudget
+from tests.dataplane.scheduler_harness import (
+    EOS,
+    VOCAB,
+    ResetPrefixCache,
+    ShadowKV,
+    event,
+    shared_prefix_prompt,
+)
 
-EOS = 2
 STOP = 5
-VOCAB = 8
 
 
 @dataclass(frozen=True)
@@ -81,21 +83,12 @@ class Submit:
     tenant: str = ""  # two or more present: the scheduler shares the batch between them
 
     def prompt(self) -> list[int]:
-        rng = random.Random(self.tail_seed)
-        start = self.prompt_len if self.diverge_at is None else min(self.diverge_at, self.prompt_len)
-        return [100 * (self.family + 1) + i for i in range(start)] + [
-            rng.choice((50, 51)) for _ in range(self.prompt_len - start)
-        ]
+        return shared_prefix_prompt(self.prompt_len, self.family, self.diverge_at, self.tail_seed)
 
 
 @dataclass(frozen=True)
 class StepOp:
     seed: int
-
-
-@dataclass(frozen=True)
-class ResetPrefixCache:
-    pass
 
 
 @dataclass(frozen=True)
@@ -106,19 +99,13 @@ class Abort:
 Op = Submit | StepOp | Abort | ResetPrefixCache
 
 
-def event(name: str) -> None:
-    """Hypothesis statistics when under @given; the harness also runs in plain tests."""
-    if currently_in_test_context():
-        hypothesis_event(name)
-
-
-class Harness:
+class Harness(ShadowKV):
     """Drives a Scheduler and checks it against what the spec says must happen."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.pool = BlockPool(cfg.num_blocks, enable_kv_events=cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        pool = BlockPool(cfg.num_blocks, enable_kv_events=cfg.enable_prefix_caching)
+        kv = KVCacheManager(pool, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         bound, by_budget = cfg.max_prefill_tokens_while_decoding, cfg.bound_by_budget
         config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -126,19 +113,13 @@ class Harness:
             watermark=0.0,
             max_prefill_tokens_while_decoding=None if by_budget else bound,
         )
-        self.s = Scheduler(
-            self.kv,
+        scheduler = Scheduler(
+            kv,
             config,
             cfg.max_model_len,
             mixed_step_budget=FixedBudget(bound) if by_budget and bound is not None else None,
         )
-        self.submitted: list[Request] = []
-        self.outputs: dict[int, list[int]] = {}  # id(request) -> tokens we fed it
-        self.num_steps = 0
-        # Shadow KV: slot (block id, offset) -> (salt, prefix id) of the token whose KV it holds.
-        self.shadow: dict[tuple[int, int], tuple[str | None, int]] = {}
-        self.prefix_ids: dict[tuple[int, int], int] = {}  # (parent prefix id, token) -> prefix id
-        self.request_prefix_ids: dict[int, list[int]] = {}  # id(request) -> prefix id per position
+        super().__init__(cfg.block_size, pool, kv, scheduler)
         # What an external index following the KV events believes the pool holds.
         self.index: set[BlockHash] = set()
         self.last_seq = 0
@@ -279,12 +260,7 @@ class Harness:
     ) -> None:
         cfg, s = self.cfg, self.s
         scheduled = [x.request for x in out.scheduled]
-        # Liveness: never an empty step while work remains; never work out of nothing.
-        assert out.is_empty == (not had_work)
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-        assert len(out.scheduled) <= cfg.max_num_seqs
-        assert len(s.running) <= cfg.max_num_seqs
-        assert len({id(r) for r in scheduled}) == len(scheduled)
+        self.check_step_shape(out, had_work, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         # Scheduled requests are the front of the running list: oldest first, admissions last;
         # with prompt tokens bounded while requests decode, less the prompt chunks past it.
         bound = cfg.max_prefill_tokens_while_decoding
@@ -308,13 +284,6 @@ class Harness:
                 event("prompt tokens bounded while decoding")
             if len(scheduled) < len(s.running):
                 event("a prompt chunk waited for the bound")
-        for x in out.scheduled:
-            r = x.request
-            assert x.num_new_tokens >= 1
-            assert r.status is RequestStatus.RUNNING
-            assert r.num_computed_tokens + x.num_new_tokens <= r.num_tokens
-            # Exactly the blocks its tokens need, no more.
-            assert len(r.block_table) == cdiv(r.num_computed_tokens + x.num_new_tokens, cfg.block_size)
 
         n = len(out.preempted)
         fair = s.num_fair_share_preemptions - self.num_fair_share_preemptions
@@ -353,15 +322,12 @@ class Harness:
         s.check_integrity()
 
     def check_blocks(self) -> None:
-        holders: Counter[int] = Counter()
         positions: dict[int, set[int]] = {}
         for r in self.s.running:
             assert len(r.block_table) == len(set(r.block_table)), f"{r} holds a block twice"
-            holders.update(r.block_table)
             for index, block_id in enumerate(r.block_table):
                 positions.setdefault(block_id, set()).add(index)
-        assert sorted(holders) == sorted(b.block_id for b in self.pool.blocks if b.ref_cnt > 0)
-        for block_id, n in holders.items():
+        for block_id, n in self.device_holders().items():
             assert self.pool.blocks[block_id].ref_cnt == n
             if n > 1:
                 event("shared block")
@@ -370,14 +336,6 @@ class Harness:
                 # A hash chain pins a block to one logical position.
                 assert len(positions[block_id]) == 1, f"block {block_id} at positions {positions[block_id]}"
 
-    def prefix_ids_of(self, r: Request) -> list[int]:
-        """Interned ids of each token prefix of `r`: equal ids <=> equal token prefixes."""
-        ids = self.request_prefix_ids.setdefault(id(r), [])
-        for token in r.all_token_ids[len(ids) :]:
-            key = (ids[-1] if ids else -1, token)
-            ids.append(self.prefix_ids.setdefault(key, len(self.prefix_ids)))
-        return ids
-
     def check_and_write_kv(self, out: SchedulerOutput, prev_waiting: list[Request]) -> None:
         """What the model runner would read and write, against the shadow KV.
 
@@ -385,19 +343,11 @@ class Harness:
         running reads what it wrote itself, so its last computed slot is checked as a sample:
         the writes below are what keep the rest intact.
         """
-        bs = self.cfg.block_size
         for x in out.scheduled:
             r = x.request
-            pids = self.prefix_ids_of(r)
             first = 0 if r in prev_waiting else max(0, r.num_computed_tokens - 1)
-            for p in range(first, r.num_computed_tokens):
-                slot = (r.block_table[p // bs], p % bs)
-                assert self.shadow.get(slot) == (r.cache_salt, pids[p]), f"{r} reads stale KV at {p}"
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + x.num_new_tokens):
-                block = self.pool.blocks[r.block_table[p // bs]]
-                assert block.ref_cnt == 1, f"{r} writes into shared {block}"
-                assert block.block_hash is None, f"{r} writes into cached {block}"
-                self.shadow[(block.block_id, p % bs)] = (r.cache_salt, pids[p])
+            self.assert_holds_prefix(r, r.block_table, self.device, "device", start=first)
+            self.write_kv(r, x.num_new_tokens)
 
     def check_admissions(
         self, out: SchedulerOutput, prev_waiting: list[Request], stats_before: tuple[int, int]
@@ -445,11 +395,8 @@ class Harness:
 
     def check_state(self) -> None:
         cfg, s = self.cfg, self.s
-        for r in s.running:
-            assert len(r.block_table) == cdiv(r.num_computed_tokens, cfg.block_size)
-            assert r.num_computed_tokens < r.num_tokens  # a sampled token is always pending
+        self.check_running(list(s.waiting))
         for r in [*s.running, *s.waiting]:
-            assert r.output_token_ids == self.outputs[id(r)]  # kept across preemption
             assert r.num_output_tokens < r.sampling_params.max_tokens
             assert r.num_tokens < cfg.max_model_len
             assert s.requests[r.request_id] is r
@@ -469,15 +416,9 @@ class Harness:
         self.check_all_free()
 
     def check_all_free(self) -> None:
-        assert not self.s.running and not self.s.waiting and not self.s.requests
-        assert self.pool.num_free_blocks == self.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.pool.blocks)  # every block free or cached-unreferenced
+        super().check_all_free()
         assert self.kv.num_used_tokens == 0
         assert sorted(self.pool.free_queue.block_ids()) == list(range(self.pool.num_blocks))
-        for r in self.submitted:
-            assert r.status.finished
-            assert r.block_table == []
-        self.s.check_integrity()
 
     def run(self, ops: list[Op]) -> None:
         for op in ops:

@@ -148,7 +148,7 @@ def test_bias_penalties_and_filters_keep_their_own_rows() -> None:
         SamplingParams(temperature=1.0, seed=2, logprobs=4),
         SamplingParams(temperature=1.0, seed=3, top_k=5, logprobs=4),
         SamplingParams(temperature=0.5, seed=4, min_p=0.1),
-        SamplingParams(temperature=1.0, seed=5, logit_bias={9: 50.0}, logprobs=1),
+        SamplingParams(temperature=1.0, seed=5, logit_bias=((9, 50.0),), logprobs=1),
         SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2),
         SamplingParams(temperature=1.0, seed=7, frequency_penalty=1.0, presence_penalty=0.5),
         SamplingParams(temperature=0.0),
@@ -181,7 +181,9 @@ def new_llm(model_path: Path) -> LLM:
     )
 
 
-def outputs(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple[object, ...]]:
+def outputs(
+    llm: LLM, prompt: list[int], params: SamplingParams
+) -> list[tuple[list[int], object, object, object]]:
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     return [(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in out.outputs]
 

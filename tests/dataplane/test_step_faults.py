@@ -14,6 +14,7 @@ import pytest
 
 import pagedserve.dataplane.runner.model_runner as model_runner
 from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.runner import sampler
 
 PROMPTS = [list(range(10, 30)), list(range(40, 47)), list(range(50, 83))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -50,7 +51,7 @@ def run(llm: LLM, with_poison: list[int]) -> tuple[list[list[int]], dict[str, st
 def test_a_request_whose_sampling_raises_fails_alone(
     llm: LLM, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = model_runner.sample
+    real = sampler.sample
 
     def sample(logits: Any, params: list[SamplingParams], *args: Any) -> Any:
         if any(p.seed == POISON_SEED for p in params):
@@ -105,7 +106,7 @@ def test_one_request_steps_are_blamed_once_then_raised(llm: LLM, monkeypatch: py
 
 
 def test_offline_generate_raises_a_request_fault(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = model_runner.sample
+    real = sampler.sample
 
     def sample(logits: Any, params: list[SamplingParams], *args: Any) -> Any:
         if any(p.seed == POISON_SEED for p in params):

@@ -28,8 +28,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from hypothesis import currently_in_test_context, given, settings, target
-from hypothesis import event as hypothesis_event
+from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
@@ -37,12 +36,16 @@ from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import BlockPool, KVCacheManager, cdiv
 from pagedserve.dataplane.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from pagedserve.dataplane.scheduler.preemption import SwapCosts
-
-EOS = 2
-VOCAB = 8
-
-Slot = tuple[int, int]  # (block id, offset)
-Content = tuple[str | None, int]  # (salt, prefix id)
+from tests.dataplane.scheduler_harness import (
+    EOS,
+    VOCAB,
+    Content,
+    ResetPrefixCache,
+    ShadowKV,
+    Slot,
+    event,
+    shared_prefix_prompt,
+)
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,7 @@ class Submit:
     eos: bool = False
 
     def prompt(self) -> list[int]:
-        rng = random.Random(self.tail_seed)
-        start = self.prompt_len if self.diverge_at is None else min(self.diverge_at, self.prompt_len)
-        return [100 * (self.family + 1) + i for i in range(start)] + [
-            rng.choice((50, 51)) for _ in range(self.prompt_len - start)
-        ]
+        return shared_prefix_prompt(self.prompt_len, self.family, self.diverge_at, self.tail_seed)
 
 
 @dataclass(frozen=True)
@@ -101,30 +100,20 @@ class AbortSample:
     sample: int
 
 
-@dataclass(frozen=True)
-class ResetPrefixCache:
-    pass
-
-
 Op = Submit | StepOp | Abort | AbortSample | ResetPrefixCache
 
 
-def event(name: str) -> None:
-    if currently_in_test_context():
-        hypothesis_event(name)
-
-
-class Harness:
+class Harness(ShadowKV):
     """`drain_abort_rate`: while draining, the chance a step aborts one of its swap-out victims
     or resumed requests before the copies."""
 
     def __init__(self, cfg: Config, drain_abort_rate: float = 0.0) -> None:
         self.cfg = cfg
         self.drain_abort_rate = drain_abort_rate
-        self.pool = BlockPool(cfg.num_blocks)
+        pool = BlockPool(cfg.num_blocks)
         self.host_pool = BlockPool(cfg.num_host_blocks) if cfg.num_host_blocks else None
-        self.kv = KVCacheManager(
-            self.pool,
+        kv = KVCacheManager(
+            pool,
             cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
             host_pool=self.host_pool,
@@ -136,18 +125,12 @@ class Harness:
             watermark=cfg.watermark,
         )
         costs = SwapCosts(per_token=cfg.swap_cost_per_token, overhead_tokens=cfg.swap_overhead_tokens)
-        self.s = Scheduler(self.kv, config, cfg.max_model_len, swap_costs=costs)
-        self.submitted: list[Request] = []
+        super().__init__(cfg.block_size, pool, kv, Scheduler(kv, config, cfg.max_model_len, swap_costs=costs))
         self.num_submits = 0
         self.pending_siblings: dict[int, list[Request]] = {}  # id(primary) -> siblings not yet added
         self.groups: list[list[Request]] = []  # accepted n > 1 requests, every sample
         self.num_sample_aborts = 0
-        self.outputs: dict[int, list[int]] = {}
-        self.device: dict[Slot, Content] = {}
         self.host: dict[Slot, Content] = {}
-        self.prefix_ids: dict[tuple[int, int], int] = {}
-        self.request_prefix_ids: dict[int, list[int]] = {}
-        self.num_steps = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         self.num_aborted_in_flight = 0
@@ -330,24 +313,7 @@ class Harness:
                 else:
                     self.device.pop((dst, offset), None)
 
-    def prefix_ids_of(self, r: Request) -> list[int]:
-        ids = self.request_prefix_ids.setdefault(id(r), [])
-        for token in r.all_token_ids[len(ids) :]:
-            key = (ids[-1] if ids else -1, token)
-            ids.append(self.prefix_ids.setdefault(key, len(self.prefix_ids)))
-        return ids
-
-    def assert_holds_prefix(
-        self, r: Request, table: list[int], shadow: dict[Slot, Content], where: str
-    ) -> None:
-        bs = self.cfg.block_size
-        pids = self.prefix_ids_of(r)
-        for p in range(r.num_computed_tokens):
-            slot = (table[p // bs], p % bs)
-            assert shadow.get(slot) == (r.cache_salt, pids[p]), f"{r}: {where} KV of position {p} is wrong"
-
     def check_and_write_kv(self, out: SchedulerOutput, prev_running: list[Request]) -> None:
-        bs = self.cfg.block_size
         for x in out.scheduled:
             r = x.request
             if r.status is not RequestStatus.RUNNING:
@@ -355,12 +321,7 @@ class Harness:
             if r not in prev_running:
                 # Admitted, resumed from the host pool or recomputing: its whole prefix is read.
                 self.assert_holds_prefix(r, r.block_table, self.device, "device")
-            pids = self.prefix_ids_of(r)
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + x.num_new_tokens):
-                block = self.pool.blocks[r.block_table[p // bs]]
-                assert block.ref_cnt == 1, f"{r} writes into shared {block}"
-                assert block.block_hash is None, f"{r} writes into cached {block}"
-                self.device[(block.block_id, p % bs)] = (r.cache_salt, pids[p])
+            self.write_kv(r, x.num_new_tokens)
 
     # -- checks ------------------------------------------------------------------------------
     def check_schedule(
@@ -374,14 +335,8 @@ class Harness:
     ) -> None:
         cfg, s = self.cfg, self.s
         scheduled = [x.request for x in out.scheduled]
-        assert out.is_empty == (not had_work), "an empty step while work remains (or work from nothing)"
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-        assert len(s.running) <= cfg.max_num_seqs
+        self.check_step_shape(out, had_work, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         assert scheduled == s.running[: len(scheduled)]
-        for x in out.scheduled:
-            r = x.request
-            assert x.num_new_tokens >= 1 and r.status is RequestStatus.RUNNING
-            assert len(r.block_table) == cdiv(r.num_computed_tokens + x.num_new_tokens, cfg.block_size)
 
         # Preemption: newest first, by the mode's rule, progress kept only by a swap.
         n = len(out.preempted)
@@ -439,17 +394,13 @@ class Harness:
         if self.host_pool is not None:
             self.host_pool.check_integrity()
             assert self.host_pool.num_used_blocks == sum(len(r.host_block_table) for r in s.swapped)
-        holders: Counter[int] = Counter(b for r in s.running for b in r.block_table)
-        assert sorted(holders) == sorted(b.block_id for b in self.pool.blocks if b.ref_cnt > 0)
+        self.device_holders()
+        self.check_running([*s.waiting, *s.swapped])
         for r in s.running:
-            assert len(r.block_table) == cdiv(r.num_computed_tokens, self.cfg.block_size)
-            assert r.num_computed_tokens < r.num_tokens
             self.assert_holds_prefix(r, r.block_table, self.device, "device")
         for r in s.swapped:
             assert r.num_computed_tokens < r.num_tokens
             self.assert_holds_prefix(r, r.host_block_table, self.host, "host")
-        for r in [*s.running, *s.waiting, *s.swapped]:
-            assert r.output_token_ids == self.outputs[id(r)], f"{r} lost tokens"
 
     def drain(self) -> None:
         pending = [r for group in self.pending_siblings.values() for r in group]
@@ -465,17 +416,12 @@ class Harness:
         self.check_all_free()
 
     def check_all_free(self) -> None:
-        s = self.s
-        assert not s.running and not s.waiting and not s.swapped and not s.requests
-        assert self.pool.num_free_blocks == self.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
-        self.pool.check_integrity()
+        super().check_all_free()
+        assert not self.s.swapped
         if self.host_pool is not None:
             assert self.host_pool.num_free_blocks == self.host_pool.num_blocks
             self.host_pool.check_integrity()
-        for r in self.submitted:
-            assert r.status.finished and r.block_table == [] and r.host_block_table == []
-        s.check_integrity()
+        assert all(r.host_block_table == [] for r in self.submitted)
 
     def run(self, ops: list[Op]) -> None:
         for op in ops:

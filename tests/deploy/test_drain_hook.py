@@ -6,7 +6,6 @@ while it dials the loopback address."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -23,11 +22,13 @@ from tests.deploy.chart import load_drain_script
 class FakeDataPlane(dataplane_pb2_grpc.DataPlaneServiceServicer):
     """Drain semantics of the real servicer: stop taking work, wait while requests remain."""
 
-    def __init__(self, running: int, finish_after_s: float, token: str | None = None) -> None:
+    def __init__(self, running: int, token: str | None = None, end_at_once: bool = True) -> None:
         self.running = running
-        self.finish_after_s = finish_after_s
         self.token = token
         self.draining = threading.Event()
+        self.ended = threading.Event()  # set: the running requests finish (at once, or when the test says)
+        if end_at_once:
+            self.ended.set()
         self.requests: list[dataplane_pb2.DrainRequest] = []
 
     def Connect(self, request_iterator: Any, context: Any) -> Any:
@@ -42,11 +43,9 @@ class FakeDataPlane(dataplane_pb2_grpc.DataPlaneServiceServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this data plane requires its shared token")
         self.requests.append(request)
         self.draining.set()
-        end = time.monotonic() + self.finish_after_s
-        while request.wait and self.running and context.is_active():
-            if time.monotonic() >= end:
-                self.running = 0  # the streams finished
-            time.sleep(0.01)
+        while request.wait and self.running and context.is_active():  # (until the caller's deadline)
+            if self.ended.wait(0.01):
+                self.running = 0
         return dataplane_pb2.DrainResponse(num_remaining=self.running)
 
 
@@ -61,7 +60,7 @@ def serve(fake: FakeDataPlane, credentials: grpc.ServerCredentials | None = None
 
 @pytest.fixture
 def dataplane() -> Iterator[tuple[FakeDataPlane, int]]:
-    fake = FakeDataPlane(running=3, finish_after_s=0.3)
+    fake = FakeDataPlane(running=3, end_at_once=False)
     server, port = serve(fake)
     yield fake, port
     server.stop(None)
@@ -69,14 +68,17 @@ def dataplane() -> Iterator[tuple[FakeDataPlane, int]]:
 
 def test_drain_waits_until_the_running_requests_finish(dataplane: tuple[FakeDataPlane, int]) -> None:
     fake, port = dataplane
-    start = time.monotonic()
-    assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "10"]) == 0
-    assert time.monotonic() - start >= 0.3
+    with futures.ThreadPoolExecutor(1) as pool:
+        hook = pool.submit(load_drain_script().main, ["--address", f"127.0.0.1:{port}", "--timeout", "60"])
+        assert fake.draining.wait(30)
+        assert not hook.done() and fake.running == 3  # it waits while requests run
+        fake.ended.set()
+        assert hook.result(timeout=30) == 0
     assert [r.wait for r in fake.requests] == [True] and fake.running == 0
 
 
 def test_drain_reports_requests_left_at_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
-    fake = FakeDataPlane(running=2, finish_after_s=60)
+    fake = FakeDataPlane(running=2, end_at_once=False)
     server, port = serve(fake)
     try:
         assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "0.3"]) == 1
@@ -86,14 +88,14 @@ def test_drain_reports_requests_left_at_the_timeout(capsys: pytest.CaptureFixtur
 
 
 def test_a_data_plane_that_is_gone_needs_no_drain() -> None:
-    server, port = serve(FakeDataPlane(running=0, finish_after_s=0))
+    server, port = serve(FakeDataPlane(running=0))
     server.stop(None)
     assert load_drain_script().main(["--address", f"127.0.0.1:{port}", "--timeout", "2"]) == 0
 
 
 def test_drain_sends_the_shared_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     token = "0123456789abcdef0123456789abcdef"
-    fake = FakeDataPlane(running=1, finish_after_s=0.1, token=token)
+    fake = FakeDataPlane(running=1, token=token)
     server, port = serve(fake)
     (tmp_path / "token").write_text(token + "\n")
     (tmp_path / "wrong").write_text("f" * 32)
@@ -132,7 +134,7 @@ def test_mutual_tls_checks_the_pods_dns_name_on_the_loopback_address(
         root_certificates=pki["ca.crt"].read_bytes(),
         require_client_auth=True,
     )
-    fake = FakeDataPlane(running=1, finish_after_s=0.1)
+    fake = FakeDataPlane(running=1)
     server, port = serve(fake, credentials)
     monkeypatch.setenv("POD_NAME", "llm-pagedserve-dataplane-0")
     tls = [

@@ -242,10 +242,10 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=120)
 
     def state(self) -> dataplane_pb2.GetStateResponse:
-        return self._run(get_state(self.dataplane.address))  # type: ignore[no-any-return]
+        return self._run(get_state(self.dataplane.address))
 
     def wait_idle(self, timeout_s: float = 10.0) -> dataplane_pb2.GetStateResponse:
-        return self._run(wait_idle(self.dataplane.address, timeout_s))  # type: ignore[no-any-return]
+        return self._run(wait_idle(self.dataplane.address, timeout_s))
 
     def close(self) -> None:
         self._run(self.controlplane.stop())

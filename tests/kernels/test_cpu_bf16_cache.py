@@ -17,7 +17,6 @@ import torch
 from test_cpu_fp8 import DECODE_SEQ_LENS, generate_greedy
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
-from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.kernels import paged_attention, write_kv_cache
 from pagedserve.kernels.backend import AttentionImpl, resolve_backend
 from pagedserve.kernels.cpu_ext import CpuKernels
@@ -164,14 +163,9 @@ def test_a_bf16_cache_resolves_to_the_kernels_and_its_limits(ext: CpuKernels) ->
 # The engine: `kv_cache_dtype="bfloat16"` halves the pool's bytes per block, runs the C++
 # kernels, returns every block, and its greedy tokens equal those of the torch path over the
 # same bf16 cache.
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-
-
-def test_engine_bf16_cache(ext: CpuKernels, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fp32_llm, _ = generate_greedy(tiny_llama, "auto")
-    llm, tokens = generate_greedy(tiny_llama, "bfloat16")
+def test_engine_bf16_cache(ext: CpuKernels, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fp32_llm, _ = generate_greedy(tiny, "auto")
+    llm, tokens = generate_greedy(tiny, "bfloat16")
     runner = llm.engine.runner
     assert runner.backends.attention == "cpp" and runner.backends.cache_write == "cpp"
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
@@ -181,6 +175,6 @@ def test_engine_bf16_cache(ext: CpuKernels, tiny_llama: Path, monkeypatch: pytes
     import pagedserve.kernels.backend
 
     monkeypatch.setattr(pagedserve.kernels.backend, "load_cpu_kernels", lambda: None)
-    llm_torch, tokens_torch = generate_greedy(tiny_llama, "bfloat16")
+    llm_torch, tokens_torch = generate_greedy(tiny, "bfloat16")
     assert llm_torch.engine.runner.backends.attention == "torch"
     assert tokens == tokens_torch

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_paged_attention import FP32_ATOL, MIXED_QUERY_LENS, MIXED_SEQ_LENS, Batch, make_batch
 
+from pagedserve.benchmarks.tiny_models import exactness_workload as workload
 from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.kernels import paged_attention
@@ -24,7 +25,7 @@ from pagedserve.kernels.backend import AttentionImpl, resolve_backend
 from pagedserve.kernels.cpu_ext import CpuKernels
 from pagedserve.kernels.fp8 import dequantize_fp8, quantize_fp8
 from pagedserve.kernels.reference import dense_causal_attention_reference
-from tests.dataplane.test_engine_exactness import assert_no_leaks, workload
+from tests.dataplane.test_engine_exactness import assert_no_leaks
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Per-tensor scales as calibration picks them: randn * 30 garbage saturates, real values

@@ -124,6 +124,7 @@ def test_scales_that_are_float16s_are_packed_as_float16() -> None:
     group = panels.packed[0, 1]
     got_scales = group[32 * 8 : 32 * 8 + 32].view(torch.float16)
     got_mins = group[32 * 8 + 32 :].view(torch.float16)
+    assert weight.mins is not None
     assert torch.equal(got_scales.float(), weight.scales[:, 1]) and torch.equal(
         got_mins.float(), weight.mins[:, 1]
     )

@@ -20,15 +20,16 @@ from pagedserve.benchmarks.tiny_models import (
     make_tiny_model,
     reference_greedy,
 )
+from pagedserve.benchmarks.tiny_models import exactness_workload as workload
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.kernels.backend import ResolvedBackends, resolve_backend
-from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all, workload
+from tests.dataplane.test_engine_exactness import assert_no_leaks, check_all
 
 NUM_PROMPTS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[Reference]]]:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[Reference]]]:
     out = {}
     for arch in ("llama", "qwen3", "mistral"):
         path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
@@ -47,8 +48,8 @@ def generate(path: Path, n: int = NUM_PROMPTS, **kwargs: Any) -> tuple[LLM, list
 
 # qwen3: 2 kv heads x 3 (head_dim 16, q/k norms); mistral: 1 x 8 (head_dim 8); llama (2 x 2) below.
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_triton_backend_greedy_matches_transformers(tiny: dict[str, Any], arch: str) -> None:
-    path, refs = tiny[arch]
+def test_triton_backend_greedy_matches_transformers(tiny_models: dict[str, Any], arch: str) -> None:
+    path, refs = tiny_models[arch]
     llm, tokens = generate(
         path, block_size=16, max_num_seqs=NUM_PROMPTS, kv_cache_memory=2**20, attention_backend="triton"
     )
@@ -57,8 +58,8 @@ def test_triton_backend_greedy_matches_transformers(tiny: dict[str, Any], arch: 
     assert_no_leaks(llm)
 
 
-def test_triton_backend_chunked_prefill_and_preemption(tiny: dict[str, Any]) -> None:
-    path, refs = tiny["llama"]
+def test_triton_backend_chunked_prefill_and_preemption(tiny_models: dict[str, Any]) -> None:
+    path, refs = tiny_models["llama"]
     # 4-token blocks, 7-token steps (chunks with cached prefixes), a pool too small for all.
     llm, tokens = generate(
         path,
@@ -74,11 +75,11 @@ def test_triton_backend_chunked_prefill_and_preemption(tiny: dict[str, Any]) -> 
     assert_no_leaks(llm)
 
 
-def test_fp8_backends_agree(tiny: dict[str, Any]) -> None:
+def test_fp8_backends_agree(tiny_models: dict[str, Any]) -> None:
     # Both backends quantize to the same bits and attend within fp32 rounding of each other
     # (e5m2 differs only in the quantizer's constants, tested bit-exact in test_triton_kernels).
     kv_cache_dtype = "fp8_e4m3"
-    path, _ = tiny["qwen3"]
+    path, _ = tiny_models["qwen3"]
     outs = []
     for backend in ("torch", "triton"):
         llm, tokens = generate(
@@ -89,8 +90,8 @@ def test_fp8_backends_agree(tiny: dict[str, Any]) -> None:
     assert outs[0] == outs[1]
 
 
-def test_fp8_pool_holds_2x_the_blocks_of_16_bit_and_4x_of_fp32(tiny: dict[str, Any]) -> None:
-    path, _ = tiny["llama"]
+def test_fp8_pool_holds_2x_the_blocks_of_16_bit_and_4x_of_fp32(tiny_models: dict[str, Any]) -> None:
+    path, _ = tiny_models["llama"]
     memory = 3 * 2**20  # a multiple of every block size below, so the ratios are exact
     blocks = {}
     for dtype, kv in [
@@ -115,8 +116,8 @@ def test_fp8_pool_holds_2x_the_blocks_of_16_bit_and_4x_of_fp32(tiny: dict[str, A
     assert blocks[("float32", "fp8_e4m3")] == blocks[("bfloat16", "fp8_e5m2")] == 2 * bf16 == 4 * fp32
 
 
-def test_fp8_scales_file_round_trip(tiny: dict[str, Any], tmp_path: Path) -> None:
-    path, _ = tiny["llama"]
+def test_fp8_scales_file_round_trip(tiny_models: dict[str, Any], tmp_path: Path) -> None:
+    path, _ = tiny_models["llama"]
     llm, tokens = generate(path, n=4, kv_cache_dtype="fp8_e4m3", kv_cache_memory=2**20)
     scales = llm.engine.kv_scales
     assert scales is not None and scales.source.startswith("calibrated")
@@ -136,7 +137,9 @@ def test_fp8_scales_file_round_trip(tiny: dict[str, Any], tmp_path: Path) -> Non
         LLM(str(path), kv_cache_dtype="fp8_e4m3", kv_scales_path=str(file), max_model_len=256)
 
 
-def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_scale_1_fallback_warns_loudly(
+    tiny_models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import pagedserve.dataplane.engine.startup as startup
 
     warnings: list[tuple[str, dict[str, Any]]] = []
@@ -150,14 +153,14 @@ def test_fp8_scale_1_fallback_warns_loudly(tiny: dict[str, Any], monkeypatch: py
             return getattr(real, name)
 
     monkeypatch.setattr(startup, "log", Recorder())
-    path, _ = tiny["llama"]
+    path, _ = tiny_models["llama"]
     engine = LLM(str(path), kv_cache_dtype="fp8_e4m3", calculate_kv_scales=False, max_model_len=256).engine
     assert engine.kv_scales is not None and set(engine.kv_scales.k_scale) == {1.0}
     assert [event for event, _ in warnings] == ["kv_scales_default_1_0"]
     assert "1.0" in warnings[0][1]["message"]
 
 
-def test_backend_and_dtype_validation(tiny: dict[str, Any]) -> None:
+def test_backend_and_dtype_validation(tiny_models: dict[str, Any]) -> None:
     from pagedserve.dataplane.config import CacheConfig, ModelConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_stale_nonfinite_slots_do_not_leak(dtype: torch.dtype, atol: float, impl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_uses_fused_sdpa_kernel(dtype: torch.dtype) -> None:
     # Performance guard: every SDPA call must be eligible for the fused flash kernel. Inputs
-    # it rejects (e.g. 3-D tensors on CPU) silently fall back to the 2-3x slower math path;
+    # it rejects (e.g. 3-D tensors on CPU) silently fall back to the slower math path;
     # restricting SDPA to flash turns that fallback into an error.
     batch = make_batch(
         MIXED_QUERY_LENS, MIXED_SEQ_LENS, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype
@@ -422,7 +423,7 @@ def _cache() -> torch.Tensor:
     ],
 )
 def test_write_kv_cache_validation(kwargs: dict[str, torch.Tensor], match: str) -> None:
-    args = {
+    args: dict[str, Any] = {
         "key": torch.zeros(3, 2, 8),
         "value": torch.zeros(3, 2, 8),
         "key_cache": _cache(),

@@ -25,7 +25,7 @@ class BrokenEngine(FakeEngine):
 def test_serve_returns_non_zero_when_the_engine_loop_dies() -> None:
     async def main() -> int:
         server, port = await bind_server("127.0.0.1:0")
-        loop = EngineLoop(BrokenEngine(), IDENTITY)  # type: ignore[arg-type]
+        loop = EngineLoop(BrokenEngine(), IDENTITY)
         # (the timeout is a hang guard only: serve returns as soon as it sees the loop's exit)
         return await asyncio.wait_for(serve(loop, server, port, grace_s=0.1), timeout=60)
 

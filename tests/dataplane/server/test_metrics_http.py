@@ -46,7 +46,7 @@ def exited(loop: EngineLoop) -> threading.Event:
 
 @pytest.fixture()
 def healthy() -> Iterator[tuple[EngineLoop, int]]:
-    loop = EngineLoop(FakeEngine(), IDENTITY)  # type: ignore[arg-type]
+    loop = EngineLoop(FakeEngine(), IDENTITY)
     loop.start()
     try:
         with serve_metrics(loop) as port:
@@ -69,7 +69,7 @@ def test_healthz_is_200_while_the_loop_runs_and_503_once_stopped(healthy: tuple[
 
 
 def test_healthz_is_503_once_the_loop_died_of_a_fault() -> None:
-    loop = EngineLoop(BrokenEngine(), IDENTITY)  # type: ignore[arg-type]
+    loop = EngineLoop(BrokenEngine(), IDENTITY)
     done = exited(loop)
     with serve_metrics(loop) as port:
         loop.start()  # its first step raises: the loop ends

@@ -109,11 +109,11 @@ def test_stream_sends_the_event_sequence_and_assembles_to_the_message(
 
 def test_stop_sequences_end_the_text_and_are_reported(client: anthropic.Anthropic, model: Path) -> None:
     kwargs: Any = {"model": str(model), "max_tokens": 16, "extra_body": GREEDY, "messages": user(QUESTION)}
-    text = client.messages.create(**kwargs).content[0].text  # type: ignore[union-attr]
+    text = client.messages.create(**kwargs).content[0].text
     stop = text[4:6]
     assert len(stop) == 2, text
     out = client.messages.create(**kwargs, stop_sequences=[stop, "\x01never"])
-    assert out.content[0].text == text[: text.find(stop)]  # type: ignore[union-attr]
+    assert out.content[0].text == text[: text.find(stop)]
     assert (out.stop_reason, out.stop_sequence) == ("stop_sequence", stop)
     with client.messages.stream(**kwargs, stop_sequences=[stop]) as stream:
         final = stream.get_final_message()
@@ -158,7 +158,7 @@ def test_tool_use_then_tool_result_round_trip(client: anthropic.Anthropic, model
         **{**kwargs, "max_tokens": 96, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     )
     assert anyone.stop_reason == "tool_use" and anyone.content[-1].type == "tool_use"
-    jsonschema.validate(anyone.content[-1].input, WEATHER_SCHEMA)  # type: ignore[union-attr]
+    jsonschema.validate(anyone.content[-1].input, WEATHER_SCHEMA)
     none = client.messages.create(**{**kwargs, "tool_choice": {"type": "none"}, "max_tokens": 4})
     assert [b.type for b in none.content] == ["text"]
 
@@ -248,4 +248,4 @@ def test_count_tokens_is_the_prompt_a_message_is_generated_from(
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[0\]\.type"):
         client.messages.count_tokens(
             model=str(model), messages=[{"role": "user", "content": [{"type": "image"}]}]
-        )  # type: ignore[list-item]
+        )

@@ -107,7 +107,7 @@ def test_stream_sends_the_event_sequence_with_sequence_numbers(client: openai.Op
         f"response.{whole.status}",
     ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output[0].content[0].text == whole.output_text
@@ -217,7 +217,7 @@ def test_with_the_store_disabled_store_and_previous_response_id_are_400(model: P
             client.responses.create(
                 model=str(model), input="x", previous_response_id="resp_1", max_output_tokens=2
             )
-        assert refused.value.param == "previous_response_id"  # type: ignore[attr-defined]
+        assert refused.value.param == "previous_response_id"
         with pytest.raises(openai.BadRequestError, match="store"):
             client.responses.create(model=str(model), input="x", store=True, max_output_tokens=2)
         assert (

@@ -15,12 +15,13 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pagedserve.controlplane.reasoning import ChoiceReasoning
 from tests.e2e.agents_api.conftest import CONTEXT
 from tests.e2e.harness import ServerThread, engine_config
 
-QUESTION = [{"role": "user", "content": "Say hello."}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 FORCED = {"guided_regex": "<think>[a-c]{3}</think>[x-z]{2}"}
 GREEDY: Any = {"temperature": 0}
 
@@ -45,7 +46,7 @@ def plain_text(server: ServerThread, model: Path) -> str:
         model=str(model),
         messages=QUESTION,
         max_tokens=10,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     return out.choices[0].message.content or ""
 
@@ -85,7 +86,7 @@ def test_every_api_splits_the_greedy_answer_as_the_parser_splits_it(
         model=str(model),
         messages=QUESTION,
         max_tokens=10,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert (chat.choices[0].message.model_extra or {})["reasoning_content"] == reasoning
     assert chat.choices[0].message.content == content
@@ -94,7 +95,7 @@ def test_every_api_splits_the_greedy_answer_as_the_parser_splits_it(
     kwargs: Any = {"model": str(model), "max_tokens": 10, "messages": QUESTION, "extra_body": GREEDY}
     out = claude.messages.create(**kwargs)
     assert [b.type for b in out.content] == ["thinking", "text"]
-    assert (out.content[0].thinking, out.content[1].text) == (reasoning, content)  # type: ignore[union-attr]
+    assert (out.content[0].thinking, out.content[1].text) == (reasoning, content)
     with claude.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in out.content]

@@ -48,7 +48,7 @@ class RecordingGeneration(generation_pb2_grpc.GenerationServiceServicer):
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, RecordingGeneration]]:
-    servicer = RecordingGeneration()
+    servicer = RecordingGeneration()  # type: ignore[abstract]  # (only Generate is called here)
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")

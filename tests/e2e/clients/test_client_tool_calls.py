@@ -45,7 +45,7 @@ class Search(pydantic.BaseModel):
 
 
 SEARCH = {"name": "search", "description": "Search the web.", "parameters": Search}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_the_keywords_fill_the_chat_message() -> None:

@@ -1090,9 +1090,9 @@ class Client:
                     self.channel.unary_unary(path)(case.payload, timeout=CASE_TIMEOUT_S, metadata=metadata)
                 )
         except grpc.RpcError as exc:
-            if case.abandon and exc.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if case.abandon and exc.code() == grpc.StatusCode.CANCELLED:
                 return grpc.StatusCode.CANCELLED, "", responses, time.monotonic() - started
-            return exc.code(), exc.details() or "", responses, time.monotonic() - started  # type: ignore[attr-defined]
+            return exc.code(), exc.details() or "", responses, time.monotonic() - started
         return grpc.StatusCode.OK, "", responses, time.monotonic() - started
 
 

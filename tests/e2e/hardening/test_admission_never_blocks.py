@@ -81,8 +81,8 @@ def submitted(server: ServerThread) -> int:
 def test_n_10000_is_refused_at_once_on_both_protocols(server: ServerThread) -> None:
     with grpc.insecure_channel(server.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
         list(generation_pb2_grpc.GenerationServiceStub(ch).Generate(request(n=10_000), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert err.value.details() == "sampling_params.n must be at most 128, got 10000"  # type: ignore[attr-defined]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "sampling_params.n must be at most 128, got 10000"
     reply = Http(server.http_url).post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "n": 10_000})
     assert reply.status == 400 and reply.json()["error"]["param"] == "n"
     assert queued(server) == 0
@@ -98,8 +98,8 @@ def test_a_request_whose_samples_can_never_be_reserved_is_refused_at_once(server
         reply = Http(server.http_url).post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "n": 4})
     assert reply.status == 400 and reply.json()["error"]["param"] == "n"
     assert call.error is not None
-    assert call.error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert call.error.details() == (  # type: ignore[attr-defined]
+    assert call.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert call.error.details() == (
         "the request's 4 sample(s) reserve 81 KV blocks (1 for the prompt + 20 per sample) "
         "but the whole pool has only 64; lower n"
     )
@@ -127,7 +127,7 @@ def test_a_request_behind_one_that_leaves_the_queue_at_its_deadline_is_admitted_
     assert held.holding
     held.release()
     big.join(GUARD_S)
-    assert big.error is not None and big.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    assert big.error is not None and big.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     for call in (running, small):
         call.join(GUARD_S)
         assert call.error is None and call.tokens == [2]

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -57,7 +58,7 @@ def generate(
     return list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=timeout))
 
 
-def refused(channel: grpc.Channel, **kw: object) -> grpc.RpcError:
+def refused(channel: grpc.Channel, **kw: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as err:
         generate(channel, **kw)
     return err.value
@@ -74,8 +75,8 @@ def test_grpc_n_4294967295_is_a_cheap_invalid_argument(channel: grpc.Channel) ->
     # Before: one detokenizer per sample was built before admission (14.9 GB, then OOM-killed).
     before, started = rss_bytes(), time.monotonic()
     err = refused(channel, params=common_pb2.SamplingParams(max_tokens=2, n=2**32 - 1))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert err.details() == "sampling_params.n must be at most 128, got 4294967295"  # type: ignore[attr-defined]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "sampling_params.n must be at most 128, got 4294967295"
     assert time.monotonic() - started < 2.0
     assert rss_bytes() - before < 64 << 20
 
@@ -100,8 +101,8 @@ def test_grpc_out_of_range_fields_are_invalid_argument_naming_them(
     channel: grpc.Channel, params: common_pb2.SamplingParams, details: str
 ) -> None:
     err = refused(channel, params=params)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert (err.details() or "").startswith(details), err.details()  # type: ignore[attr-defined]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.details() or "").startswith(details), err.details()
 
 
 def test_grpc_top_p_1e_minus_9_is_accepted(channel: grpc.Channel) -> None:
@@ -111,13 +112,13 @@ def test_grpc_top_p_1e_minus_9_is_accepted(channel: grpc.Channel) -> None:
 
 def test_grpc_10k_character_model_name_is_refused_without_being_echoed(channel: grpc.Channel) -> None:
     err = refused(channel, model="m" * 10_000)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert err.details() == "model: at most 256 characters"  # type: ignore[attr-defined]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "model: at most 256 characters"
     with pytest.raises(grpc.RpcError) as tok:
         generation_pb2_grpc.GenerationServiceStub(channel).Tokenize(
             generation_pb2.TokenizeRequest(model="m" * 10_000, text="hi"), timeout=10
         )
-    assert tok.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert tok.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize("request_id", ["a#b", "x/y", "#", "id with spaces\t", "ünïcode-☃"])
@@ -187,12 +188,12 @@ def _undecodable_is_invalid_argument(address: str) -> None:
             tokenize = ch.unary_unary(f"{SERVICE}/Tokenize")
             with pytest.raises(grpc.RpcError) as err:
                 tokenize(payload, timeout=10)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-            assert err.value.details() == "the request is not a valid pagedserve.v1.TokenizeRequest message"  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "the request is not a valid pagedserve.v1.TokenizeRequest message"
             generate = ch.unary_stream(f"{SERVICE}/Generate")
             with pytest.raises(grpc.RpcError) as err:
                 list(generate(payload, timeout=10))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # A well-formed payload still works through the same handlers.
         ok = ch.unary_unary(f"{SERVICE}/Tokenize")(
             generation_pb2.TokenizeRequest(text="Say hello.").SerializeToString(), timeout=10

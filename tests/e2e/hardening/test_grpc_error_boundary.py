@@ -98,8 +98,8 @@ def test_every_rpc_turns_a_bug_into_internal_with_the_request_id(
     for method, call in calls.items():
         with pytest.raises(grpc.RpcError) as err:
             call()
-        assert err.value.code() == grpc.StatusCode.INTERNAL, method  # type: ignore[attr-defined]
-        details = err.value.details()  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.INTERNAL, method
+        details = err.value.details()
         assert details.startswith("internal server error (request id "), details
         lines = _internal_lines(capfd.readouterr().err)
         assert len(lines) == 1, (method, lines)
@@ -124,7 +124,7 @@ def test_a_service_error_keeps_its_status_and_the_server_keeps_serving(
         patch.setattr(frontend, "check_model", refuse)
         with pytest.raises(grpc.RpcError) as err:
             stub.Tokenize(generation_pb2.TokenizeRequest(text="hi"), timeout=30)
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
     out = list(
         stub.Generate(
             generation_pb2.GenerateRequest(
@@ -145,6 +145,7 @@ def test_a_request_that_faults_in_a_step_fails_alone_with_internal(
     from concurrent.futures import ThreadPoolExecutor
 
     import pagedserve.dataplane.runner.model_runner as model_runner
+    from pagedserve.dataplane.runner import sampler
 
     def ask(channel: grpc.Channel, rid: str, ids: list[int], seed: int | None = None) -> list[int]:
         params = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -159,7 +160,7 @@ def test_a_request_that_faults_in_a_step_fails_alone_with_internal(
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     with grpc.insecure_channel(server.grpc_address) as channel:
         clean = [ask(channel, f"clean-{i}", p) for i, p in enumerate(prompts)]
-        real = model_runner.sample
+        real = sampler.sample
 
         def sample(logits: Any, params: list[Any], *args: Any) -> Any:
             if any(p.seed == 4242 for p in params):
@@ -173,8 +174,8 @@ def test_a_request_that_faults_in_a_step_fails_alone_with_internal(
             assert [f.result() for f in others] == clean
             with pytest.raises(grpc.RpcError) as err:
                 poisoned.result()
-        assert err.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
-        details = err.value.details()  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        details = err.value.details()
         # the server's id of the request (its logs pair it with the client's "poisoned-1")
         assert re.match(r"internal error while generating request '[0-9a-f]{32}' \(it alone failed", details)
         idle = server.wait_idle()

@@ -22,18 +22,18 @@ LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 1.0, 4.9, 0.0, 0.0]])
 
 
 def test_the_sampler_adds_the_bias_before_greedy_and_sampled_picks() -> None:
-    greedy = [SamplingParams(temperature=0.0, logit_bias={4: 10.0}), SamplingParams(temperature=0.0)]
+    greedy = [SamplingParams(temperature=0.0, logit_bias=((4, 10.0),)), SamplingParams(temperature=0.0)]
     assert [t.token_id for t in sample(LOGITS, greedy, [None, None])] == [4, 0]
-    banned = [SamplingParams(temperature=0.0, logit_bias={1: -100.0})]
+    banned = [SamplingParams(temperature=0.0, logit_bias=((1, -100.0),))]
     assert sample(LOGITS[:1], banned, [None])[0].token_id == 3
-    forced = SamplingParams(temperature=1.0, seed=1, logit_bias={2: 100.0})
+    forced = SamplingParams(temperature=1.0, seed=1, logit_bias=((2, 100.0),))
     for seed in range(20):
         g = torch.Generator()
         g.manual_seed(seed)
         assert sample(LOGITS[:1], [forced], [g])[0].token_id == 2
     # Logprobs stay those of the model's own distribution; ids past the vocabulary are ignored.
     out = sample(
-        LOGITS[:1], [SamplingParams(temperature=0.0, logprobs=0, logit_bias={4: 10.0, 99: 5.0})], [None]
+        LOGITS[:1], [SamplingParams(temperature=0.0, logprobs=0, logit_bias=((4, 10.0), (99, 5.0)))], [None]
     )
     assert out[0].token_id == 4
     assert out[0].logprob == pytest.approx(float(LOGITS[0].log_softmax(-1)[4]))
@@ -41,7 +41,7 @@ def test_the_sampler_adds_the_bias_before_greedy_and_sampled_picks() -> None:
 
 
 def test_logit_bias_travels_the_wire_unchanged() -> None:
-    params = SamplingParams(max_tokens=3, logit_bias={7: 100.0, 3: -0.5})
+    params = SamplingParams(max_tokens=3, logit_bias=((7, 100.0), (3, -0.5)))
     assert params.logit_bias == ((3, -0.5), (7, 100.0))
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
 
@@ -92,8 +92,8 @@ def test_logit_bias_over_grpc(server: ServerThread) -> None:
         request.sampling_params.logit_bias[3] = -250.0
         with pytest.raises(grpc.RpcError) as err:
             list(generation_pb2_grpc.GenerationServiceStub(ch).Generate(request, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert err.value.details() == "sampling_params.logit_bias values must be in [-100, 100], got -250.0"  # type: ignore[attr-defined]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "sampling_params.logit_bias values must be in [-100, 100], got -250.0"
 
 
 def test_logit_bias_from_the_python_client(server: ServerThread) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -15,29 +14,31 @@ from pathlib import Path
 import pytest
 
 from pagedserve.controlplane.server import Liveness
+from tests.clock import FakeClock
 from tests.e2e.harness import ServerThread, engine_config
 
 
-async def _until(condition: Callable[[], bool], guard_s: float = 30.0) -> None:
-    """Yield to the loop until `condition` holds; the bound only guards against a hang."""
-    deadline = time.monotonic() + guard_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        await asyncio.sleep(0.01)
+async def _until(condition: Callable[[], bool], turns: int = 100) -> None:
+    """Yield to the loop (no time passes) until `condition` holds."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
 
 
-def test_liveness_reasons() -> None:
+def test_liveness_reasons(clock: FakeClock) -> None:
     async def run() -> None:
-        # stall_s is wide, so a descheduled moment on a loaded machine is not a stall; the
-        # block below is longer than it, so the late heartbeat is certain.
-        liveness = Liveness(stall_s=1.0)
+        liveness = Liveness(stall_s=1.0, clock=clock)  # a heartbeat every 0.25 s
         heartbeat = asyncio.create_task(liveness.heartbeat())
-        vital = asyncio.create_task(asyncio.sleep(3600))
+        vital = asyncio.create_task(clock.sleep(3600))
         liveness.watch("the vital task", vital)
         await _until(lambda: liveness.live)
         assert liveness.problem() is None
-        time.sleep(1.2)  # the loop blocked: the heartbeat is late
-        assert "blocked" in (liveness.problem() or "")
+        clock.advance(1.0)  # the loop blocked (nothing ran), but not longer than stall_s
+        assert liveness.problem() is None
+        clock.advance(0.75)
+        assert liveness.problem() == "the event loop was blocked for 2 s"  # 1.75 s, rounded
         await _until(lambda: liveness.live)  # the heartbeat's next beat brings it back
         vital.cancel()
         await asyncio.wait({vital})

@@ -9,6 +9,7 @@ line, no traceback). Every wait is bounded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -217,10 +218,10 @@ def test_the_link_between_the_planes_needs_this_starts_token_even_on_loopback(se
         stub = dataplane_pb2_grpc.DataPlaneServiceStub(channel)
         with pytest.raises(grpc.RpcError) as drain:
             stub.Drain(dataplane_pb2.DrainRequest(), timeout=30)
-        assert drain.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert drain.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as connect:
             list(stub.Connect(iter([dataplane_pb2.ConnectRequest()]), timeout=30))
-        assert connect.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert connect.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # The stray calls changed nothing: the control plane's own link carries the token.
     assert generates(serving.grpc_address)
     assert http_status(f"{serving.http_url}/health") == 200
@@ -280,7 +281,7 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(
             assert STOPPED_STARTING in proc.stdout
         assert not any(noise in proc.stderr for noise in LOG_NOISE), proc.stderr
         for child in proc.child_pids():
-            wait_until(lambda child=child: gone(child), 10, "the data plane stopped")
+            wait_until(functools.partial(gone, child), 10, "the data plane stopped")
     finally:
         proc.cleanup()
 

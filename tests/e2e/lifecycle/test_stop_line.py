@@ -59,7 +59,7 @@ def test_ctrl_c_with_a_request_in_progress_prints_what_it_waits_for(serve: Serve
             with GenerationClient(serve.grpc_address, timeout=60, retry=NO_RETRY) as client:
                 client.generate([5, 6, 7], max_tokens=4)
         except grpc.RpcError as exc:
-            codes.append(exc.code())  # type: ignore[attr-defined]
+            codes.append(exc.code())
 
     caller = threading.Thread(target=call, daemon=True)
     caller.start()

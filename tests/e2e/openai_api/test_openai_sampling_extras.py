@@ -58,7 +58,7 @@ def test_http_allowed_token_ids(client: openai.OpenAI, model: Path) -> None:
         max_tokens=4,
         temperature=0.8,
         seed=1,
-        extra_body=extra,  # type: ignore[arg-type]
+        extra_body=extra,
     )
     assert chat.choices[0].message.content == tok.decode([token] * 4)
 
@@ -80,7 +80,7 @@ def test_http_min_tokens(client: openai.OpenAI) -> None:
         messages=MESSAGES,
         max_tokens=20,
         temperature=0,
-        extra_body=extra,  # type: ignore[arg-type]
+        extra_body=extra,
     )
     assert chat.usage is not None and chat.usage.completion_tokens == 7
 
@@ -117,7 +117,7 @@ def test_http_truncate_prompt_tokens(client: openai.OpenAI, model: Path) -> None
         model="llama",
         messages=MESSAGES,
         max_tokens=2,
-        extra_body={"truncate_prompt_tokens": 2},  # type: ignore[arg-type]
+        extra_body={"truncate_prompt_tokens": 2},
     )
     assert chat.usage is not None and chat.usage.prompt_tokens == 2
 
@@ -242,5 +242,5 @@ def test_grpc_extras(server: ServerThread) -> None:
         ]:
             with pytest.raises(grpc.RpcError) as err:
                 client.generate(PROMPT, **{"max_tokens": 4, **kwargs})
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-            assert f"sampling_params.{field}" in err.value.details()  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"sampling_params.{field}" in err.value.details()

@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from pagedserve.common.models import DEFAULT_MODEL
 from tests.e2e.harness import ServerThread, engine_config
@@ -121,7 +122,7 @@ def check_call(call: Any, names: set[str] | None = None) -> dict[str, Any]:
     assert call.function.name in (names or SCHEMAS)
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, SCHEMAS[call.function.name])
-    return arguments  # type: ignore[no-any-return]
+    return arguments
 
 
 def check_answer(choice: Any) -> None:
@@ -185,7 +186,8 @@ def test_named_function_is_the_only_call(client: openai.OpenAI) -> None:
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
-    assert len(calls) == 1 and calls[0].function.name == "book_flight"
+    assert len(calls) == 1 and isinstance(calls[0], ChatCompletionMessageFunctionToolCall)
+    assert calls[0].function.name == "book_flight"
     arguments = check_call(calls[0], {"book_flight"})
     assert set(arguments["route"]) == {"from", "to"}
 
@@ -329,7 +331,9 @@ def test_auto_answers_are_well_formed(client: openai.OpenAI) -> None:
         if choice.finish_reason == "tool_calls":
             assert choice.message.tool_calls
             for call in choice.message.tool_calls:
-                assert call.function.name in SCHEMAS
+                assert (
+                    isinstance(call, ChatCompletionMessageFunctionToolCall) and call.function.name in SCHEMAS
+                )
         else:
             assert choice.message.content is not None
 

@@ -200,8 +200,8 @@ def test_grpc_prompt_logprobs(server: ServerThread, expected: tuple[list[int], t
         )
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(bad, timeout=60))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-        assert "sampling_params.prompt_logprobs" in err.value.details()  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling_params.prompt_logprobs" in err.value.details()
 
 
 def test_python_client_prompt_logprobs(
@@ -237,7 +237,7 @@ def test_streams_carry_prompt_logprobs_on_their_first_chunk(
     carrying_chat = [c for c in chat_chunks if "prompt_logprobs" in (c.model_extra or {})]
     assert len(carrying_chat) == 1 and carrying_chat[0] is chat_chunks[0]
     tok = Tokenizer(model)
-    assert len(carrying_chat[0].model_extra["prompt_logprobs"]) == len(  # type: ignore[index]
+    assert len(carrying_chat[0].model_extra["prompt_logprobs"]) == len(
         tok.encode(tok.apply_chat_template(messages))
     )
 

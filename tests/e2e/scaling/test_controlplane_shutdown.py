@@ -39,13 +39,13 @@ TOKENS = 300
 
 def slow_down(dp: DataPlane, seconds: float) -> None:
     """Every engine step of `dp` takes `seconds` longer (in its loop thread): long streams."""
-    step = dp.loop.engine.step  # type: ignore[attr-defined]
+    step = dp.loop.engine.step
 
     def slow_step():  # type: ignore[no-untyped-def]
         time.sleep(seconds)
         return step()
 
-    dp.loop.engine.step = slow_step  # type: ignore[attr-defined,method-assign]
+    dp.loop.engine.step = slow_step  # type: ignore[method-assign]
 
 
 def http_status(url: str) -> int:

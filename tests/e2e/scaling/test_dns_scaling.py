@@ -12,11 +12,13 @@ while it drains is back in rotation on the same link; one whose streams outlive
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -45,7 +47,7 @@ MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(
         "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=MAX_MODEL_LEN
     )
@@ -70,16 +72,16 @@ class FakeDNS:
         return sorted(self.addresses)
 
 
-async def start_cp(tiny: Path, dns: FakeDNS, **kw: float) -> ControlPlane:
-    config = ControlPlaneConfig(model=str(tiny), dataplane_dns=DNS_NAME, dns_refresh_s=0.1, **kw)
+async def start_cp(tiny_long: Path, dns: FakeDNS, **kw: Any) -> ControlPlane:
+    config = ControlPlaneConfig(model=str(tiny_long), dataplane_dns=DNS_NAME, dns_refresh_s=0.1, **kw)
     return await start_control_plane(config, "127.0.0.1", 0, http_port=None, resolver=dns)
 
 
-def start_processes(tiny: Path, n: int) -> list[Process]:
+def start_processes(tiny_long: Path, n: int) -> list[Process]:
     """`n` data-plane processes, started side by side (each imports torch and loads the model)."""
     with ThreadPoolExecutor(n) as pool:
         # Each takes 2 long streams: 2 x (12 + LONG) tokens in blocks of 16, with room to spare.
-        futures = [pool.submit(dataplane_process, tiny, 512, MAX_MODEL_LEN) for _ in range(n)]
+        futures = [pool.submit(dataplane_process, tiny_long, 512, MAX_MODEL_LEN) for _ in range(n)]
     started = [f.result() for f in futures if f.exception() is None]
     if len(started) < n:
         for p in started:
@@ -92,19 +94,19 @@ def healthy(cp: ControlPlane) -> set[str]:
     return {link.address for link in cp.dispatcher.healthy}
 
 
-def test_scale_up_spreads_traffic_and_scale_down_drains_every_stream(tiny: Path) -> None:
-    procs = start_processes(tiny, 3)
+def test_scale_up_spreads_traffic_and_scale_down_drains_every_stream(tiny_long: Path) -> None:
+    procs = start_processes(tiny_long, 3)
     try:
-        asyncio.run(_scale_up_then_down(tiny, sorted(p.address for p in procs)))
+        asyncio.run(_scale_up_then_down(tiny_long, sorted(p.address for p in procs)))
     finally:
         for p in procs:
             p.kill()
 
 
-async def _scale_up_then_down(tiny: Path, addresses: list[str]) -> None:
+async def _scale_up_then_down(tiny_long: Path, addresses: list[str]) -> None:
     first, *others = addresses
     dns = FakeDNS([first])
-    cp = await start_cp(tiny, dns)
+    cp = await start_cp(tiny_long, dns)
     dispatcher = cp.dispatcher
     try:
         assert await dispatcher.wait_ready(20.0)
@@ -179,7 +181,7 @@ async def _scale_up_then_down(tiny: Path, addresses: list[str]) -> None:
             assert idle.snapshot.stats.prefix_cache_queries > 0  # it served requests
         for address in others:
             await wait_until_async(
-                lambda a=address: _num_streams(a), 10, f"{address} sees the control plane's link close"
+                functools.partial(_num_streams, address), 10, f"{address} sees the control plane's link close"
             )
     finally:
         await cp.stop()
@@ -191,23 +193,25 @@ async def _num_streams(address: str) -> bool:
 
 def slow_down(dp: DataPlane, seconds: float) -> None:
     """Every engine step of `dp` takes `seconds` longer (in its loop thread): long streams."""
-    step = dp.loop.engine.step  # type: ignore[attr-defined]
+    step = dp.loop.engine.step
 
     def slow_step():  # type: ignore[no-untyped-def]
         time.sleep(seconds)
         return step()
 
-    dp.loop.engine.step = slow_step  # type: ignore[attr-defined,method-assign]
+    dp.loop.engine.step = slow_step  # type: ignore[method-assign]
 
 
-def test_a_data_plane_back_in_dns_returns_and_one_that_drains_too_long_is_cut(tiny: Path) -> None:
+def test_a_data_plane_back_in_dns_returns_and_one_that_drains_too_long_is_cut(tiny_long: Path) -> None:
     async def run() -> None:
-        dps = [await start_dataplane(engine_config(tiny, num_blocks=128), name=f"dp{i}") for i in range(2)]
+        dps = [
+            await start_dataplane(engine_config(tiny_long, num_blocks=128), name=f"dp{i}") for i in range(2)
+        ]
         for dp in dps:
             slow_down(dp, 0.02)
         a, b = sorted(d.address for d in dps)
         dns = FakeDNS([a, b])
-        cp = await start_cp(tiny, dns, dataplane_drain_timeout_s=1.0)
+        cp = await start_cp(tiny_long, dns, dataplane_drain_timeout_s=1.0)
         dispatcher = cp.dispatcher
         try:
             await wait_until_async(lambda: healthy(cp) == {a, b}, 20, "both data planes join")

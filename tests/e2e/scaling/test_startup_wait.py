@@ -88,8 +88,8 @@ def test_with_no_data_plane_within_the_bound_a_request_fails_unavailable(tiny: P
         try:
             with pytest.raises(grpc.RpcError) as failed:
                 await asyncio.to_thread(grpc_generate, cp)
-            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-            assert NO_DATAPLANE in failed.value.details()  # type: ignore[attr-defined]
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert NO_DATAPLANE in failed.value.details()
             status, body = await asyncio.to_thread(http_generate, cp)
             assert status == 503 and NO_DATAPLANE in body["error"]["message"], body
         finally:

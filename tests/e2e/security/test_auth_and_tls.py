@@ -56,7 +56,7 @@ def test_grpc_needs_a_key_but_health_does_not(keyed: ServerThread) -> None:
         with GenerationClient(keyed.grpc_address, api_key=key, timeout=30) as client:
             with pytest.raises(grpc.RpcError) as err:
                 client.generate([5, 6, 7], max_tokens=2)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError):
                 client.tokenize("x")
     with GenerationClient(keyed.grpc_address, api_key="beta", timeout=30) as client:

@@ -164,16 +164,16 @@ def test_duplicate_authorization_is_refused_on_grpc(tenanted: ServerThread) -> N
             metadata = [("authorization", f"Bearer {v}") for v in values]
             with pytest.raises(grpc.RpcError) as err:
                 stub.Tokenize(request, metadata=metadata, timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, values  # type: ignore[attr-defined]
-            assert "exactly one" in (err.value.details() or "")  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, values
+            assert "exactly one" in (err.value.details() or "")
             stream = stub.Generate(generation_pb2.GenerateRequest(), metadata=metadata, timeout=10)
             with pytest.raises(grpc.RpcError) as err:
                 next(iter(stream))
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # One good header passes the check (and reaches the service).
         with pytest.raises(grpc.RpcError) as err:
             stub.Tokenize(request, metadata=[("authorization", "Bearer alpha-1")], timeout=10)
-        assert err.value.code() != grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert err.value.code() != grpc.StatusCode.UNAUTHENTICATED
 
 
 def _post(srv: ServerThread, path: str, headers: list[tuple[str, str]], body: bytes) -> int:

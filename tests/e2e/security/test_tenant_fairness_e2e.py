@@ -136,6 +136,7 @@ def test_a_flooding_tenant_does_not_starve_another_and_limits_refuse_with_a_hint
                 assert "tenant c has 1 requests in progress" in (refused.value.details() or "")
                 trailers = dict(refused.value.trailing_metadata() or ())
                 assert float(trailers["retry-after"]) >= 1
+                assert cp.http_port is not None
                 status, headers, body = await asyncio.to_thread(
                     http_post, cp.http_port, "key-c", {"prompt": [5, 6, 7], "max_tokens": 2}
                 )
