@@ -132,6 +132,7 @@ class Scheduler:
             self.kv_cache.block_size,
             self.kv_cache.num_total_blocks,
             self.max_model_len,
+            prompt_only=request.pooling is not None,
         )
         if refused is not None:
             raise ValueError(refused)
@@ -398,6 +399,9 @@ class Scheduler:
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
+                if request.pooling is not None and request.num_computed_tokens == request.num_tokens:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)  # its prompt is pooled
+                    finished.append(request)
                 continue
             if request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(f"token sampled for {request} before its computed tokens caught up")
