@@ -1,11 +1,13 @@
 """Embeddings end to end against `pagedserve serve` (tiny random model with a tokenizer, prefix
 caching on, prompts longer than a prefill chunk): the official `openai` client's
-`embeddings.create` (float and base64, every input form), the gRPC `Embed` RPC, and every bad
+`embeddings.create` (float and base64, every input form), the gRPC `Embed` RPC and the Python
+client's `embed`, and every bad
 value refused naming its field. The vectors equal transformers' final hidden states (after
 the final norm) pooled the same way, fp32; every KV block comes back."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -21,6 +23,8 @@ import pytest
 import torch
 
 from pagedserve.benchmarks.tiny_models import load_reference_model
+from pagedserve.clients.python import AsyncGenerationClient, GenerationClient, build_embed_request
+from pagedserve.controlplane.openai.embeddings import encoded
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
@@ -94,14 +98,20 @@ def test_openai_client_floats_equal_transformers(client: openai.OpenAI, model: P
 def test_openai_client_base64_decodes_to_the_floats(client: openai.OpenAI) -> None:
     floats = client.embeddings.create(model="llama", input=TEXTS, encoding_format="float")
     # Asked for explicitly, the client hands the base64 text back as it came: little-endian fp32.
-    encoded = client.embeddings.create(model="llama", input=TEXTS, encoding_format="base64")
-    for a, b in zip(encoded.data, floats.data, strict=True):
+    # (Two calls may batch their inputs differently: equal to fp32 rounding, not bit for bit.)
+    encoded_answer = client.embeddings.create(model="llama", input=TEXTS, encoding_format="base64")
+    for a, b in zip(encoded_answer.data, floats.data, strict=True):
         assert isinstance(a.embedding, str)
         raw = base64.b64decode(a.embedding)
-        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == b.embedding
-    # Left unset, the client asks for base64 itself and decodes it: the same floats.
+        assert_close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), b.embedding)
+    # Left unset, the client asks for base64 itself and decodes it.
     default = client.embeddings.create(model="llama", input=TEXTS)
-    assert [d.embedding for d in default.data] == [d.embedding for d in floats.data]
+    for a, b in zip(default.data, floats.data, strict=True):
+        assert_close(a.embedding, b.embedding)
+    # The encoding itself is exact: the fp32 values, bit for bit.
+    values = floats.data[0].embedding
+    raw = base64.b64decode(encoded(values, "base64"))  # type: ignore[arg-type]
+    assert list(struct.unpack(f"<{len(values)}f", raw)) == values
 
 
 @pytest.mark.parametrize(("pooling", "normalize"), [("mean", True), ("cls", True), ("last", False)])
@@ -229,3 +239,23 @@ def test_metrics_count_embeddings(served: tuple[str, str]) -> None:
     assert counts["pagedserve_embedding_requests_total"] > 0
     assert counts["pagedserve_embedding_inputs_total"] >= counts["pagedserve_embedding_requests_total"]
     assert counts["pagedserve_embedding_prompt_tokens_total"] > counts["pagedserve_embedding_inputs_total"]
+
+
+def test_python_client_embed(served: tuple[str, str], client: openai.OpenAI, model: Path) -> None:
+    ids = Tokenizer(model).encode(TEXTS[1])
+    http = client.embeddings.create(model="llama", input=TEXTS, extra_body={"pooling_type": "mean"})
+    with GenerationClient(served[0], api_key=API_KEY, timeout=60) as grpc_client:
+        vectors = grpc_client.embed(TEXTS, pooling="mean")
+        (alone,) = grpc_client.embed(ids, pooling="mean")  # one token-id input
+        assert_close(alone, vectors[1])
+
+    async def run() -> list[list[float]]:
+        async with AsyncGenerationClient(served[0], api_key=API_KEY, timeout=60) as aio:
+            return await aio.embed(TEXTS[0], pooling="mean", normalize=True)
+
+    (first,) = asyncio.run(run())
+    assert_close(first, vectors[0])
+    for ours, theirs in zip(vectors, http.data, strict=True):
+        assert_close(ours, theirs.embedding)
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
+        build_embed_request("x", pooling="max")
