@@ -29,6 +29,7 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,16 @@ def _measure(llm: LLM, prompts: list[list[int]], max_tokens: int, streams: int) 
     }
 
 
+def _engine(model: str, args: argparse.Namespace, config: str) -> LLM:
+    return LLM(
+        model,
+        max_num_seqs=max(args.streams),
+        speculative_config=config,
+        kv_cache_memory=args.kv_cache_memory,
+        swap_space=0,
+    )
+
+
 def _llamacpp(prompts: dict[str, list[list[int]]], max_tokens: int, k: int) -> dict[str, Any]:
     import subprocess
     import tempfile
@@ -179,16 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = json.dumps(
             {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
         )
-        engines[method] = phase(
-            f"engine ({method})",
-            lambda c=config: LLM(
-                model,
-                max_num_seqs=max(args.streams),
-                speculative_config=c,
-                kv_cache_memory=args.kv_cache_memory,
-                swap_space=0,
-            ),
-        )
+        engines[method] = phase(f"engine ({method})", partial(_engine, model, args, config))
     results: dict[str, Any] = {"model": model, "cpu": cpu_line(), "k": k, "runs": []}
     single: dict[str, list[list[int]]] = {}
     for workload in args.workloads:
@@ -200,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     single[workload] = prompts
                 row = phase(
                     f"{workload}, {streams} stream(s), {method}",
-                    lambda llm=llm, p=prompts, s=streams: _measure(llm, p, args.max_tokens, s),
+                    partial(_measure, llm, prompts, args.max_tokens, streams),
                 )
                 row.update(workload=workload, streams=streams, method=method)
                 results["runs"].append(row)

@@ -34,6 +34,7 @@ from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
 from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
+from pagedserve.controlplane.openai.embeddings import EmbeddingRoutes
 from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
 from pagedserve.controlplane.openai.routes import OpenAIRoutes
 from pagedserve.controlplane.responses.routes import ResponsesRoutes
@@ -154,7 +155,7 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 def create_app(
     frontend: Frontend, api_keys: ApiKeys | None = None, responses_store: ResponseStore | None = None
 ) -> FastAPI:
-    """Health and liveness probes, /metrics, and the OpenAI-compatible API, Anthropic's
+    """Health and liveness probes, /metrics, and the OpenAI-compatible API (embeddings too), Anthropic's
     Messages API and the Responses API (with API keys, everything but the probes and /metrics
     is behind them: `auth.http_path_needs_key`). Without `responses_store` the Responses API
     stores nothing."""
@@ -188,6 +189,7 @@ def create_app(
 
     chat = OpenAIRoutes(frontend)
     app.include_router(chat.router)
+    app.include_router(EmbeddingRoutes(frontend).router)
     app.include_router(AnthropicRoutes(chat).router)
     store = responses_store if responses_store is not None else ResponseStore(0, 1, 1.0)
     app.include_router(ResponsesRoutes(chat, store).router)

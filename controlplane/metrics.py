@@ -263,6 +263,21 @@ class ControlPlaneMetrics:
             "Tool calls parsed from completions (forced and auto).",
             registry=r,
         )
+        self.embedding_requests = Counter(
+            PREFIX + "embedding_requests",
+            "Embedding calls run (gRPC Embed, HTTP /v1/embeddings), each of one or more inputs.",
+            registry=r,
+        )
+        self.embedding_inputs = Counter(
+            PREFIX + "embedding_inputs",
+            "Inputs embedded (one pooling request each on a data plane).",
+            registry=r,
+        )
+        self.embedding_prompt_tokens = Counter(
+            PREFIX + "embedding_prompt_tokens",
+            "Prompt tokens of the inputs embedded.",
+            registry=r,
+        )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Gap between consecutive token deltas.",

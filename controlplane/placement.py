@@ -109,10 +109,19 @@ def plan_placement(
     if not usable:
         return Refusal("UNAVAILABLE", NO_DATAPLANE)
     prompt = request.num_prompt_tokens
+    if request.pooling is not None:  # prompt-only: it never decodes
+        decode_reserve_blocks = 0
     candidates: list[Candidate] = []
     refused: list[tuple[LinkSnapshot, str, str | None]] = []
     for s in usable:
-        reason = refusal(prompt, request.max_tokens, s.block_size, s.num_blocks, s.max_model_len)
+        reason = refusal(
+            prompt,
+            request.max_tokens,
+            s.block_size,
+            s.num_blocks,
+            s.max_model_len,
+            prompt_only=request.pooling is not None,
+        )
         if reason is not None:
             refused.append((s, reason, None))
             continue

@@ -17,7 +17,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.common.protocol import sampling_params_to_proto
+from pagedserve.common.pooling_params import PoolingParams
+from pagedserve.common.protocol import pooling_params_to_proto, sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.controlplane.auth import request_tenant
 from pagedserve.controlplane.detokenizer import Decoder, IncrementalDetokenizer
@@ -64,6 +65,8 @@ class GenerationRequest:
     # Whose request it is (its fair share and limits: controlplane/tenants.py): the key's tenant
     # of the call it is validated in, DEFAULT_TENANT without API keys.
     tenant: str = field(default_factory=lambda: request_tenant() or DEFAULT_TENANT)
+    # Set: a pooling (embedding) request: prompt-only, its vector on the finish (embeddings.py).
+    pooling: PoolingParams | None = None
 
     @property
     def label(self) -> str:
@@ -107,4 +110,5 @@ class GenerationRequest:
             cache_salt=self.cache_salt or "",
             trace_context=dict(trace_context or {}),
             priority=self.priority,
+            pooling=None if self.pooling is None else pooling_params_to_proto(self.pooling),
         )

@@ -19,8 +19,13 @@ from google.protobuf.message import DecodeError, Message
 
 from pagedserve.common.invalid_field import InvalidField
 from pagedserve.common.log import get_logger
-from pagedserve.common.protocol import FINISH_REASON_BY_NAME, sampling_fields_from_proto
+from pagedserve.common.protocol import (
+    FINISH_REASON_BY_NAME,
+    pooling_params_from_proto,
+    sampling_fields_from_proto,
+)
 from pagedserve.common.telemetry import extract
+from pagedserve.controlplane.embeddings import Embedder
 from pagedserve.controlplane.errors import ServiceError, invalid_argument
 from pagedserve.controlplane.frontend import MAX_NAME_CHARS, CompletionDone, Frontend
 from pagedserve.controlplane.request import new_request_id
@@ -39,6 +44,7 @@ def _truncate_prompt_tokens(params: common_pb2.SamplingParams) -> int | None:
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self.embedder = Embedder(frontend)
 
     def _prompt_ids(
         self, request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
@@ -140,6 +146,54 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     ),
                 )
 
+    async def Embed(
+        self,
+        request: generation_pb2.EmbedRequest,
+        context: grpc.aio.ServicerContext[generation_pb2.EmbedRequest, generation_pb2.EmbedResponse],
+    ) -> generation_pb2.EmbedResponse:
+        start = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else start + remaining
+        self.frontend.check_model(request.model or None)
+        self.embedder.check_count(len(request.inputs), "inputs")
+        await self.frontend.dispatcher.wait_for_startup(deadline)
+        try:
+            pooling = pooling_params_from_proto(request.pooling)
+        except InvalidField as exc:
+            name = f"pooling.{exc.field}"
+            raise invalid_argument(f"{name} {exc.reason}", name) from None
+        names = [f"inputs[{i}]" for i in range(len(request.inputs))]
+        inputs = [self._embed_input(item, name) for item, name in zip(request.inputs, names, strict=True)]
+        gens = self.embedder.requests(
+            inputs,
+            pooling,
+            field_names=names,
+            request_id=request.request_id or None,
+            priority=request.priority,
+            deadline=deadline,
+            truncate_prompt_tokens=(
+                request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+            ),
+        )
+        embedded = await self.embedder.embed(gens)
+        tokens = sum(e.prompt_tokens for e in embedded)
+        return generation_pb2.EmbedResponse(
+            request_id=gens[0].label,
+            embeddings=[
+                generation_pb2.Embedding(index=e.index, values=e.values, prompt_tokens=e.prompt_tokens)
+                for e in embedded
+            ],
+            usage=common_pb2.Usage(prompt_tokens=tokens),
+        )
+
+    def _embed_input(self, item: generation_pb2.EmbedInput, name: str) -> list[int]:
+        kind = item.WhichOneof("input")
+        if kind == "text":
+            return self.embedder.token_ids(item.text, f"{name}.text")
+        if kind == "token_ids":
+            return self.embedder.token_ids(list(item.token_ids.ids), f"{name}.token_ids")
+        raise invalid_argument(f"{name}: set one of text or token_ids", name)
+
     async def Tokenize(
         self,
         request: generation_pb2.TokenizeRequest,
@@ -190,6 +244,7 @@ _MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
     "Tokenize": (generation_pb2.TokenizeRequest, generation_pb2.TokenizeResponse),
     "Detokenize": (generation_pb2.DetokenizeRequest, generation_pb2.DetokenizeResponse),
     "ListModels": (generation_pb2.ListModelsRequest, generation_pb2.ListModelsResponse),
+    "Embed": (generation_pb2.EmbedRequest, generation_pb2.EmbedResponse),
 }
 
 

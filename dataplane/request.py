@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -135,6 +136,20 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_spec_drafted = 0  # drafted tokens verified, and those accepted
         self.num_spec_accepted = 0
+        # A pooling (embedding) request: prompt-only, nothing sampled; it ends once its prompt
+        # is computed. The runner keeps its running pool in `pooling_state` (opaque here) and
+        # leaves the vector in `embedding` (dataplane/runner/pooling.py).
+        self.pooling: PoolingParams | None = None
+        self.pooling_state: Any = None
+        self.embedding: list[float] | None = None
+
+    @property
+    def computes_every_prompt_row(self) -> bool:
+        """Whether each prompt position must be computed here rather than served by the prefix
+        cache: prompt logprobs score every position, mean and cls pooling read their rows."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return True
+        return self.pooling is not None and self.pooling.needs_every_row
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,7 @@ with GenerationClient("127.0.0.1:50051") as client:
     # structured outputs: at most one of json_schema= (dict, JSON text or pydantic model class),
     # json_object=True, regex=, choice=[...], grammar=
     print(client.generate("Is the sky blue? Answer:", choice=["yes", "no"])[0].text)
+    print(len(client.embed(["a text", "another"], pooling="mean")[1]))  # one vector per input
 """
 
 from pagedserve.clients.python.client import (
@@ -16,6 +17,7 @@ from pagedserve.clients.python.client import (
     build_request,
 )
 from pagedserve.clients.python.constraints import JsonSchema, SchemaModel
+from pagedserve.clients.python.embeddings import build_embed_request
 from pagedserve.clients.python.tools import ToolCall
 
 __all__ = [
@@ -26,5 +28,6 @@ __all__ = [
     "SchemaModel",
     "StreamChunk",
     "ToolCall",
+    "build_embed_request",
     "build_request",
 ]

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pagedserve.clients.python.constraints import JsonSchema, set_constraint
+from pagedserve.clients.python.embeddings import EmbedInput, build_embed_request, vectors
 from pagedserve.clients.python.tools import (
     ToolCall,
     ToolSpec,
@@ -392,6 +393,10 @@ class GenerationClient:
         response = self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
         return [m.id for m in response.models]
 
+    def embed(self, inputs: EmbedInput | Sequence[EmbedInput], **kwargs: Any) -> list[list[float]]:
+        """One vector per input (text or token ids); `kwargs` are `build_embed_request`'s."""
+        return vectors(self._unary(self._stub.Embed, build_embed_request(inputs, **kwargs)))
+
 
 class AsyncGenerationClient:
     """asyncio client (grpc.aio). Use inside a running event loop. Options as GenerationClient."""
@@ -478,3 +483,6 @@ class AsyncGenerationClient:
     async def list_models(self) -> list[str]:
         response = await self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
         return [m.id for m in response.models]
+
+    async def embed(self, inputs: EmbedInput | Sequence[EmbedInput], **kwargs: Any) -> list[list[float]]:
+        return vectors(await self._unary(self._stub.Embed, build_embed_request(inputs, **kwargs)))

@@ -138,8 +138,6 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens: 0 needs echo (the prompt's logprobs); else at least 1"
-        if self.echo and self.stream:
-            return "echo", "echo: not supported with stream"
         if self.suffix:
             return "suffix", "suffix: not supported by this server"
         if self.best_of is not None and self.best_of != self.num_choices:

@@ -263,17 +263,24 @@ class OpenAIRoutes:
             return choice
 
         started: set[int] = set()
+        scored: dict[int, Any] = {}  # prompt index -> its prompt logprobs (on its choice 0's first chunk)
 
         def chunk(event: StreamEvent) -> dict[str, Any]:
             if isinstance(event, TextDelta):
-                lps = (
-                    legacy_logprobs(decode, event.token_ids, event.logprobs)
-                    if body.logprobs is not None
-                    else None
-                )
-                choice = {"index": event.index, "text": event.text, "logprobs": lps, "finish_reason": None}
-                if event.index % n == 0 and event.index not in started:  # its prompt's first chunk
-                    started.add(event.index)
+                prompt, first = event.index // n, event.index not in started
+                started.add(event.index)
+                if event.prompt_logprobs:
+                    scored[prompt] = event.prompt_logprobs
+                echo = bool(body.echo) and first  # each choice's first chunk leads with its prompt
+                lps = None
+                if body.logprobs is not None:
+                    echo_ids = prompts[prompt] if echo else ()
+                    lps = legacy_logprobs(
+                        decode, event.token_ids, event.logprobs, echo_ids, scored.get(prompt, ())
+                    )
+                text = (echoed[prompt] if echo else "") + event.text
+                choice = {"index": event.index, "text": text, "logprobs": lps, "finish_reason": None}
+                if event.index % n == 0 and first:  # its prompt's first chunk
                     choice = with_prompt_logprobs(choice, event.index, event.prompt_logprobs)
                 return base([choice])
             return base(

@@ -1,5 +1,5 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API, run by
-the chat-completions path.
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`:
+OpenAI's Responses API, run by the chat-completions path.
 
 The body is translated into a chat-completions request (`protocol.py`) and run by
 `OpenAIRoutes.chat_run` (one engine path: its chat template, tool calls and structured
@@ -23,6 +23,7 @@ from pagedserve.controlplane.frontend import StreamEvent, TextDelta
 from pagedserve.controlplane.openai.errors import error_body
 from pagedserve.controlplane.openai.routes import CLIENT_CLOSED_REQUEST, OpenAIRoutes
 from pagedserve.controlplane.openai.running import SseEvent, merged_events, named_sse, opened, single_answer
+from pagedserve.controlplane.responses.input_items import DEFAULT_LIMIT, input_items, page
 from pagedserve.controlplane.responses.protocol import MAX_ID_CHARS, ResponsesRequest, translate
 from pagedserve.controlplane.responses.render import (
     ResponseObject,
@@ -46,9 +47,15 @@ class ResponsesRoutes:
         route(PATH, self.create, methods=["POST"], response_model=None)
         route(PATH + "/{response_id}", self.retrieve, methods=["GET"])
         route(PATH + "/{response_id}", self.delete, methods=["DELETE"])
+        route(PATH + "/{response_id}/input_items", self.list_input_items, methods=["GET"])
 
     async def retrieve(self, response_id: str) -> dict[str, Any]:
         return self._stored(response_id, "response_id").response
+
+    async def list_input_items(
+        self, response_id: str, limit: int = DEFAULT_LIMIT, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        return page(self._stored(response_id, "response_id").input_items, limit, order, after)
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         self._stored(response_id, "response_id")
@@ -93,9 +100,8 @@ class ResponsesRoutes:
 
         def keep(out: dict[str, Any]) -> None:
             if body.store:
-                self.store.put(
-                    tenant, out["id"], out, [*translated.conversation, assistant_message(out["output"])]
-                )
+                conversation = [*translated.conversation, assistant_message(out["output"])]
+                self.store.put(tenant, out["id"], out, conversation, input_items(body.input))
 
         if body.stream:
             got = await opened(http, events)

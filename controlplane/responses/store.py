@@ -3,7 +3,8 @@
 
 Bounded three ways, whatever clients send: at most `max_entries` responses, at most
 `max_bytes` of them in all, each kept at most `ttl_s` after it was stored. An entry is kept as
-the UTF-8 bytes of its JSON (the response object and the conversation kept to continue it),
+the UTF-8 bytes of its JSON (the response object, the conversation kept to continue it and
+its input items),
 parsed again when read, so what it counts for (those bytes plus ENTRY_OVERHEAD for its keys and
 bookkeeping) bounds the memory it holds. A
 new entry first drops the expired ones, then the least recently used (stored or read) until it
@@ -47,14 +48,21 @@ class StoredResponse:
         """The chat messages that led to it, its own output last (for a request continuing it)."""
         return json.loads(self.blob)[1]
 
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """Its request's input items (input_items.py), as `GET .../input_items` lists them."""
+        return json.loads(self.blob)[2]
 
-def _blob(response: dict[str, Any], conversation: list[dict[str, Any]]) -> bytes:
-    return json.dumps([response, conversation], ensure_ascii=False).encode("utf-8", "replace")
+
+def _blob(response: dict[str, Any], conversation: list[dict[str, Any]], items: list[dict[str, Any]]) -> bytes:
+    return json.dumps([response, conversation, items], ensure_ascii=False).encode("utf-8", "replace")
 
 
-def entry_size(response: dict[str, Any], conversation: list[dict[str, Any]]) -> int:
+def entry_size(
+    response: dict[str, Any], conversation: list[dict[str, Any]], items: list[dict[str, Any]] | None = None
+) -> int:
     """The bytes an entry counts for."""
-    return len(_blob(response, conversation)) + ENTRY_OVERHEAD
+    return len(_blob(response, conversation, items or [])) + ENTRY_OVERHEAD
 
 
 class ResponseStore:
@@ -85,10 +93,12 @@ class ResponseStore:
         response_id: str,
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
+        items: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Store a response (replacing one of the same id), evicting expired then least
-        recently used entries until it fits; False (nothing stored) when it cannot fit at all."""
-        blob = _blob(response, conversation)
+        """Store a response (replacing one of the same id) with the conversation that continues
+        it and its input `items`, evicting expired then least recently used entries until it
+        fits; False (nothing stored) when it cannot fit at all."""
+        blob = _blob(response, conversation, items or [])
         size = len(blob) + ENTRY_OVERHEAD
         key = (tenant or "", response_id)
         self._drop(key)

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedserve.common.models import DEFAULT_MODEL
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig, engine_config
 from pagedserve.dataplane.engine.llm_engine import LLMEngine
@@ -17,6 +18,8 @@ from pagedserve.dataplane.request import PromptLogprob
 from pagedserve.dataplane.scheduler import Request
 
 Prompt = str | list[int]
+PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
+"""A pooling request's sampling parameters: never read (nothing is sampled) but by admission."""
 
 
 def complete_text(text: str) -> str:
@@ -135,6 +138,28 @@ class LLM:
         for r in requests:
             self.engine.release(r.request_id)
         return outputs
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """One embedding per prompt, in prompt order: each prompt computed (prefill only,
+        nothing sampled, its blocks freed at once) and its final hidden states pooled as
+        `pooling` says (default: the last token's, L2-normalised)."""
+        batch = self._as_prompt_list(prompts)
+        token_ids = [self.engine.tokenize(prompt) for prompt in batch]  # ValueError before any is queued
+        pooling = pooling if pooling is not None else PoolingParams()
+        requests: list[Request] = []
+        try:
+            for ids in token_ids:
+                requests.append(self.engine.add_request(ids, PROMPT_ONLY, pooling=pooling))
+        except ValueError:
+            for r in requests:
+                self.engine.abort_request(r.request_id)
+            raise
+        self._run(requests, use_tqdm=False)
+        for r in requests:
+            self.engine.release(r.request_id)
+        return [r.embedding or [] for r in requests]
 
     def chat(
         self,

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.common.log import StartupPhases, get_logger
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
@@ -118,8 +119,12 @@ class LLMEngine:
         priority: int = 0,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Validate, tokenize and queue one request; raises ValueError naming the bad field.
+
+        With `pooling` it is an embedding request (one sample, prompt-only): it ends once its
+        prompt is computed, its vector in `Request.embedding` (dataplane/runner/pooling.py).
 
         `priority` (lower runs first), `tenant` and its `tenant_weight` (its share of the batch
         among the tenants present) apply to every sample of the request.
@@ -152,6 +157,10 @@ class LLMEngine:
                 sample = replace(sample, prompt_logprobs=None)
             rid_i = sample_request_id(rid, i) if i else rid
             samples.append(self._new_request(rid_i, token_ids, sample, cache_salt, grammar, **tags))
+        if pooling is not None:
+            if len(samples) > 1 or grammar is not None:
+                raise ValueError("a pooling request has one sample and no constraint")
+            samples[0].pooling = pooling
         self.groups.add(samples)
         return samples[0]
 

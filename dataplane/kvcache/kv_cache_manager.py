@@ -138,8 +138,8 @@ class KVCacheManager:
         """The longest run of cached blocks that starts the request's tokens, as
         (block ids, tokens they hold).
 
-        No hits for a request asking for prompt logprobs: those need every prompt position
-        computed. Capped at `compute_end - 1` tokens (`num_tokens - 1` but for a sample whose first
+        No hits for a request asking for prompt logprobs (or mean / cls pooling): those need
+        every prompt position computed. Capped at `compute_end - 1` tokens (`num_tokens - 1` but for a sample whose first
         token was drawn before its prompt was computed: its prompt's) so at least one token is
         computed and yields logits: a last full block the cap cuts into is not a hit. Each hit is verified by
         its key (parent hash, tokens, extra keys), not just its hash. Changes nothing in the
@@ -147,9 +147,9 @@ class KVCacheManager:
         """
         if request.block_table:
             raise ValueError(f"{request} already holds blocks")
-        if request.sampling_params.prompt_logprobs is not None:
-            # Its prompt logprobs come from computing every prompt position (vLLM's choice);
-            # it still caches its blocks for others.
+        if request.computes_every_prompt_row:
+            # Its prompt logprobs (or mean / cls pooling) come from computing every prompt
+            # position (vLLM's choice); it still caches its blocks for others.
             return [], 0
         hit = self._cached_prefix(request, (request.compute_end - 1) // self.block_size)
         return hit, len(hit) * self.block_size
@@ -171,7 +171,7 @@ class KVCacheManager:
         """How many of the running request's leading blocks are cached and also held by another
         request: they would survive its preemption, so a recompute would find them (at most
         the blocks `get_computed_blocks` may return)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.computes_every_prompt_row:
             return 0
         limit = min(len(request.block_table), (request.compute_end - 1) // self.block_size)
         n = 0

@@ -17,6 +17,7 @@ from pagedserve.dataplane.models import CausalLM, PagedStep
 from pagedserve.dataplane.runner.cpu_linear import onednn_linear_available, pack_linears
 from pagedserve.dataplane.runner.kv_scales import KVScales
 from pagedserve.dataplane.runner.linear_selection import ShapeChoice, select_linears
+from pagedserve.dataplane.runner.pooling import PoolRows, add_pooled, pool_rows
 from pagedserve.dataplane.runner.prompt_logprobs import PromptRows, add_prompt_logprobs, prompt_rows
 from pagedserve.dataplane.runner.quant_linear import int8_activations, pack_quant_linears
 from pagedserve.dataplane.runner.sampler import SampledToken, SamplerWork, accept_drafts, sample
@@ -216,7 +217,8 @@ class ModelRunner:
     ) -> dict[str, SampledToken]:
         """Compute the scheduled tokens of every request; return the sampled token per request
         whose computed tokens reach its total this step. Requests asking for prompt logprobs
-        get those of the prompt tokens this step's rows predict (`prompt_logprobs`).
+        get those of the prompt tokens this step's rows predict (`prompt_logprobs`); pooling
+        requests fold their rows into their embedding (`pooling`) and sample nothing.
 
         `riders`: scheduled request id -> requests not in the step whose next token is drawn
         from that request's logits row too (the other samples of its prompt, first tokens:
@@ -228,12 +230,11 @@ class ModelRunner:
         inputs = StepInputs([], [], [], [], [])
         sample_rows: list[int] = []
         scored: list[PromptRows] = []  # rows whose prompt logprobs are asked for
+        pooled: list[PoolRows] = []  # pooling requests' rows
         for item in out.scheduled:
             r = item.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + item.num_new_tokens
-            wanted = prompt_rows(r, len(inputs.input_ids), start, end)
-            if wanted is not None:
-                scored.append(wanted)
+            _note_prompt_rows(r, len(inputs.input_ids), start, end, scored, pooled)
             inputs.input_ids.extend(r.all_token_ids[start:end])
             inputs.input_ids.extend(item.spec_token_ids)  # (drafts: past the known tokens)
             inputs.positions.extend(range(start, end))
@@ -258,8 +259,7 @@ class ModelRunner:
         ]
         filled = self._start_mask_fill(constrained) if constrained else None  # overlaps the forward
         hidden = self._forward(inputs)
-        if scored:
-            add_prompt_logprobs(hidden, scored, self.model.compute_logits)
+        self._read_prompt_rows(hidden, scored, pooled)
         if not sample_rows:
             return {}
         index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
@@ -294,6 +294,15 @@ class ModelRunner:
                 accept_drafts(s.spec_token_ids, run) if s.spec_token_ids else run[0]
             )
         return result
+
+    def _read_prompt_rows(
+        self, hidden: torch.Tensor, scored: list[PromptRows], pooled: list[PoolRows]
+    ) -> None:
+        """After the forward: the prompt logprobs and pooled rows the step's requests asked for."""
+        if scored:
+            add_prompt_logprobs(hidden, scored, self.model.compute_logits)
+        if pooled:
+            add_pooled(hidden, pooled)
 
     @torch.inference_mode()
     def draw(self, row: torch.Tensor, requests: Sequence[Request]) -> dict[str, SampledToken]:
@@ -391,3 +400,16 @@ class ModelRunner:
         step = PagedStep(meta, self.kv_caches, self.backends, kv_scales=self.kv_scales)
         hidden: torch.Tensor = self.model(ids, pos, step)
         return hidden
+
+
+def _note_prompt_rows(
+    request: Request, first_row: int, start: int, end: int, scored: list[PromptRows], pooled: list[PoolRows]
+) -> None:
+    """Before the forward: the rows of `request`'s positions [start, end) (from flattened row
+    `first_row`) that score prompt logprobs or feed its pooling, if it asks for either."""
+    wanted = prompt_rows(request, first_row, start, end)
+    if wanted is not None:
+        scored.append(wanted)
+    rows = pool_rows(request, first_row, start, end)
+    if rows is not None:
+        pooled.append(rows)

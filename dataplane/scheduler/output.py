@@ -19,9 +19,12 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is sampled."""
+        """True when this step computes the request's last known token, so a new one is sampled
+        (never for a pooling request: it ends with its prompt, nothing sampled)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(self.spec_token_ids)
+        return r.pooling is None and r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(
+            self.spec_token_ids
+        )
 
 
 @dataclass

@@ -136,6 +136,7 @@ class Scheduler:
             self.kv_cache.block_size,
             self.kv_cache.num_total_blocks,
             self.max_model_len,
+            prompt_only=request.pooling is not None,
         )
         if refused is not None:
             raise ValueError(refused)
@@ -431,6 +432,9 @@ class Scheduler:
                 request.first_chunk_end = None  # its prompt is computed: from here on as any sample
             if not run:
                 self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+                if request.pooling is not None and request.num_computed_tokens == request.num_tokens:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)  # its prompt is pooled
+                    finished.append(request)
                 continue
             if request.num_computed_tokens != request.num_tokens + len(run) - 1:
                 raise RuntimeError(f"token sampled for {request} before its computed tokens caught up")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedserve.common.constraints import Constraint
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult
 from pagedserve.dataplane.kvcache import BlockHash, KVEventRecord
@@ -38,6 +39,7 @@ class Engine(Protocol):
         priority: int = 0,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        pooling: PoolingParams | None = None,
     ) -> Request: ...
 
     def grammars(self) -> GrammarCompiler:
@@ -79,5 +81,6 @@ class DataPlaneIdentity:
     vocab_size: int
 
     def to_proto(self) -> dataplane_pb2.DataPlaneInfo:
-        # abort_sample: this loop honours AbortCommand.index (the control plane checks it).
-        return dataplane_pb2.DataPlaneInfo(**self.__dict__, abort_sample=True)
+        # abort_sample: this loop honours AbortCommand.index; pooling: it runs
+        # SubmitCommand.pooling (the control plane checks both).
+        return dataplane_pb2.DataPlaneInfo(**self.__dict__, abort_sample=True, pooling=True)

@@ -38,7 +38,7 @@ from pagedserve.dataplane.server.metrics import (
     kernel_info,
     priority_preemptions,
 )
-from pagedserve.dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto
+from pagedserve.dataplane.server.protocol import kv_event_to_proto, pool_stats_to_proto, pooling_of
 from pagedserve.dataplane.server.streams import Sink, StreamMux
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
@@ -357,8 +357,9 @@ class EngineLoop:
                 priority=command.priority,
                 tenant=command.tenant,
                 tenant_weight=wire_weight(command.tenant_weight),
+                pooling=pooling_of(command),
             )
-        except ValueError as exc:  # a request the scheduler can never run
+        except ValueError as exc:  # a request the scheduler can never run (or bad pooling)
             self._deadlines.discard(key)
             self._reject(key, "INVALID_ARGUMENT", str(exc))
             return

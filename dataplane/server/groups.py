@@ -217,4 +217,5 @@ def request_finished(sample: SampleId, request: Request) -> dataplane_pb2.Reques
         time_to_first_token_seconds=(first - request.arrival_time) if first else 0.0,
         e2e_seconds=end - request.arrival_time,
         num_preemptions=request.num_preemptions,
+        embedding=request.embedding or (),
     )

@@ -3,11 +3,18 @@ Imports no torch."""
 
 from __future__ import annotations
 
-from pagedserve.common.protocol import FINISH_REASON_BY_NAME
+from pagedserve.common.pooling_params import PoolingParams
+from pagedserve.common.protocol import FINISH_REASON_BY_NAME, pooling_params_from_proto
 from pagedserve.dataplane.engine.outputs import EngineStats
 from pagedserve.dataplane.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord
 from pagedserve.dataplane.request import RequestStatus
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
+
+
+def pooling_of(command: dataplane_pb2.SubmitCommand) -> PoolingParams | None:
+    """A submit's pooling parameters when it is a pooling request; raises InvalidField (a
+    ValueError) for an unknown pooling type."""
+    return pooling_params_from_proto(command.pooling) if command.HasField("pooling") else None
 
 
 def finish_reason_to_proto(status: RequestStatus) -> common_pb2.FinishReason.ValueType:

@@ -16,9 +16,12 @@ def max_total_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) ->
     return min(prompt_tokens + max_tokens, max_model_len)
 
 
-def prompt_too_long(prompt_tokens: int, max_model_len: int) -> str | None:
-    """Why a prompt can never run in a context of `max_model_len`, or None if it can."""
-    if prompt_tokens >= max_model_len:
+def prompt_too_long(prompt_tokens: int, max_model_len: int, prompt_only: bool = False) -> str | None:
+    """Why a prompt can never run in a context of `max_model_len`, or None if it can.
+    `prompt_only` (a pooling request): it generates nothing, so it may fill the context."""
+    if prompt_only and prompt_tokens > max_model_len:
+        return f"prompt has {prompt_tokens} tokens, but max_model_len is {max_model_len}"
+    if not prompt_only and prompt_tokens >= max_model_len:
         return (
             f"prompt has {prompt_tokens} tokens, but max_model_len is {max_model_len} "
             "(the prompt must leave room for at least one generated token)"
@@ -44,17 +47,24 @@ def beyond_context(
 
 
 def refusal(
-    prompt_tokens: int, max_tokens: int, block_size: int, num_blocks: int, max_model_len: int
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    prompt_only: bool = False,
 ) -> str | None:
     """Why a request can never run on a data plane with these limits, or None if it can.
 
     Per sample: a request's samples each hold their own blocks and a data plane runs them one
     after another when its pool is short, so more samples only ever wait longer.
     """
-    too_long = prompt_too_long(prompt_tokens, max_model_len)
+    too_long = prompt_too_long(prompt_tokens, max_model_len, prompt_only)
     if too_long is not None:
         return too_long
-    need = cdiv(max_total_tokens(prompt_tokens, max_tokens, max_model_len), block_size)
+    total = prompt_tokens if prompt_only else max_total_tokens(prompt_tokens, max_tokens, max_model_len)
+    need = cdiv(total, block_size)
     if need > num_blocks:
         return (
             f"prompt plus max_tokens needs {need} KV blocks but the whole pool has only {num_blocks}; "

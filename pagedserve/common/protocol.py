@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 
 from pagedserve.common.constraints import Constraint
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS_TOKEN_IDS,
@@ -250,3 +251,29 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     if params.constraint is not None:
         _set_constraint(msg, params.constraint)
     return msg
+
+
+_POOLING_TYPES = {
+    common_pb2.PoolingParams.POOLING_TYPE_UNSPECIFIED: "last",
+    common_pb2.PoolingParams.POOLING_TYPE_LAST: "last",
+    common_pb2.PoolingParams.POOLING_TYPE_MEAN: "mean",
+    common_pb2.PoolingParams.POOLING_TYPE_CLS: "cls",
+}
+_POOLING_TYPE_BY_NAME = {"last": common_pb2.PoolingParams.POOLING_TYPE_LAST} | {
+    name: value for value, name in _POOLING_TYPES.items() if name != "last"
+}
+
+
+def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """The PoolingParams a wire message asks for (unset fields: the defaults); an unknown
+    pooling type raises InvalidField("pooling_type")."""
+    name = _POOLING_TYPES.get(msg.pooling_type)
+    if name is None:
+        raise InvalidField("pooling_type", f"is not a known pooling type, got {msg.pooling_type}")
+    return PoolingParams(name, msg.normalize if msg.HasField("normalize") else True)
+
+
+def pooling_params_to_proto(params: PoolingParams) -> common_pb2.PoolingParams:
+    return common_pb2.PoolingParams(
+        pooling_type=_POOLING_TYPE_BY_NAME[params.pooling_type], normalize=params.normalize
+    )

@@ -85,8 +85,9 @@ class FakeEngine:
         priority: int = 0,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        pooling: Any = None,
     ) -> Request:
-        assert request_id is not None and request_id not in self.groups
+        assert request_id is not None and request_id not in self.groups and pooling is None
         assert (grammar is None) == (params.constraint is None)
         self.grammar_of[request_id] = grammar
         if len(prompt) > 8:

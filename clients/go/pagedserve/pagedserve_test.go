@@ -179,3 +179,26 @@ func TestRetryDelays(t *testing.T) {
 		t.Error("NoRetry retried")
 	}
 }
+
+func TestEmbedAndSamplingExtraHelpers(t *testing.T) {
+	req, err := EmbedRequest("mean", false, TextInput("hi"), TokenInput([]uint32{1, 2}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req.Pooling.PoolingType != pb.PoolingParams_POOLING_TYPE_MEAN || req.Pooling.GetNormalize() {
+		t.Errorf("pooling: %v", req.Pooling)
+	}
+	if req.Inputs[0].GetText() != "hi" || len(req.Inputs[1].GetTokenIds().GetIds()) != 2 {
+		t.Errorf("inputs: %v", req.Inputs)
+	}
+	if def, _ := EmbedRequest("", true); def.Pooling.PoolingType != pb.PoolingParams_POOLING_TYPE_UNSPECIFIED {
+		t.Errorf("default pooling: %v", def.Pooling)
+	}
+	if _, err := EmbedRequest("max", true); err == nil {
+		t.Error("EmbedRequest accepted pooling max")
+	}
+	params := WithTruncatePromptTokens(WithPromptLogprobs(WithMinTokens(Greedy(8), 2), 3), 100)
+	if params.GetMinTokens() != 2 || params.GetPromptLogprobs() != 3 || params.GetTruncatePromptTokens() != 100 {
+		t.Errorf("sampling extras: %v", params)
+	}
+}

@@ -30,6 +30,12 @@ type GenerationServiceClient interface {
 	Detokenize(ctx context.Context, in *DetokenizeRequest, opts ...grpc.CallOption) (*DetokenizeResponse, error)
 	// The model names this server answers to and the served model's limits.
 	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
+	// One embedding per input: each input's prompt is computed (prefill only, nothing
+	// generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+	// inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+	// (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+	// for Generate.
+	Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error)
 }
 
 type generationServiceClient struct {
@@ -99,6 +105,15 @@ func (c *generationServiceClient) ListModels(ctx context.Context, in *ListModels
 	return out, nil
 }
 
+func (c *generationServiceClient) Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error) {
+	out := new(EmbedResponse)
+	err := c.cc.Invoke(ctx, "/pagedserve.v1.GenerationService/Embed", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GenerationServiceServer is the server API for GenerationService service.
 // All implementations must embed UnimplementedGenerationServiceServer
 // for forward compatibility
@@ -116,6 +131,12 @@ type GenerationServiceServer interface {
 	Detokenize(context.Context, *DetokenizeRequest) (*DetokenizeResponse, error)
 	// The model names this server answers to and the served model's limits.
 	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
+	// One embedding per input: each input's prompt is computed (prefill only, nothing
+	// generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+	// inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+	// (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+	// for Generate.
+	Embed(context.Context, *EmbedRequest) (*EmbedResponse, error)
 	mustEmbedUnimplementedGenerationServiceServer()
 }
 
@@ -134,6 +155,9 @@ func (UnimplementedGenerationServiceServer) Detokenize(context.Context, *Detoken
 }
 func (UnimplementedGenerationServiceServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListModels not implemented")
+}
+func (UnimplementedGenerationServiceServer) Embed(context.Context, *EmbedRequest) (*EmbedResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Embed not implemented")
 }
 func (UnimplementedGenerationServiceServer) mustEmbedUnimplementedGenerationServiceServer() {}
 
@@ -223,6 +247,24 @@ func _GenerationService_ListModels_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _GenerationService_Embed_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(EmbedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServiceServer).Embed(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/pagedserve.v1.GenerationService/Embed",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServiceServer).Embed(ctx, req.(*EmbedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _GenerationService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "pagedserve.v1.GenerationService",
 	HandlerType: (*GenerationServiceServer)(nil),
@@ -238,6 +280,10 @@ var _GenerationService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListModels",
 			Handler:    _GenerationService_ListModels_Handler,
+		},
+		{
+			MethodName: "Embed",
+			Handler:    _GenerationService_Embed_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -462,3 +462,60 @@ class PromptTokenLogprob(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PromptTokenLogprob: _TypeAlias = PromptTokenLogprob  # noqa: Y015
+
+@_typing.final
+class PoolingParams(_message.Message):
+    """How an embedding is made from a prompt's final-layer hidden states (after the model's final
+    norm): which positions are pooled, and whether the vector is L2-normalised.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _PoolingType:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _PoolingTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[PoolingParams._PoolingType.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        POOLING_TYPE_UNSPECIFIED: PoolingParams._PoolingType.ValueType  # 0
+        """Unset: the last token (decoder embedding models)."""
+        POOLING_TYPE_LAST: PoolingParams._PoolingType.ValueType  # 1
+        """The last prompt token's hidden state."""
+        POOLING_TYPE_MEAN: PoolingParams._PoolingType.ValueType  # 2
+        """The mean over every prompt token's hidden state."""
+        POOLING_TYPE_CLS: PoolingParams._PoolingType.ValueType  # 3
+        """The first prompt token's hidden state."""
+
+    class PoolingType(_PoolingType, metaclass=_PoolingTypeEnumTypeWrapper):
+        """Which positions of the prompt make the embedding."""
+
+    POOLING_TYPE_UNSPECIFIED: PoolingParams.PoolingType.ValueType  # 0
+    """Unset: the last token (decoder embedding models)."""
+    POOLING_TYPE_LAST: PoolingParams.PoolingType.ValueType  # 1
+    """The last prompt token's hidden state."""
+    POOLING_TYPE_MEAN: PoolingParams.PoolingType.ValueType  # 2
+    """The mean over every prompt token's hidden state."""
+    POOLING_TYPE_CLS: PoolingParams.PoolingType.ValueType  # 3
+    """The first prompt token's hidden state."""
+
+    POOLING_TYPE_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    pooling_type: Global___PoolingParams.PoolingType.ValueType
+    """Which positions are pooled; unset: the last token."""
+    normalize: _builtins.bool
+    """Whether the vector is scaled to unit L2 norm; unset: true."""
+    def __init__(
+        self,
+        *,
+        pooling_type: Global___PoolingParams.PoolingType.ValueType = ...,
+        normalize: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize", "pooling_type", b"pooling_type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
+    _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+
+Global___PoolingParams: _TypeAlias = PoolingParams  # noqa: Y015

@@ -78,6 +78,7 @@ class SubmitCommand(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     TENANT_WEIGHT_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique within the stream."""
     cache_salt: _builtins.str
@@ -113,6 +114,14 @@ class SubmitCommand(_message.Message):
     def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """W3C trace context (`traceparent`, `tracestate`) of the control plane's request span."""
 
+    @_builtins.property
+    def pooling(self) -> _common_pb2.PoolingParams:
+        """Set: a pooling (embedding) request. Its prompt is computed (no token is sampled, no
+        TokenDelta is sent; sampling_params are read only for admission), its hidden states pooled
+        and its blocks freed; RequestFinished carries the vector. Send it only to a data plane
+        whose DataPlaneInfo.pooling is true (an older one would generate instead).
+        """
+
     def __init__(
         self,
         *,
@@ -125,10 +134,11 @@ class SubmitCommand(_message.Message):
         priority: _builtins.int = ...,
         tenant: _builtins.str = ...,
         tenant_weight: _builtins.float = ...,
+        pooling: _common_pb2.PoolingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pooling", b"pooling", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "tenant", b"tenant", "tenant_weight", b"tenant_weight", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "pooling", b"pooling", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "tenant", b"tenant", "tenant_weight", b"tenant_weight", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,6 +271,7 @@ class RequestFinished(_message.Message):
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
     E2E_SECONDS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    EMBEDDING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     index: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -270,6 +281,10 @@ class RequestFinished(_message.Message):
     num_preemptions: _builtins.int
     @_builtins.property
     def usage(self) -> _common_pb2.Usage: ...
+    @_builtins.property
+    def embedding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """A pooling request's embedding (SubmitCommand.pooling), fp32; empty otherwise."""
+
     def __init__(
         self,
         *,
@@ -280,10 +295,11 @@ class RequestFinished(_message.Message):
         time_to_first_token_seconds: _builtins.float = ...,
         e2e_seconds: _builtins.float = ...,
         num_preemptions: _builtins.int = ...,
+        embedding: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["e2e_seconds", b"e2e_seconds", "finish_reason", b"finish_reason", "index", b"index", "num_preemptions", b"num_preemptions", "request_id", b"request_id", "time_to_first_token_seconds", b"time_to_first_token_seconds", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["e2e_seconds", b"e2e_seconds", "embedding", b"embedding", "finish_reason", b"finish_reason", "index", b"index", "num_preemptions", b"num_preemptions", "request_id", b"request_id", "time_to_first_token_seconds", b"time_to_first_token_seconds", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -417,6 +433,7 @@ class DataPlaneInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     ABORT_SAMPLE_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
     dataplane_id: _builtins.str
     model: _builtins.str
     block_size: _builtins.int
@@ -429,6 +446,8 @@ class DataPlaneInfo(_message.Message):
     vocab_size: _builtins.int
     abort_sample: _builtins.bool
     """It honours AbortCommand.index (aborts one sample of a request, not the whole request)."""
+    pooling: _builtins.bool
+    """It runs pooling requests (SubmitCommand.pooling)."""
     def __init__(
         self,
         *,
@@ -443,10 +462,11 @@ class DataPlaneInfo(_message.Message):
         kv_cache_dtype: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
         abort_sample: _builtins.bool = ...,
+        pooling: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_sample", b"abort_sample", "block_size", b"block_size", "dataplane_id", b"dataplane_id", "enable_prefix_caching", b"enable_prefix_caching", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "num_blocks", b"num_blocks", "prefix_hash_seed", b"prefix_hash_seed", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_sample", b"abort_sample", "block_size", b"block_size", "dataplane_id", b"dataplane_id", "enable_prefix_caching", b"enable_prefix_caching", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "num_blocks", b"num_blocks", "pooling", b"pooling", "prefix_hash_seed", b"prefix_hash_seed", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

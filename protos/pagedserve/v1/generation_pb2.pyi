@@ -654,3 +654,147 @@ class ListModelsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class EmbedInput(_message.Message):
+    """One input of an Embed call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Plain text, tokenized by the server (no special tokens added)."""
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, used as they are."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EmbedInput: _TypeAlias = EmbedInput  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """Asks for the embeddings of a batch of inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Optional; the server assigns one when empty. Echoed in the response. At most 256 characters."""
+    model: _builtins.str
+    """Optional; must name the served model when set."""
+    priority: _builtins.int
+    """Scheduling priority, as GenerateRequest.priority."""
+    truncate_prompt_tokens: _builtins.int
+    """Optional: keep only each input's last this many tokens (vLLM's truncate_prompt_tokens)."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
+        """1 to 256 inputs; the response has one embedding per input, in order."""
+
+    @_builtins.property
+    def pooling(self) -> _common_pb2.PoolingParams:
+        """How each embedding is pooled; unset: the last token, L2-normalised."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbedInput] | None = ...,
+        pooling: _common_pb2.PoolingParams | None = ...,
+        priority: _builtins.int = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "pooling", b"pooling", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "inputs", b"inputs", "model", b"model", "pooling", b"pooling", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """One input's embedding."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The input's position in EmbedRequest.inputs."""
+    prompt_tokens: _builtins.int
+    """The input's token count."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The pooled vector (the model's hidden size), fp32."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "prompt_tokens", b"prompt_tokens", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """The embeddings of an Embed call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id (the client's, or the one the server assigned)."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One per input, in input order."""
+
+    @_builtins.property
+    def usage(self) -> _common_pb2.Usage:
+        """Token counts of all inputs together (completion_tokens is 0)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        usage: _common_pb2.Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015

@@ -59,6 +59,11 @@ class GenerationServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.GenerationService/Embed',
+                request_serializer=pagedserve_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -102,6 +107,17 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding per input: each input's prompt is computed (prefill only, nothing
+        generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+        inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+        (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+        for Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +140,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pagedserve_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -239,6 +260,33 @@ class GenerationService:
             '/pagedserve.v1.GenerationService/ListModels',
             pagedserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
             pagedserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.GenerationService/Embed',
+            pagedserve_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,13 @@ class GenerationServiceStub:
     """The text of a list of token ids (special tokens skipped)."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]
     """The model names this server answers to and the served model's limits."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_generation_pb2.EmbedRequest, _generation_pb2.EmbedResponse]
+    """One embedding per input: each input's prompt is computed (prefill only, nothing
+    generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+    inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+    (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+    for Generate.
+    """
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
@@ -79,6 +86,13 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """The text of a list of token ids (special tokens skipped)."""
     ListModels: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The model names this server answers to and the served model's limits."""
+    Embed: _aio.UnaryUnaryMultiCallable[_generation_pb2.EmbedRequest, _generation_pb2.EmbedResponse]  # type: ignore[assignment]
+    """One embedding per input: each input's prompt is computed (prefill only, nothing
+    generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+    inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+    (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+    for Generate.
+    """
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     """The public API of the control plane. Every call may carry `authorization: Bearer <key>`
@@ -126,5 +140,18 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.ListModelsResponse, _abc.Awaitable[_generation_pb2.ListModelsResponse]]:
         """The model names this server answers to and the served model's limits."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _generation_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.EmbedResponse, _abc.Awaitable[_generation_pb2.EmbedResponse]]:
+        """One embedding per input: each input's prompt is computed (prefill only, nothing
+        generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+        inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+        (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+        for Generate.
+        """
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

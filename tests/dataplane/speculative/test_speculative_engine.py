@@ -107,7 +107,7 @@ def test_n_samples_and_a_stop_inside_an_accepted_run(tiny: Path) -> None:
     # A stop id that shows up mid-output ends every request exactly where it would without drafts.
     stops = [r.outputs[0].token_ids[7] for r in plain]
     for prompt, stop, want in zip(prompts(), stops, plain, strict=True):
-        p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+        p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
         got = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
         cut = want.outputs[0].token_ids.index(stop) + 1
         assert got.token_ids == want.outputs[0].token_ids[:cut]

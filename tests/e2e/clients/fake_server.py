@@ -71,6 +71,12 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         assert isinstance(code, grpc.StatusCode)
         context.abort(code, str(step[2]))
 
+    def Embed(
+        self, request: generation_pb2.EmbedRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.EmbedResponse:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake server generates only")
+        raise AssertionError("unreachable")
+
     def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generation_pb2.GenerateResponse]:

@@ -47,6 +47,7 @@ from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.server import ControlPlane
 from tests.e2e.certs import Pki, make_pki
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
+from tests.e2e.hardening.tiny_served import make_tiny_served_model
 from tests.e2e.harness import REPO, ServerThread, engine_config, start_controlplane
 
 REQUIRED = os.environ.get("PAGEDSERVE_REQUIRE_CLIENTS") == "1"
@@ -430,3 +431,46 @@ def test_the_retry_policy_matches_the_python_clients(example: Example, fake: Fak
             )
         if scenario.startswith("exhausted-") and done.returncode:
             assert "error: RESOURCE_EXHAUSTED: admission queue is full" in done.stderr
+
+
+# -- embeddings and the sampling extras' flags, on a tiny model -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    model = make_tiny_served_model(tmp_path_factory.mktemp("tiny") / "llama")
+    srv = ServerThread(engine_config(model, num_blocks=64, max_model_len=256, block_size=4), model)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("language", ["go", "java"])
+def test_embed_and_sampling_extra_flags(
+    language: str, request: pytest.FixtureRequest, tiny_server: ServerThread
+) -> None:
+    """--embed prints the Python client's vector (the Embed RPC, --pooling); --min-tokens and
+    --truncate-prompt-tokens reach the server (a bad one gets its INVALID_ARGUMENT)."""
+    prompt = "Hello world, the capital of France is Paris."
+    with GenerationClient(tiny_server.grpc_address, timeout=60) as client:
+        (expected,) = client.embed(prompt, pooling="mean")
+        (greedy,) = client.generate(
+            prompt, max_tokens=4, temperature=0.0, min_tokens=4, truncate_prompt_tokens=3
+        )
+    generate = request.getfixturevalue(f"{language}_bin") / "pagedserve-generate"
+    example = Example(language, [str(generate)], JAVA_ENV)
+    address = ["--address", tiny_server.grpc_address]
+    embedded, bad_pooling, extras, bad_min = example.run_all(
+        [
+            [*address, "--embed", "--pooling", "mean", prompt],
+            [*address, "--embed", "--pooling", "max", prompt],
+            [*address, "--max-tokens", "4", "--min-tokens", "4", "--truncate-prompt-tokens", "3", prompt],
+            [*address, "--max-tokens", "2", "--min-tokens", "3", prompt],
+        ]
+    )
+    assert embedded.returncode == 0, embedded.stderr
+    assert json.loads(embedded.stdout) == pytest.approx(expected, abs=1e-6)
+    assert bad_pooling.returncode == 2 and "pooling must be last, mean or cls" in bad_pooling.stderr
+    assert extras.returncode == 0, extras.stderr
+    assert extras.stdout == greedy.text + "\n"
+    assert bad_min.returncode == 1 and "sampling_params.min_tokens" in bad_min.stderr, bad_min.stderr
+    tiny_server.wait_idle()

@@ -5,7 +5,8 @@ random-weight model with a byte-level BPE tokenizer and a chat template. Hypothe
 JSON bodies (valid ones, valid ones with fields made hostile: wrong types, huge, negative,
 float, NaN and infinite numbers, lone surrogates, nested junk, unknown and unsupported fields,
 duplicate keys, raw UTF-8), the same for Anthropic's /v1/messages and the Responses API
-(`fuzz_agents.py`, errors in each API's own shape), raw bodies that do not parse, routes, methods and query strings,
+(`fuzz_agents.py`, errors in each API's own shape), /v1/embeddings and the Embed RPC
+(`fuzz_embeddings.py`), raw bodies that do not parse, routes, methods and query strings,
 headers (Authorization variants, content types, trace context); and gRPC messages with values
 within and beyond the limits, random and mutated payload bytes through a raw method call, raw
 wire encodings no typed client can produce, and metadata variants. Some clients hang up
@@ -43,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2
 from tests.e2e.hardening import fuzz_agents as fa
 from tests.e2e.hardening import fuzz_cases as fc
+from tests.e2e.hardening import fuzz_embeddings as fe
 from tests.e2e.hardening.tiny_served import make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config
 
@@ -53,6 +55,8 @@ DEFAULT_EXAMPLES = {
     "chat": 200,
     "tokenizer_routes": 60,
     "agents": 160,  # /v1/messages and /v1/responses (fuzz_agents.py)
+    "embeddings": 60,  # /v1/embeddings (fuzz_embeddings.py)
+    "grpc_embed": 40,
     "raw_bodies": 80,
     "routes": 80,
     "headers": 100,
@@ -251,6 +255,14 @@ def test_fuzz_agents(client: fc.Client, tally: Tally, served: str, settle: None,
     tally.count("agents", f"http {outcome}", answer.seconds if answer else 0.0, case)
 
 
+@fuzz("embeddings")
+@given(data=st.data())
+def test_fuzz_embeddings(
+    client: fc.Client, tally: Tally, served: str, settle: None, data: st.DataObject
+) -> None:
+    run_http(client, tally, "embeddings", data.draw(fe.embeddings_case(served)))
+
+
 @fuzz("raw_bodies")
 @given(case=fc.http_raw_case())
 def test_fuzz_raw_bodies(client: fc.Client, tally: Tally, settle: None, case: fc.HttpCase) -> None:
@@ -297,6 +309,14 @@ def test_fuzz_grpc_small_rpcs(
     client: fc.Client, tally: Tally, served: str, settle: None, data: st.DataObject
 ) -> None:
     run_grpc(client, tally, "grpc_small_rpcs", data.draw(fc.grpc_small_rpc_case(served)))
+
+
+@fuzz("grpc_embed")
+@given(data=st.data())
+def test_fuzz_grpc_embed(
+    client: fc.Client, tally: Tally, served: str, settle: None, data: st.DataObject
+) -> None:
+    run_grpc(client, tally, "grpc_embed", data.draw(fe.grpc_embed_case(served)))
 
 
 @fuzz("grpc_wire")

@@ -157,7 +157,6 @@ def post(server: ServerThread, path: str, body: dict[str, Any]) -> tuple[int, di
         ("/v1/completions", {"echo": 1, "max_tokens": 1}, "echo"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"echo": False, "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"echo": True, "stream": True}, "echo"),
         ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/completions", {"prompt_logprobs": True}, "prompt_logprobs"),
@@ -265,3 +264,33 @@ def test_echo_with_n_samples_gives_every_choice_its_prompt(
             reference_logprobs(prompt, logprobs), abs=1e-4
         )
     assert out.usage is not None and out.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_streamed_echo_assembles_to_the_unstreamed_answer(client: openai.OpenAI, max_tokens: int) -> None:
+    """vLLM's streamed echo: each choice's first chunk leads with its prompt (and, with
+    logprobs, the prompt's tokens first); the chunks join to the unstreamed choice."""
+    kwargs: dict[str, Any] = {
+        "model": "llama",
+        "prompt": [PROMPT, "Two"],
+        "echo": True,
+        "max_tokens": max_tokens,
+    }
+    kwargs |= {"temperature": 0, "logprobs": 1, "n": 2}
+    whole = client.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    token_logprobs: dict[int, list[float | None]] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.logprobs is not None:
+                tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens or [])
+                token_logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs or [])
+    assert sorted(texts) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert texts[choice.index].startswith(PROMPT if choice.index < 2 else "Two")
+        assert choice.logprobs is not None
+        assert tokens[choice.index] == choice.logprobs.tokens
+        assert token_logprobs[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)

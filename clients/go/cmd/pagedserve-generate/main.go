@@ -169,6 +169,10 @@ func run() int {
 		`{"name", "description", "parameters"}, or @FILE`)
 	toolChoice := flag.String("tool-choice", "", "none, auto, required or function:NAME (needs --chat; default: auto with tools)")
 	noParallel := flag.Bool("no-parallel-tool-calls", false, "at most one tool call per completion (needs --chat)")
+	minTokens := flag.Uint("min-tokens", 0, "generate at least this many tokens before EOS or a stop id may end it")
+	truncate := flag.Uint("truncate-prompt-tokens", 0, "keep only the prompt's last N tokens (0: all)")
+	embed := flag.Bool("embed", false, "print the prompt's embedding (the Embed RPC) as a JSON array instead of generating")
+	pooling := flag.String("pooling", "", "with --embed: last (default), mean or cls")
 	flag.Usage = func() {
 		fmt.Fprintf(flag.CommandLine.Output(), "usage: %s [flags] PROMPT (- reads it from stdin)\n", os.Args[0])
 		flag.PrintDefaults()
@@ -207,6 +211,12 @@ func run() int {
 	}
 
 	params := pagedserve.Sampled(uint32(*maxTokens), float32(*temperature))
+	if set["min-tokens"] {
+		pagedserve.WithMinTokens(params, uint32(*minTokens))
+	}
+	if set["truncate-prompt-tokens"] {
+		pagedserve.WithTruncatePromptTokens(params, uint32(*truncate))
+	}
 	if err := constrain(params, set, *jsonSchema, *regex, *grammar, choices); err != nil {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		return 2
@@ -228,6 +238,9 @@ func run() int {
 	}
 	defer client.Close()
 
+	if *embed {
+		return printEmbedding(ctx, client, prompt, *model, *pooling)
+	}
 	req := pagedserve.TextRequest(prompt, params)
 	if *chat {
 		req = pagedserve.ChatRequest([]*pb.ChatMessage{pagedserve.User(prompt)}, params)
@@ -268,5 +281,26 @@ func run() int {
 			c.FinishReasonName(), c.Usage.GetPromptTokens(), c.Usage.GetCachedTokens(),
 			c.Usage.GetCompletionTokens(), c.Timings.GetTimeToFirstTokenSeconds()*1000, c.Timings.GetE2ESeconds())
 	}
+	return 0
+}
+
+// printEmbedding prints the prompt's embedding as one JSON array line (--embed).
+func printEmbedding(ctx context.Context, client *pagedserve.Client, prompt, model, pooling string) int {
+	req, err := pagedserve.EmbedRequest(pooling, true, pagedserve.TextInput(prompt))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		return 2
+	}
+	req.Model = model
+	vectors, tokens, err := client.Embed(ctx, req)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", pagedserve.Describe(err))
+		return 1
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(vectors[0]); err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		return 1
+	}
+	fmt.Fprintf(os.Stderr, "[%d prompt tokens, %d dimensions]\n", tokens, len(vectors[0]))
 	return 0
 }

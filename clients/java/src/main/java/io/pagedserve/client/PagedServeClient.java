@@ -16,14 +16,20 @@ import io.pagedserve.v1.ChatMessage;
 import io.pagedserve.v1.ChatMessages;
 import io.pagedserve.v1.Choices;
 import io.pagedserve.v1.DetokenizeRequest;
+import io.pagedserve.v1.EmbedInput;
+import io.pagedserve.v1.EmbedRequest;
+import io.pagedserve.v1.EmbedResponse;
+import io.pagedserve.v1.Embedding;
 import io.pagedserve.v1.GenerateComplete;
 import io.pagedserve.v1.GenerateRequest;
 import io.pagedserve.v1.GenerateResponse;
 import io.pagedserve.v1.GenerationServiceGrpc;
 import io.pagedserve.v1.ListModelsRequest;
 import io.pagedserve.v1.ModelCard;
+import io.pagedserve.v1.PoolingParams;
 import io.pagedserve.v1.SamplingParams;
 import io.pagedserve.v1.TokenChunk;
+import io.pagedserve.v1.TokenIds;
 import io.pagedserve.v1.TokenizeRequest;
 import io.pagedserve.v1.Tool;
 import io.pagedserve.v1.ToolCall;
@@ -182,6 +188,21 @@ public final class PagedServeClient implements AutoCloseable {
   /** Sampling at {@code temperature}, at most {@code maxTokens} tokens. */
   public static SamplingParams sampled(int maxTokens, float temperature) {
     return SamplingParams.newBuilder().setMaxTokens(maxTokens).setTemperature(temperature).build();
+  }
+
+  /** EOS and the stop token ids are masked until {@code n} tokens were generated (vLLM's min_tokens). */
+  public static SamplingParams withMinTokens(SamplingParams params, int n) {
+    return params.toBuilder().setMinTokens(n).build();
+  }
+
+  /** Each prompt token's logprob and the {@code k} most likely tokens at its position. */
+  public static SamplingParams withPromptLogprobs(SamplingParams params, int k) {
+    return params.toBuilder().setPromptLogprobs(k).build();
+  }
+
+  /** Only the prompt's last {@code n} tokens are kept (vLLM's truncate_prompt_tokens). */
+  public static SamplingParams withTruncatePromptTokens(SamplingParams params, int n) {
+    return params.toBuilder().setTruncatePromptTokens(n).build();
   }
 
   // -- structured outputs: each sets the constraint oneof (replacing any set before: a request has
@@ -595,6 +616,60 @@ public final class PagedServeClient implements AutoCloseable {
     Deadline deadline = deadline();
     DetokenizeRequest request = DetokenizeRequest.newBuilder().addAllTokenIds(tokenIds).build();
     return withRetries(deadline, () -> blockingStub(deadline).detokenize(request).getText());
+  }
+
+  /**
+   * One embedding per input of {@code request} (the Embed RPC), in input order: each input's
+   * prompt computed, nothing generated, its final hidden states pooled (see {@link #embedRequest}).
+   */
+  public List<List<Float>> embed(EmbedRequest request) {
+    Deadline deadline = deadline();
+    EmbedResponse response = withRetries(deadline, () -> blockingStub(deadline).embed(request));
+    List<List<Float>> vectors = new ArrayList<>();
+    for (int i = 0; i < response.getEmbeddingsCount(); i++) {
+      vectors.add(null);
+    }
+    for (Embedding e : response.getEmbeddingsList()) {
+      vectors.set(e.getIndex(), e.getValuesList());
+    }
+    return vectors;
+  }
+
+  /**
+   * An Embed request for texts (tokenized by the server, no special tokens added), pooled as
+   * {@code pooling} says: "last" (the default, also for null), "mean" or "cls"; L2-normalised
+   * unless {@code normalize} is false.
+   */
+  public static EmbedRequest embedRequest(String pooling, boolean normalize, List<String> texts) {
+    EmbedRequest.Builder request = EmbedRequest.newBuilder();
+    for (String text : texts) {
+      request.addInputs(EmbedInput.newBuilder().setText(text));
+    }
+    return request.setPooling(pooling(pooling, normalize)).build();
+  }
+
+  /** An Embed request for one token-id input. */
+  public static EmbedRequest embedRequest(String pooling, boolean normalize, Iterable<Integer> tokenIds) {
+    EmbedInput input = EmbedInput.newBuilder().setTokenIds(TokenIds.newBuilder().addAllIds(tokenIds)).build();
+    return EmbedRequest.newBuilder().addInputs(input).setPooling(pooling(pooling, normalize)).build();
+  }
+
+  private static PoolingParams pooling(String pooling, boolean normalize) {
+    PoolingParams.PoolingType type;
+    switch (pooling == null ? "last" : pooling) {
+      case "last":
+        type = PoolingParams.PoolingType.POOLING_TYPE_LAST;
+        break;
+      case "mean":
+        type = PoolingParams.PoolingType.POOLING_TYPE_MEAN;
+        break;
+      case "cls":
+        type = PoolingParams.PoolingType.POOLING_TYPE_CLS;
+        break;
+      default:
+        throw new IllegalArgumentException("pooling must be last, mean or cls, got " + pooling);
+    }
+    return PoolingParams.newBuilder().setPoolingType(type).setNormalize(normalize).build();
   }
 
   /** The model names the server answers to, with the model's limits. */

@@ -4,6 +4,7 @@ import io.grpc.Context;
 import io.grpc.StatusRuntimeException;
 import io.pagedserve.client.Completion;
 import io.pagedserve.client.PagedServeClient;
+import io.pagedserve.v1.EmbedRequest;
 import io.pagedserve.v1.GenerateRequest;
 import io.pagedserve.v1.SamplingParams;
 import io.pagedserve.v1.ToolCall;
@@ -61,7 +62,8 @@ public final class Generate {
           + "                [--async] [--timeout SECONDS] [--api-key KEY] [--tls] [--tls-ca-file PEM]\n"
           + "                [--json-schema SCHEMA | --json-object | --regex RE | --choice C... | --grammar GBNF]\n"
           + "                [--tool FUNCTION... [--tool-choice none|auto|required|function:NAME]\n"
-          + "                 [--no-parallel-tool-calls]] PROMPT\n"
+          + "                 [--no-parallel-tool-calls]] [--min-tokens N] [--truncate-prompt-tokens N]\n"
+          + "                [--embed [--pooling last|mean|cls]] PROMPT\n"
           + "  (PROMPT - reads it from stdin; --model: one of the server's --served-model-name names,\n"
           + "   default the served model; --api-key defaults to $PAGEDSERVE_API_KEY; at most one\n"
           + "   constraint, --choice repeatable, @FILE reads a schema or grammar from FILE; --tool:\n"
@@ -89,6 +91,10 @@ public final class Generate {
     List<String> tools = new ArrayList<>();
     String toolChoice = null;
     boolean noParallelToolCalls = false;
+    Integer minTokens = null;
+    Integer truncatePromptTokens = null;
+    boolean embed = false;
+    String pooling = null;
     List<String> positional = new ArrayList<>();
     try {
       for (int i = 0; i < args.length; i++) {
@@ -113,6 +119,9 @@ public final class Generate {
             continue;
           case "--no-parallel-tool-calls":
             noParallelToolCalls = true;
+            continue;
+          case "--embed":
+            embed = true;
             continue;
           case "-h":
           case "--help":
@@ -173,6 +182,15 @@ public final class Generate {
             case "--tool-choice":
               toolChoice = value;
               break;
+            case "--min-tokens":
+              minTokens = Integer.parseUnsignedInt(value);
+              break;
+            case "--truncate-prompt-tokens":
+              truncatePromptTokens = Integer.parseUnsignedInt(value);
+              break;
+            case "--pooling":
+              pooling = value;
+              break;
             default:
               throw new IllegalArgumentException("unknown flag " + arg);
           }
@@ -223,7 +241,16 @@ public final class Generate {
     if (timeout > 0) {
       builder.timeout(Duration.ofNanos((long) (timeout * 1e9)));
     }
+    if (embed) {
+      System.exit(printEmbedding(builder, prompt, model, pooling, out));
+    }
     SamplingParams params = PagedServeClient.sampled(maxTokens, temperature);
+    if (minTokens != null) {
+      params = PagedServeClient.withMinTokens(params, minTokens);
+    }
+    if (truncatePromptTokens != null) {
+      params = PagedServeClient.withTruncatePromptTokens(params, truncatePromptTokens);
+    }
     try {
       if (jsonSchema != null) {
         params = PagedServeClient.withJsonSchema(params, textOrFile(jsonSchema));
@@ -262,6 +289,34 @@ public final class Generate {
       status = 1;
     }
     System.exit(status);
+  }
+
+  /** --embed: the prompt's embedding (the Embed RPC) as one JSON array line; the exit status. */
+  private static int printEmbedding(
+      PagedServeClient.Builder builder, String prompt, String model, String pooling, PrintStream out) {
+    EmbedRequest request;
+    try {
+      request = PagedServeClient.embedRequest(pooling, true, Collections.singletonList(prompt));
+    } catch (IllegalArgumentException e) {
+      System.err.println("error: " + e.getMessage());
+      return 2;
+    }
+    try (PagedServeClient client = builder.build()) {
+      List<Float> vector = client.embed(request.toBuilder().setModel(model).build()).get(0);
+      StringBuilder line = new StringBuilder("[");
+      for (int i = 0; i < vector.size(); i++) {
+        line.append(i == 0 ? "" : ",").append(vector.get(i));
+      }
+      out.println(line.append("]"));
+      System.err.println("[" + vector.size() + " dimensions]");
+      return 0;
+    } catch (StatusRuntimeException e) {
+      System.err.println("error: " + PagedServeClient.describe(e));
+      return 1;
+    } catch (IOException | RuntimeException e) {
+      System.err.println("error: " + e);
+      return 1;
+    }
   }
 
   /** A flag's text, or the contents of FILE for "@FILE". */

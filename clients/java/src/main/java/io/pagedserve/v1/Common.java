@@ -54,6 +54,11 @@ public final class Common {
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_pagedserve_v1_PromptTokenLogprob_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_PoolingParams_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_PoolingParams_fieldAccessorTable;
 
   public static com.google.protobuf.Descriptors.FileDescriptor
       getDescriptor() {
@@ -100,13 +105,19 @@ public final class Common {
       "logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132\031.pagedserve." +
       "v1.TopLogprob\"[\n\022PromptTokenLogprob\022\017\n\007l" +
       "ogprob\030\001 \001(\002\022\014\n\004rank\030\002 \001(\r\022&\n\003top\030\003 \003(\0132" +
-      "\031.pagedserve.v1.TopLogprob*\226\001\n\014FinishRea" +
-      "son\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FI" +
-      "NISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENG" +
-      "TH\020\002\022\027\n\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_" +
-      "REASON_TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P" +
-      "\001Z8github.com/pagedserve/pagedserve/clie" +
-      "nts/go/pagedservev1b\006proto3"
+      "\031.pagedserve.v1.TopLogprob\"\346\001\n\rPoolingPa" +
+      "rams\022>\n\014pooling_type\030\001 \001(\0162(.pagedserve." +
+      "v1.PoolingParams.PoolingType\022\026\n\tnormaliz" +
+      "e\030\002 \001(\010H\000\210\001\001\"o\n\013PoolingType\022\034\n\030POOLING_T" +
+      "YPE_UNSPECIFIED\020\000\022\025\n\021POOLING_TYPE_LAST\020\001" +
+      "\022\025\n\021POOLING_TYPE_MEAN\020\002\022\024\n\020POOLING_TYPE_" +
+      "CLS\020\003B\014\n\n_normalize*\226\001\n\014FinishReason\022\035\n\031" +
+      "FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH_RE" +
+      "ASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n" +
+      "\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_REASON_" +
+      "TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P\001Z8gith" +
+      "ub.com/pagedserve/pagedserve/clients/go/" +
+      "pagedservev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -160,6 +171,12 @@ public final class Common {
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_PromptTokenLogprob_descriptor,
         new java.lang.String[] { "Logprob", "Rank", "Top", });
+    internal_static_pagedserve_v1_PoolingParams_descriptor =
+      getDescriptor().getMessageTypes().get(7);
+    internal_static_pagedserve_v1_PoolingParams_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_PoolingParams_descriptor,
+        new java.lang.String[] { "PoolingType", "Normalize", "Normalize", });
   }
 
   // @@protoc_insertion_point(outer_class_scope)

@@ -104,6 +104,26 @@ public final class Generation {
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_pagedserve_v1_ListModelsResponse_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_EmbedInput_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_EmbedInput_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_EmbedRequest_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_EmbedRequest_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_Embedding_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_Embedding_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_pagedserve_v1_EmbedResponse_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_pagedserve_v1_EmbedResponse_fieldAccessorTable;
 
   public static com.google.protobuf.Descriptors.FileDescriptor
       getDescriptor() {
@@ -164,18 +184,32 @@ public final class Generation {
       "id\030\001 \001(\t\022\025\n\rmax_model_len\030\002 \001(\r\022\022\n\nblock" +
       "_size\030\003 \001(\r\022\026\n\016kv_cache_dtype\030\004 \001(\t\">\n\022L" +
       "istModelsResponse\022(\n\006models\030\001 \003(\0132\030.page" +
-      "dserve.v1.ModelCard2\325\002\n\021GenerationServic" +
-      "e\022M\n\010Generate\022\036.pagedserve.v1.GenerateRe" +
-      "quest\032\037.pagedserve.v1.GenerateResponse0\001" +
-      "\022K\n\010Tokenize\022\036.pagedserve.v1.TokenizeReq" +
-      "uest\032\037.pagedserve.v1.TokenizeResponse\022Q\n" +
-      "\nDetokenize\022 .pagedserve.v1.DetokenizeRe" +
-      "quest\032!.pagedserve.v1.DetokenizeResponse" +
-      "\022Q\n\nListModels\022 .pagedserve.v1.ListModel" +
-      "sRequest\032!.pagedserve.v1.ListModelsRespo" +
-      "nseBN\n\020io.pagedserve.v1P\001Z8github.com/pa" +
-      "gedserve/pagedserve/clients/go/pagedserv" +
-      "ev1b\006proto3"
+      "dserve.v1.ModelCard\"S\n\nEmbedInput\022\016\n\004tex" +
+      "t\030\001 \001(\tH\000\022,\n\ttoken_ids\030\002 \001(\0132\027.pagedserv" +
+      "e.v1.TokenIdsH\000B\007\n\005input\"\335\001\n\014EmbedReques" +
+      "t\022\022\n\nrequest_id\030\001 \001(\t\022\r\n\005model\030\002 \001(\t\022)\n\006" +
+      "inputs\030\003 \003(\0132\031.pagedserve.v1.EmbedInput\022" +
+      "-\n\007pooling\030\004 \001(\0132\034.pagedserve.v1.Pooling" +
+      "Params\022\020\n\010priority\030\005 \001(\005\022#\n\026truncate_pro" +
+      "mpt_tokens\030\006 \001(\rH\000\210\001\001B\031\n\027_truncate_promp" +
+      "t_tokens\"A\n\tEmbedding\022\r\n\005index\030\001 \001(\r\022\016\n\006" +
+      "values\030\002 \003(\002\022\025\n\rprompt_tokens\030\003 \001(\r\"v\n\rE" +
+      "mbedResponse\022\022\n\nrequest_id\030\001 \001(\t\022,\n\nembe" +
+      "ddings\030\002 \003(\0132\030.pagedserve.v1.Embedding\022#" +
+      "\n\005usage\030\003 \001(\0132\024.pagedserve.v1.Usage2\231\003\n\021" +
+      "GenerationService\022M\n\010Generate\022\036.pagedser" +
+      "ve.v1.GenerateRequest\032\037.pagedserve.v1.Ge" +
+      "nerateResponse0\001\022K\n\010Tokenize\022\036.pagedserv" +
+      "e.v1.TokenizeRequest\032\037.pagedserve.v1.Tok" +
+      "enizeResponse\022Q\n\nDetokenize\022 .pagedserve" +
+      ".v1.DetokenizeRequest\032!.pagedserve.v1.De" +
+      "tokenizeResponse\022Q\n\nListModels\022 .pagedse" +
+      "rve.v1.ListModelsRequest\032!.pagedserve.v1" +
+      ".ListModelsResponse\022B\n\005Embed\022\033.pagedserv" +
+      "e.v1.EmbedRequest\032\034.pagedserve.v1.EmbedR" +
+      "esponseBN\n\020io.pagedserve.v1P\001Z8github.co" +
+      "m/pagedserve/pagedserve/clients/go/paged" +
+      "servev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -290,6 +324,30 @@ public final class Generation {
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_ListModelsResponse_descriptor,
         new java.lang.String[] { "Models", });
+    internal_static_pagedserve_v1_EmbedInput_descriptor =
+      getDescriptor().getMessageTypes().get(18);
+    internal_static_pagedserve_v1_EmbedInput_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_EmbedInput_descriptor,
+        new java.lang.String[] { "Text", "TokenIds", "Input", });
+    internal_static_pagedserve_v1_EmbedRequest_descriptor =
+      getDescriptor().getMessageTypes().get(19);
+    internal_static_pagedserve_v1_EmbedRequest_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_EmbedRequest_descriptor,
+        new java.lang.String[] { "RequestId", "Model", "Inputs", "Pooling", "Priority", "TruncatePromptTokens", "TruncatePromptTokens", });
+    internal_static_pagedserve_v1_Embedding_descriptor =
+      getDescriptor().getMessageTypes().get(20);
+    internal_static_pagedserve_v1_Embedding_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_Embedding_descriptor,
+        new java.lang.String[] { "Index", "Values", "PromptTokens", });
+    internal_static_pagedserve_v1_EmbedResponse_descriptor =
+      getDescriptor().getMessageTypes().get(21);
+    internal_static_pagedserve_v1_EmbedResponse_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_pagedserve_v1_EmbedResponse_descriptor,
+        new java.lang.String[] { "RequestId", "Embeddings", "Usage", });
     io.pagedserve.v1.Common.getDescriptor();
   }
 

@@ -146,6 +146,37 @@ public final class GenerationServiceGrpc {
     return getListModelsMethod;
   }
 
+  private static volatile io.grpc.MethodDescriptor<io.pagedserve.v1.EmbedRequest,
+      io.pagedserve.v1.EmbedResponse> getEmbedMethod;
+
+  @io.grpc.stub.annotations.RpcMethod(
+      fullMethodName = SERVICE_NAME + '/' + "Embed",
+      requestType = io.pagedserve.v1.EmbedRequest.class,
+      responseType = io.pagedserve.v1.EmbedResponse.class,
+      methodType = io.grpc.MethodDescriptor.MethodType.UNARY)
+  public static io.grpc.MethodDescriptor<io.pagedserve.v1.EmbedRequest,
+      io.pagedserve.v1.EmbedResponse> getEmbedMethod() {
+    io.grpc.MethodDescriptor<io.pagedserve.v1.EmbedRequest, io.pagedserve.v1.EmbedResponse> getEmbedMethod;
+    if ((getEmbedMethod = GenerationServiceGrpc.getEmbedMethod) == null) {
+      synchronized (GenerationServiceGrpc.class) {
+        if ((getEmbedMethod = GenerationServiceGrpc.getEmbedMethod) == null) {
+          GenerationServiceGrpc.getEmbedMethod = getEmbedMethod =
+              io.grpc.MethodDescriptor.<io.pagedserve.v1.EmbedRequest, io.pagedserve.v1.EmbedResponse>newBuilder()
+              .setType(io.grpc.MethodDescriptor.MethodType.UNARY)
+              .setFullMethodName(generateFullMethodName(SERVICE_NAME, "Embed"))
+              .setSampledToLocalTracing(true)
+              .setRequestMarshaller(io.grpc.protobuf.ProtoUtils.marshaller(
+                  io.pagedserve.v1.EmbedRequest.getDefaultInstance()))
+              .setResponseMarshaller(io.grpc.protobuf.ProtoUtils.marshaller(
+                  io.pagedserve.v1.EmbedResponse.getDefaultInstance()))
+              .setSchemaDescriptor(new GenerationServiceMethodDescriptorSupplier("Embed"))
+              .build();
+        }
+      }
+    }
+    return getEmbedMethod;
+  }
+
   /**
    * Creates a new async stub that supports all call types for the service
    */
@@ -246,6 +277,20 @@ public final class GenerationServiceGrpc {
       io.grpc.stub.ServerCalls.asyncUnimplementedUnaryCall(getListModelsMethod(), responseObserver);
     }
 
+    /**
+     * <pre>
+     * One embedding per input: each input's prompt is computed (prefill only, nothing
+     * generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+     * inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+     * (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+     * for Generate.
+     * </pre>
+     */
+    public void embed(io.pagedserve.v1.EmbedRequest request,
+        io.grpc.stub.StreamObserver<io.pagedserve.v1.EmbedResponse> responseObserver) {
+      io.grpc.stub.ServerCalls.asyncUnimplementedUnaryCall(getEmbedMethod(), responseObserver);
+    }
+
     @java.lang.Override public final io.grpc.ServerServiceDefinition bindService() {
       return io.grpc.ServerServiceDefinition.builder(getServiceDescriptor())
           .addMethod(
@@ -276,6 +321,13 @@ public final class GenerationServiceGrpc {
                 io.pagedserve.v1.ListModelsRequest,
                 io.pagedserve.v1.ListModelsResponse>(
                   this, METHODID_LIST_MODELS)))
+          .addMethod(
+            getEmbedMethod(),
+            io.grpc.stub.ServerCalls.asyncUnaryCall(
+              new MethodHandlers<
+                io.pagedserve.v1.EmbedRequest,
+                io.pagedserve.v1.EmbedResponse>(
+                  this, METHODID_EMBED)))
           .build();
     }
   }
@@ -349,6 +401,21 @@ public final class GenerationServiceGrpc {
       io.grpc.stub.ClientCalls.asyncUnaryCall(
           getChannel().newCall(getListModelsMethod(), getCallOptions()), request, responseObserver);
     }
+
+    /**
+     * <pre>
+     * One embedding per input: each input's prompt is computed (prefill only, nothing
+     * generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+     * inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+     * (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+     * for Generate.
+     * </pre>
+     */
+    public void embed(io.pagedserve.v1.EmbedRequest request,
+        io.grpc.stub.StreamObserver<io.pagedserve.v1.EmbedResponse> responseObserver) {
+      io.grpc.stub.ClientCalls.asyncUnaryCall(
+          getChannel().newCall(getEmbedMethod(), getCallOptions()), request, responseObserver);
+    }
   }
 
   /**
@@ -417,6 +484,20 @@ public final class GenerationServiceGrpc {
       return io.grpc.stub.ClientCalls.blockingUnaryCall(
           getChannel(), getListModelsMethod(), getCallOptions(), request);
     }
+
+    /**
+     * <pre>
+     * One embedding per input: each input's prompt is computed (prefill only, nothing
+     * generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+     * inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+     * (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+     * for Generate.
+     * </pre>
+     */
+    public io.pagedserve.v1.EmbedResponse embed(io.pagedserve.v1.EmbedRequest request) {
+      return io.grpc.stub.ClientCalls.blockingUnaryCall(
+          getChannel(), getEmbedMethod(), getCallOptions(), request);
+    }
   }
 
   /**
@@ -473,12 +554,28 @@ public final class GenerationServiceGrpc {
       return io.grpc.stub.ClientCalls.futureUnaryCall(
           getChannel().newCall(getListModelsMethod(), getCallOptions()), request);
     }
+
+    /**
+     * <pre>
+     * One embedding per input: each input's prompt is computed (prefill only, nothing
+     * generated, its KV blocks freed at once) and its final hidden states pooled. At most 256
+     * inputs, each of 1 to max_model_len tokens; else INVALID_ARGUMENT naming the field
+     * (e.g. `inputs[3].token_ids`). The call's deadline, API key and tenant limits apply as
+     * for Generate.
+     * </pre>
+     */
+    public com.google.common.util.concurrent.ListenableFuture<io.pagedserve.v1.EmbedResponse> embed(
+        io.pagedserve.v1.EmbedRequest request) {
+      return io.grpc.stub.ClientCalls.futureUnaryCall(
+          getChannel().newCall(getEmbedMethod(), getCallOptions()), request);
+    }
   }
 
   private static final int METHODID_GENERATE = 0;
   private static final int METHODID_TOKENIZE = 1;
   private static final int METHODID_DETOKENIZE = 2;
   private static final int METHODID_LIST_MODELS = 3;
+  private static final int METHODID_EMBED = 4;
 
   private static final class MethodHandlers<Req, Resp> implements
       io.grpc.stub.ServerCalls.UnaryMethod<Req, Resp>,
@@ -512,6 +609,10 @@ public final class GenerationServiceGrpc {
         case METHODID_LIST_MODELS:
           serviceImpl.listModels((io.pagedserve.v1.ListModelsRequest) request,
               (io.grpc.stub.StreamObserver<io.pagedserve.v1.ListModelsResponse>) responseObserver);
+          break;
+        case METHODID_EMBED:
+          serviceImpl.embed((io.pagedserve.v1.EmbedRequest) request,
+              (io.grpc.stub.StreamObserver<io.pagedserve.v1.EmbedResponse>) responseObserver);
           break;
         default:
           throw new AssertionError();
@@ -578,6 +679,7 @@ public final class GenerationServiceGrpc {
               .addMethod(getTokenizeMethod())
               .addMethod(getDetokenizeMethod())
               .addMethod(getListModelsMethod())
+              .addMethod(getEmbedMethod())
               .build();
         }
       }
