@@ -125,3 +125,25 @@ def test_acceptance_follows_each_request_and_recovers_when_idle() -> None:
     assert acceptance.rate("r") == pytest.approx(acceptance.overall, abs=0.05)
     acceptance.forget("r")
     assert acceptance.rate("r") == acceptance.overall
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"method": "eagle"}', "speculative_config.method must be one of ngram, suffix, got 'eagle'"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative_config.num_speculative_tokens"),
+        ("{not json", "speculative_config is not valid JSON"),
+    ],
+)
+def test_serve_refuses_a_bad_config_at_start_naming_the_field(value: str, message: str) -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "serve", "--speculative-config", value],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert message in run.stderr
