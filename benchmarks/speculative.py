@@ -9,7 +9,9 @@ at EOS or `--max-tokens`):
    it back with one identifier renamed (the answer repeats most of the prompt);
 2. document QA: a passage of benchmarks/data/passages.txt and a request to quote the
    sentences that answer a question (the answer quotes the prompt);
-3. open chat: the throughput benchmark's chat prompts (little repetition).
+3. JSON echo: a record in the prompt to be copied under its JSON schema (structured output;
+   every output is parsed and counted);
+4. open chat: the throughput benchmark's chat prompts (little repetition).
 
 Per workload and stream count, one engine per drafting method (`ngram`, `suffix`) runs the
 prompts without drafting (`SamplingParams(speculative=False)`) and with it, alternating, after
@@ -35,6 +37,7 @@ from typing import Any
 
 from pagedserve.benchmarks.common import cpu_line, default_model, phase
 from pagedserve.benchmarks.workloads import DATA_DIR, chat_prompts
+from pagedserve.common.constraints import Constraint
 from pagedserve.common.settings import ArgumentParser, parse_bytes
 from pagedserve.dataplane import LLM, SamplingParams
 
@@ -52,6 +55,20 @@ QUESTIONS = (
     "What is the main point of the passage?",
 )
 METHODS = ("ngram", "suffix")
+WORKLOADS = ("code", "qa", "json", "chat")
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "email": {"type": "string"},
+        "city": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["id", "name", "email", "city", "tags"],
+}
+NAMES = ("Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth")
+CITIES = ("London", "Manchester", "New York", "Amsterdam", "Boston", "Stanford")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def constraint(workload: str) -> Constraint | None:
+    return Constraint("json_schema", json.dumps(RECORD_SCHEMA)) if workload == "json" else None
+
+
 def _package_root() -> Path:
     import pagedserve.dataplane
 
@@ -89,6 +110,19 @@ def workload_prompts(llm: LLM, name: str, n: int) -> list[list[int]]:
     if name == "chat":
         return chat_prompts(llm.tokenizer, n=n, min_tokens=20, max_tokens=200)
     prompts = []
+    if name == "json":
+        for i in range(n):
+            person = NAMES[i % len(NAMES)]
+            record = {
+                "id": 1000 + i,
+                "name": person,
+                "email": person.lower().replace(" ", ".") + "@example.com",
+                "city": CITIES[i % len(CITIES)],
+                "tags": ["customer", "priority" if i % 2 else "standard", f"region-{i % 5}"],
+            }
+            ask = f"Copy this customer record as JSON, unchanged:\n{json.dumps(record)}"
+            prompts.append(llm.apply_chat_template([{"role": "user", "content": ask}]))
+        return prompts
     if name == "code":
         root = _package_root()
         for i in range(n):
@@ -121,9 +155,11 @@ def _run(
     return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
 
 
-def _measure(llm: LLM, prompts: list[list[int]], max_tokens: int, streams: int) -> dict[str, Any]:
-    plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculative=False)
-    drafted = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def _measure(
+    llm: LLM, prompts: list[list[int]], max_tokens: int, streams: int, constraint: Constraint | None = None
+) -> dict[str, Any]:
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculative=False, constraint=constraint)
+    drafted = SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=constraint)
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # prompts cached
     spec = llm.engine.speculator
     assert spec is not None
@@ -140,9 +176,18 @@ def _measure(llm: LLM, prompts: list[list[int]], max_tokens: int, streams: int) 
         "accepted_per_draft": (spec.stats.accepted_tokens - before[1]) / runs if runs else 0.0,
         "drafted_tokens": spec.stats.drafted_tokens - before[2],
         "identical": sum(a == b for a, b in zip(out_plain, out_spec, strict=True)),
+        "valid_json": sum(_parses(llm, o) for o in out_spec) if constraint is not None else None,
         "prompts": len(prompts),
         "outputs": out_plain,
     }
+
+
+def _parses(llm: LLM, output: list[int]) -> bool:
+    try:
+        json.loads(llm.tokenizer.decode(output, skip_special_tokens=True))
+    except ValueError:
+        return False
+    return True
 
 
 def _engine(model: str, args: argparse.Namespace, config: str) -> LLM:
@@ -202,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     single[workload] = prompts
                 row = phase(
                     f"{workload}, {streams} stream(s), {method}",
-                    partial(_measure, llm, prompts, args.max_tokens, streams),
+                    partial(_measure, llm, prompts, args.max_tokens, streams, constraint(workload)),
                 )
                 row.update(workload=workload, streams=streams, method=method)
                 results["runs"].append(row)
@@ -210,6 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"  {workload:5s} {streams:3d} streams {method:6s}: {row['plain_tok_s']:7.1f} -> "
                     f"{row['spec_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x), {row['accepted_per_draft']:.2f} "
                     f"accepted per draft, identical {row['identical']}/{row['prompts']}"
+                    + (
+                        f", valid JSON {row['valid_json']}/{row['prompts']}"
+                        if row["valid_json"] is not None
+                        else ""
+                    )
                 )
     if "llama.cpp" in args.peers and single:
         peer = phase("llama.cpp prompt lookup", lambda: _llamacpp(single, args.max_tokens, k))

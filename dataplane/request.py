@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pagedserve.common.pooling_params import PoolingParams
@@ -28,6 +29,14 @@ class OutputGrammar(Protocol):
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
+        ...
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` (speculative decoding) the grammar allows from here, in order."""
+        ...
+
+    def after(self, drafts: Sequence[int]) -> object:
+        """What fills the token mask of the row after `drafts` (which the grammar allows)."""
         ...
 
 

@@ -253,9 +253,10 @@ class ModelRunner:
         sampling = [s for s in out.scheduled if s.samples]
         first_rows = list(itertools.accumulate((1 + len(s.spec_token_ids) for s in sampling), initial=0))
         constrained = [
-            (first_rows[i], s.request.grammar)
+            (first_rows[i] + j, grammar if j == 0 else grammar.after(s.spec_token_ids[:j]))
             for i, s in enumerate(sampling)
-            if s.request.grammar is not None
+            if (grammar := s.request.grammar) is not None
+            for j in range(1 + len(s.spec_token_ids))
         ]
         filled = self._start_mask_fill(constrained) if constrained else None  # overlaps the forward
         hidden = self._forward(inputs)

@@ -40,17 +40,12 @@ def make_drafter(config: SpeculativeConfig) -> Drafter:
 
 
 def drafts_allowed(request: Request) -> bool:
-    """Whether a decoding request may draft: not with a grammar (masks per drafted position
-    are not built yet) nor with sampling that reads the output history (penalties, min_tokens,
-    bad words: each drafted row would need the history up to it), nor when it opted out."""
+    """Whether a decoding request may draft: not with sampling that reads the output history
+    (penalties, min_tokens, bad words: each drafted row would need the history up to it) or
+    masks every row alike (allowed_token_ids), nor when it opted out. With a grammar it drafts
+    what the grammar allows (`propose`), each drafted row masked by the state it reaches."""
     p = request.sampling_params
-    return (
-        request.grammar is None
-        and request.first_chunk_end is None
-        and not p.has_penalties
-        and not p.has_masks
-        and p.speculative
-    )
+    return request.first_chunk_end is None and not p.has_penalties and not p.has_masks and p.speculative
 
 
 class Speculator:
@@ -76,6 +71,8 @@ class Speculator:
             k = min(self.config.num_speculative_tokens, room(request) - 1)
             if k > 0 and drafts_allowed(request):
                 draft = self.drafter.propose(request.request_id, request.all_token_ids, k)
+                if draft and request.grammar is not None:
+                    draft = draft[: request.grammar.valid_prefix(draft)]
                 if draft:
                     proposals[request.request_id] = draft
         if not proposals:

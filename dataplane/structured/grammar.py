@@ -130,6 +130,43 @@ class GrammarState:
         """Write the allowed next tokens into `bitmask[row]` (one bit per token id)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` (speculative decoding) the grammar allows from here, in order,
+        short of one that would end it (the row after that would have no mask; the stop token
+        is sampled at its own row instead). On a copy of the matcher, which may be filling a
+        mask ahead on the worker thread meanwhile (both only read it)."""
+        matcher = self._matcher.fork()
+        for n, token in enumerate(drafts):
+            if not matcher.accept_token(token) or matcher.is_terminated():
+                return n
+        return len(drafts)
+
+    def after(self, drafts: Sequence[int]) -> DraftedState:
+        """The state that fills the mask of the row after `drafts` (which the grammar allows)."""
+        return DraftedState(self, tuple(drafts))
+
+
+class DraftedState:
+    """A sample's grammar position after some drafted tokens, for the mask of a drafted row:
+    filled on a copy of the matcher advanced past them, so the sample's own stays where its
+    accepted tokens left it."""
+
+    ahead_is_current = False
+
+    def __init__(self, state: GrammarState, drafts: tuple[int, ...]) -> None:
+        self.state = state
+        self.drafts = drafts
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        matcher = self.state._matcher.fork()
+        for token in self.drafts:
+            matcher.accept_token(token)
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+
+# What fills a row of the step's bitmask: a sample's state, or its state after drafted tokens.
+MaskSource = GrammarState | DraftedState
+
 
 class TokenMasks:
     """The step's token bitmask, allocated once for the rows it has seen and reused: only the
@@ -179,7 +216,7 @@ class TokenMasks:
             state.fill_mask(state.ahead, 0)
         self.fill_seconds += time.perf_counter() - started
 
-    def start_fill(self, rows: Sequence[tuple[int, GrammarState]]) -> Future[None]:
+    def start_fill(self, rows: Sequence[tuple[int, MaskSource]]) -> Future[None]:
         """Fill `rows` (bitmask row i from its state: copied from its fill ahead when that is
         current, else filled now) on the worker thread; `apply` waits."""
         needed = max(i for i, _ in rows) + 1
@@ -189,11 +226,13 @@ class TokenMasks:
             )
         # Decided here, on the engine's thread: a fill ahead submitted earlier runs before this
         # job (one worker, in order), so its rows are complete when this job copies them.
-        copies = [(i, state) for i, state in rows if state.ahead_is_current]
+        copies = [
+            (i, state) for i, state in rows if isinstance(state, GrammarState) and state.ahead_is_current
+        ]
         fills = [(i, state) for i, state in rows if not state.ahead_is_current]
         return self._worker().submit(self._fill, fills, copies)
 
-    def _fill(self, rows: list[tuple[int, GrammarState]], copies: list[tuple[int, GrammarState]]) -> None:
+    def _fill(self, rows: list[tuple[int, MaskSource]], copies: list[tuple[int, GrammarState]]) -> None:
         started = time.perf_counter()
         for i, state in rows:
             state.fill_mask(self._bitmask, i)
@@ -206,7 +245,7 @@ class TokenMasks:
     def apply(
         self,
         logits: torch.Tensor,
-        rows: Sequence[tuple[int, GrammarState]],
+        rows: Sequence[tuple[int, MaskSource]],
         filled: Future[None] | None = None,
     ) -> None:
         """Mask `logits` [N, vocab] in place: row i keeps only what its state allows. `filled`:
