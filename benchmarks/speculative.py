@@ -1,4 +1,4 @@
-"""Speculative decoding: our engine with and without drafting, on three workloads, same run.
+"""Speculative decoding: our engine with and without drafting, on four workloads, same run.
 
     pagedserve bench speculative [--streams 1 16] [--max-tokens 192] [--peers llama.cpp] [--json out.json]
 
@@ -82,9 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--single-stream-prompts", type=int, default=4, help="prompts run one after the other"
     )
-    parser.add_argument(
-        "--workloads", nargs="+", default=["code", "qa", "chat"], choices=["code", "qa", "chat"]
-    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument(
         "--peers", nargs="*", default=[], choices=["llama.cpp"], help="peers to run beside ours"
     )
