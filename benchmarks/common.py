@@ -43,7 +43,7 @@ def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
 def cpu_line() -> str:
     """One line naming the CPU, the flags that matter and the kernel build in use."""
     from pagedserve.benchmarks.isa_cap import active_cap
-    from pagedserve.kernels.cpu_ext import cpu_report
+    from pagedserve.kernels.cpu_isa import cpu_report
 
     cpu = cpu_report()
     cap = active_cap()

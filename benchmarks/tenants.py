@@ -228,9 +228,9 @@ async def _in_process_rounds(
 ) -> dict[str, Any]:
     """Both planes on this event loop (as tests/e2e/harness.py runs them): no separate
     processes competing with the load generator for the cores."""
-    from pagedserve.controlplane.auth import load_keys, load_tenant_settings
     from pagedserve.controlplane.config import ControlPlaneConfig
     from pagedserve.controlplane.server import start_control_plane
+    from pagedserve.controlplane.tenancy.auth import load_keys, load_tenant_settings
     from pagedserve.dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from pagedserve.dataplane.server.server import build_engine_loop, create_server
 

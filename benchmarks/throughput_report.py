@@ -36,7 +36,7 @@ def build_report(
 ) -> dict[str, Any]:
     import torch
 
-    from pagedserve.kernels.cpu_ext import cpu_report
+    from pagedserve.kernels.cpu_isa import cpu_report
 
     useful = sum(lengths)
     rep: dict[str, Any] = {

@@ -98,7 +98,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ControlPlane
     """ControlPlaneConfig from the flags, with key files and certificates read; `overrides`
     (e.g. the data plane `serve` started) replace fields before validation."""
     from pagedserve.common.tls import ClientTLS, server_tls
-    from pagedserve.controlplane.auth import load_keys, load_tenant_settings
+    from pagedserve.controlplane.tenancy.auth import load_keys, load_tenant_settings
 
     dataplane_tls = None
     server_name = getattr(args, "dataplane_tls_server_name", None)

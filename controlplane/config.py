@@ -10,7 +10,7 @@ from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.common.settings import check_bounds, setting
 from pagedserve.common.tls import ClientTLS, ServerTLS, read_token_file
 from pagedserve.controlplane.reasoning import REASONING_PARSERS
-from pagedserve.controlplane.tenants import TenantPolicy, check_settings
+from pagedserve.controlplane.tenancy.tenants import TenantPolicy, check_settings
 from pagedserve.controlplane.tools.definitions import DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT
 from pagedserve.controlplane.tools.prompt import PARSER_CHOICES
 
@@ -178,9 +178,9 @@ class ControlPlaneConfig:
     # Security settings come from files (controlplane/cli.py reads them): not flags of their own.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     # (key, tenant) for the keys a keys file names a tenant for; every other key is a tenant
-    # of its own. A tenant is part of its requests' cache salt (controlplane/auth.py).
+    # of its own. A tenant is part of its requests' cache salt (controlplane/tenancy/auth.py).
     api_key_tenants: tuple[tuple[str, str], ...] = ()
-    # (tenant or "*", policy): weights and limits from the keys file (controlplane/tenants.py).
+    # (tenant or "*", policy): weights and limits from the keys file (controlplane/tenancy/tenants.py).
     tenant_settings: tuple[tuple[str, TenantPolicy], ...] = ()
     tls: ServerTLS | None = None  # the public gRPC and HTTP ports
     dataplane_tls: ClientTLS | None = None  # the links to the data planes (mTLS with a client cert)

@@ -9,7 +9,6 @@ the HTTP routes. No torch.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,27 +20,25 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from pagedserve.common.admission_rules import beyond_context
 from pagedserve.common.log import get_logger
 from pagedserve.common.priority import PRIORITY_FIELD, priority_refusal
-from pagedserve.common.protocol import FINISH_REASON_NAMES, sampling_params_from_fields
+from pagedserve.common.protocol import sampling_params_from_fields
 from pagedserve.common.sampling_params import InvalidField
 from pagedserve.common.telemetry import inject, span_ids, tracer
-from pagedserve.controlplane.auth import request_tenant, tenant_salt
 from pagedserve.controlplane.bad_words import bad_words_token_ids
 from pagedserve.controlplane.deadlines import request_deadline
-from pagedserve.controlplane.detokenizer import IncrementalDetokenizer
-from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
-from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
+from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument, named_error
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
-from pagedserve.controlplane.named_errors import named_error
-from pagedserve.controlplane.placement import NO_DATAPLANE
 from pagedserve.controlplane.refusals import RefusalLog
 from pagedserve.controlplane.request import GenerationRequest, new_request_id, truncated_prompt
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.routing.placement import NO_DATAPLANE
 from pagedserve.controlplane.stream_events import CompletionDone as CompletionDone
 from pagedserve.controlplane.stream_events import StreamEvent as StreamEvent
 from pagedserve.controlplane.stream_events import TextDelta as TextDelta
+from pagedserve.controlplane.stream_events import completion_events
+from pagedserve.controlplane.tenancy.auth import request_tenant, tenant_salt
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.controlplane.tools.definitions import NO_TOOLS, ToolUse
 from pagedserve.controlplane.tools.prompt import resolve_parser, template_inputs
-from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -79,16 +76,6 @@ class ModelCard:
     max_model_len: int | None
     block_size: int | None
     kv_cache_dtype: str | None
-
-
-@dataclass
-class _Completion:
-    detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0
-    cached_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    done: bool = False
 
 
 class Frontend:
@@ -388,7 +375,9 @@ class Frontend:
         trace_context = inject(set_span_in_context(span))
         ids = span_ids(span)
         try:
-            async for event in self._stream(gen, start, trace_context):
+            async for event in completion_events(
+                gen, start, trace_context, self.dispatcher, self.tokenizer, self.metrics
+            ):
                 if isinstance(event, CompletionDone):
                     span.set_attribute(
                         f"pagedserve.completion.{event.index}.finish_reason", event.finish_reason
@@ -424,75 +413,3 @@ class Frontend:
             exc.counted = True
             self.metrics.failure(exc.code)
             self.refusals.note(exc, request_id)
-
-    async def _stream(
-        self, gen: GenerationRequest, start: float, trace_context: Mapping[str, str]
-    ) -> AsyncIterator[StreamEvent]:
-        metrics = self.metrics
-        completions = [_Completion(gen.detokenizer(self.tokenizer)) for _ in range(gen.num_samples)]
-        queue_seconds = 0.0
-        events = self.dispatcher.generate(gen, trace_context)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, Admitted):
-                    queue_seconds = event.queue_seconds
-                    metrics.queue_time.observe(queue_seconds)
-                    continue
-                c = completions[event.index]
-                if c.done:
-                    continue  # this sample already matched a stop string
-                if isinstance(event, dataplane_pb2.TokenDelta):
-                    now = time.monotonic()
-                    c.num_tokens += len(event.token_ids)
-                    c.cached_tokens = event.num_cached_tokens
-                    c.first_token_time = c.first_token_time or now
-                    if c.last_token_time is not None:
-                        metrics.itl.observe(now - c.last_token_time)
-                    c.last_token_time = now
-                    metrics.generation_tokens.inc(len(event.token_ids))
-                    text = c.detokenizer.add(list(event.token_ids))
-                    yield TextDelta(
-                        event.index,
-                        tuple(event.token_ids),
-                        text,
-                        tuple(event.logprobs),
-                        tuple(event.prompt_logprobs),
-                    )
-                    if not c.detokenizer.stopped:
-                        continue
-                    reason, completion_tokens, cached = "stop", c.num_tokens, c.cached_tokens
-                    if sum(not x.done for x in completions) > 1:
-                        # Its siblings run on: stop this one on the data plane too (its blocks
-                        # come back now, not at the group's end). The last one needs no abort:
-                        # leaving the loop below aborts the whole request.
-                        self.dispatcher.abort_sample(gen.request_id, event.index)
-                else:
-                    tail = c.detokenizer.flush()
-                    if tail:
-                        yield TextDelta(event.index, (), tail)
-                    reason = FINISH_REASON_NAMES.get(event.finish_reason, "abort")
-                    completion_tokens, cached = event.usage.completion_tokens, event.usage.cached_tokens
-                first_of_request = not any(x.done for x in completions)
-                c.done = True
-                done = CompletionDone(
-                    index=event.index,
-                    finish_reason=reason,
-                    stop_string=c.detokenizer.stop_string,
-                    prompt_tokens=gen.num_prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    cached_tokens=cached,
-                    queue_seconds=queue_seconds,
-                    time_to_first_token_seconds=(c.first_token_time - start) if c.first_token_time else 0.0,
-                    e2e_seconds=time.monotonic() - start,
-                )
-                metrics.completion(
-                    reason,
-                    done.prompt_tokens,
-                    completion_tokens,
-                    done.time_to_first_token_seconds,
-                    done.e2e_seconds,
-                    first_of_request,
-                )
-                yield done
-                if all(x.done for x in completions):
-                    return  # leaving the `aclosing` block aborts what still runs on the data plane

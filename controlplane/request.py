@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.protocol import sampling_params_to_proto
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.controlplane.auth import request_tenant
 from pagedserve.controlplane.detokenizer import Decoder, IncrementalDetokenizer
 from pagedserve.controlplane.errors import invalid_argument
-from pagedserve.controlplane.tenants import DEFAULT_TENANT
+from pagedserve.controlplane.tenancy.auth import request_tenant
+from pagedserve.controlplane.tenancy.tenants import DEFAULT_TENANT
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 
@@ -61,7 +61,7 @@ class GenerationRequest:
     # a data plane's refusal to compile it ("json_schema could not be compiled ...") is reported so.
     constraint_field: str = ""
     priority: int = 0  # lower is scheduled earlier (vLLM's semantics); pagedserve/common/priority.py
-    # Whose request it is (its fair share and limits: controlplane/tenants.py): the key's tenant
+    # Whose request it is (its fair share and limits: controlplane/tenancy/tenants.py): the key's tenant
     # of the call it is validated in, DEFAULT_TENANT without API keys.
     tenant: str = field(default_factory=lambda: request_tenant() or DEFAULT_TENANT)
 

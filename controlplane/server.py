@@ -35,15 +35,15 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.models.store import resolve_model_path
 from pagedserve.common.reflection import enable_reflection
 from pagedserve.common.tls import ServerTLS
-from pagedserve.controlplane.auth import ApiKeys, GrpcAuthInterceptor
 from pagedserve.controlplane.config import ControlPlaneConfig, model_names
-from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
-from pagedserve.controlplane.dispatcher import Dispatcher
+from pagedserve.controlplane.edge.http_server import HttpServer, create_app
+from pagedserve.controlplane.edge.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_server import HttpServer, create_app
 from pagedserve.controlplane.refusals import PUBLIC_SERVER_OPTIONS
 from pagedserve.controlplane.responses.store import ResponseStore
-from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
+from pagedserve.controlplane.routing.discovery import Resolver, resolve_dataplanes
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.tenancy.auth import ApiKeys, GrpcAuthInterceptor
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import generation_pb2
 

@@ -55,8 +55,8 @@ CHART = ROOT / "helm" / "pagedserve"
 # Settings the chart fills in itself, never from `engine` / `controlplane.settings`.
 CHART_MANAGED: dict[str, str] = {
     "model_home": "the chart mounts the model store at `models.mountPath` and passes `--model-home`",
-    "dataplanes": "the chart passes the data planes' addresses (`pagedserve.controlplane.discovery`)",
-    "dataplane_dns": "the chart passes the headless Service's name (`pagedserve.controlplane.discovery`)",
+    "dataplanes": "the chart passes the data planes' addresses (`pagedserve.controlplane.routing.discovery`)",
+    "dataplane_dns": "the chart passes the headless Service's name (`pagedserve.controlplane.routing.discovery`)",
     "dataplane_token_file": "the chart mounts the shared token's Secret (`dataplaneAuth.token`)",
     # ControlPlaneConfig.model: the control planes tokenize with the data planes' model.
     "controlplane.model": "the control planes use `engine.model` (they tokenize for the data planes)",

@@ -12,23 +12,18 @@ killed: an interrupted build never blocks a later start, and processes started t
 once. Within a process the result is memoised. If the build fails (no C++ compiler, no ninja) a
 single warning is logged and callers fall back to the torch implementations.
 
-One build per instruction-set level (`CPU_ISAS`): avx512 (AVX-512 F/BW/DQ/VL), avx2 (AVX2 +
-FMA + F16C, x86-64-v3) and portable (the architecture's baseline: SSE2 on x86-64, NEON on
-aarch64). The kernels size their register tiles and panel widths for the level they are
-compiled for (kernels/cpu/vec.h). By default the process uses the best level this CPU runs,
-built with -march=native; `PAGEDSERVE_CPU_ISA=avx512|avx2|portable` picks a lower one (built
-for that level, not for this CPU), so an AVX-512 machine builds and tests the AVX2 and
-portable kernels as an AVX2-only or older CPU would run them. Each level registers its ops
-under its own namespace (`pagedserve_cpu_<isa>`), so one process can load several (the
-tests compare them). The CPU's model and flags are part of the build's name, so a cache
-directory shared between different machines (an NFS home) never hands one CPU's build to
-another. A compiler that rejects -march=native gets a second build without it.
+One build per instruction-set level (kernels/cpu_isa.py picks it). The kernels size their
+register tiles and panel widths for the level they are compiled for (kernels/cpu/vec.h); a level
+other than the CPU's own is built for that level, not for this CPU. Each level registers its ops
+under its own namespace (`pagedserve_cpu_<isa>`), so one process can load several (the tests
+compare them). The CPU's model and flags are part of the build's name, so a cache directory
+shared between different machines (an NFS home) never hands one CPU's build to another. A
+compiler that rejects -march=native gets a second build without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -39,9 +34,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from pagedserve.kernels.cpu_isa import check_isa, cpu_fingerprint, native_isa, selected_isa
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +59,6 @@ _SOURCES = tuple(
 _HEADERS = tuple(
     _CPU_DIR / name
     for name in ("vec.h", "attention_checks.h", "panel.h", "panel_bf16.h", "panel_quant.h", "row_ops.h")
-)
-# The instruction-set levels a build can target, best first, and the environment variable
-# that picks one (unset or "auto": the best this CPU runs).
-CPU_ISAS = ("avx512", "avx2", "portable")
-ISA_ENV = "PAGEDSERVE_CPU_ISA"
-# The CPU flags each x86 level needs (/proc/cpuinfo spelling).
-_X86_LEVEL_FLAGS = {
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}),
-    "avx2": frozenset({"avx2", "fma", "f16c"}),
-}
-# The flags that matter for the kernels and for bf16, as benchmarks and `doctor` report them.
-REPORTED_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_vnni",
-    "amx_bf16",
-    "amx_tile",
-    "asimd",
-    "sve",
 )
 
 
@@ -195,112 +169,6 @@ def _summarise(exc: BaseException, max_lines: int = 15) -> str:
     return " | ".join(["...", *lines[-max_lines:]])
 
 
-def _cpuinfo_first_processor() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (they describe them all); {} elsewhere."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass  # not Linux: the machine and processor strings are what there is
-    return fields
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (x86 `flags`, ARM `Features`), lower case."""
-    info = _cpuinfo_first_processor()
-    return frozenset((info.get("flags") or info.get("Features") or "").lower().split())
-
-
-def cpu_model() -> str:
-    info = _cpuinfo_first_processor()
-    return info.get("model name") or platform.processor() or platform.machine()
-
-
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-
-
-def isa_for_flags(flags: frozenset[str], x86: bool = True) -> str:
-    """The best of CPU_ISAS a CPU with these flags executes (portable off x86: NEON is
-    aarch64's baseline, and the portable build targets it)."""
-    if x86:
-        for isa in ("avx512", "avx2"):
-            if _X86_LEVEL_FLAGS[isa] <= flags:
-                return isa
-    return "portable"
-
-
-@functools.cache
-def native_isa() -> str:
-    """The best of CPU_ISAS this CPU executes."""
-    return isa_for_flags(cpu_flags(), _is_x86())
-
-
-def runnable_isas() -> tuple[str, ...]:
-    """The levels this CPU executes, best first: the native one and every one below it."""
-    return CPU_ISAS[CPU_ISAS.index(native_isa()) :]
-
-
-@functools.cache
-def check_isa(isa: str) -> str:
-    """isa if this CPU can run a build for it, else ValueError naming what is missing."""
-    if isa not in CPU_ISAS:
-        raise ValueError(f"{ISA_ENV}: unknown instruction set {isa!r}; choose auto, {', '.join(CPU_ISAS)}")
-    if isa not in runnable_isas():
-        missing = sorted(_X86_LEVEL_FLAGS.get(isa, frozenset()) - cpu_flags())
-        raise ValueError(
-            f"{ISA_ENV}={isa}: this CPU cannot run it (missing {', '.join(missing) or isa}); "
-            f"it runs {', '.join(runnable_isas())}"
-        )
-    return isa
-
-
-def selected_isa() -> str:
-    """$PAGEDSERVE_CPU_ISA when set (and not "auto"), else the best level this CPU runs.
-
-    Read on every call (a dict lookup; the checks are cached), so a test can switch a whole
-    process's kernels by setting the variable.
-    """
-    requested = os.environ.get(ISA_ENV, "")
-    if requested in ("", "auto"):
-        return native_isa()
-    return check_isa(requested.strip().lower())
-
-
-def cpu_report() -> dict[str, Any]:
-    """What benchmarks and `doctor` record about the CPU the kernels run on."""
-    flags = cpu_flags()
-    info = _cpuinfo_first_processor()
-    return {
-        "model": cpu_model(),
-        "family": info.get("cpu family", ""),
-        "model_number": info.get("model", ""),
-        "machine": platform.machine(),
-        "flags": [flag for flag in REPORTED_FLAGS if flag in flags],
-        "native_isa": native_isa(),
-        "kernel_isa": selected_isa(),
-    }
-
-
-def _cpu_fingerprint() -> str:
-    """What distinguishes this CPU for -march=native: its model and feature flags."""
-    info = _cpuinfo_first_processor()
-    parts = [platform.machine(), platform.processor()]
-    parts += [
-        f"{key}: {info[key]}"
-        for key in ("model name", "flags", "Features", "CPU part", "CPU implementer")
-        if key in info
-    ]
-    return "\n".join(parts)
-
-
 def _cflag_attempts(isa: str) -> list[list[str]]:
     """Compiler flags to try in turn for a build at `isa` on this CPU."""
     if isa == native_isa():
@@ -343,7 +211,7 @@ def build_name(isa: str, cflags: Sequence[str]) -> str:
     """The build's folder and library name: its ISA and a digest of everything the binary
     depends on (the CPU, the sources' and headers' contents, the flags, torch and Python),
     never of the checkout's path, so every checkout with these sources shares one build."""
-    digest = hashlib.sha256(_cpu_fingerprint().encode())
+    digest = hashlib.sha256(cpu_fingerprint().encode())
     for path in (*_SOURCES, *_HEADERS):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())

@@ -15,7 +15,8 @@ from typing import Any
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from pagedserve.kernels.cpu_ext import cpu_report, load_cpu_kernels, runnable_isas, selected_isa
+    from pagedserve.kernels.cpu_ext import load_cpu_kernels
+    from pagedserve.kernels.cpu_isa import cpu_report, runnable_isas, selected_isa
 
     report = cpu_report()
     isas = list(runnable_isas()) if args.isa == "all" else [selected_isa() if args.isa is None else args.isa]

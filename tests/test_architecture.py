@@ -153,7 +153,11 @@ def edges() -> dict[str, set[str]]:
 
 def test_the_walker_sees_our_packages() -> None:
     # Guards the test itself: an empty or partial module list would make every check pass.
-    for expected in ("pagedserve.cli", "pagedserve.common.settings", "pagedserve.controlplane.dispatcher"):
+    for expected in (
+        "pagedserve.cli",
+        "pagedserve.common.settings",
+        "pagedserve.controlplane.routing.dispatcher",
+    ):
         assert expected in MODULES
     assert "pagedserve.dataplane.config" in edges()["pagedserve.dataplane.engine.llm"]
 

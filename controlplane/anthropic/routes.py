@@ -22,8 +22,7 @@ from pagedserve.controlplane.anthropic.render import (
     stop_reason,
     usage,
 )
-from pagedserve.controlplane.error_shapes import MESSAGES_PATH, anthropic_error_body
-from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.errors import MESSAGES_PATH, ServiceError, anthropic_error_body
 from pagedserve.controlplane.frontend import StreamEvent, TextDelta
 from pagedserve.controlplane.openai.routes import CLIENT_CLOSED_REQUEST, OpenAIRoutes
 from pagedserve.controlplane.openai.running import SseEvent, merged_events, named_sse, opened, single_answer

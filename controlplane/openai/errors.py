@@ -4,7 +4,7 @@ Every error, including a body that is not JSON, a route that does not exist or a
 is `{"error": {"message", "type", "param", "code"}}` with `param` naming the field the message
 is about, and the status the gRPC code maps to (400 bad field, 401, 404, 405, 413, 429 queue
 full, 503 no data plane); anything unexpected is a logged 500. A request under Anthropic's
-`/v1/messages` gets the same errors in Anthropic's shape (`pagedserve.controlplane.error_shapes`):
+`/v1/messages` gets the same errors in Anthropic's shape (`pagedserve.controlplane.errors`):
 every function here that answers takes the request's `path` for that.
 """
 
@@ -19,8 +19,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.common.log import get_logger
-from pagedserve.controlplane.error_shapes import anthropic_error_body, speaks_anthropic
-from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
+from pagedserve.controlplane.errors import (
+    ServiceError,
+    anthropic_error_body,
+    clip,
+    invalid_argument,
+    speaks_anthropic,
+)
 from pagedserve.controlplane.frontend import Frontend
 
 log = get_logger(__name__)

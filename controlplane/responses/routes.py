@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.controlplane.auth import request_tenant
 from pagedserve.controlplane.errors import ServiceError, clip, invalid_argument
 from pagedserve.controlplane.frontend import StreamEvent, TextDelta
 from pagedserve.controlplane.openai.errors import error_body
@@ -34,6 +33,7 @@ from pagedserve.controlplane.responses.render import (
     usage,
 )
 from pagedserve.controlplane.responses.store import ResponseStore, StoredResponse
+from pagedserve.controlplane.tenancy.auth import request_tenant
 
 PATH = "/v1/responses"
 

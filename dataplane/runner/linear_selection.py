@@ -35,7 +35,8 @@ from torch import nn
 
 from pagedserve.common.log import get_logger
 from pagedserve.dataplane.config import CPU_LINEAR_MODES
-from pagedserve.kernels.cpu_ext import CpuKernels, cpu_model, cpu_report
+from pagedserve.kernels.cpu_ext import CpuKernels
+from pagedserve.kernels.cpu_isa import cpu_model, cpu_report
 from pagedserve.kernels.linear import pack_panels, pack_panels_bf16, panel_linear, panel_linear_bf16
 
 log = get_logger(__name__)

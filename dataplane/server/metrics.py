@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from pagedserve.common.metrics import PREFIX, TOKEN_LATENCY_BUCKETS, RequestMetrics
 from pagedserve.common.protocol import FINISH_REASON_NAMES
 from pagedserve.dataplane.engine.outputs import EngineStats
-from pagedserve.kernels.cpu_ext import cpu_report
+from pagedserve.kernels.cpu_isa import cpu_report
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 

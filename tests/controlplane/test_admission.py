@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from pagedserve.controlplane.admission import AdmissionQueue
-from pagedserve.controlplane.budget import BlockBudget
 from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.routing.admission import AdmissionQueue
+from pagedserve.controlplane.routing.budget import BlockBudget
 
 
 class Pool:

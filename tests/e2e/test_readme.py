@@ -201,7 +201,7 @@ COMPONENTS = (
     Component(
         "per-ISA CPU kernels",
         r"AVX-512",
-        lambda: "avx512" in (REPO / "kernels/cpu_ext.py").read_text() and _exists("kernels/cpu"),
+        lambda: "avx512" in (REPO / "kernels/cpu_isa.py").read_text() and _exists("kernels/cpu"),
     ),
     # Not built while the OpenAI API refuses them with 400 (controlplane/openai/protocol.py).
     Component(

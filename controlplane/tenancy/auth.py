@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from pagedserve.common.tls import deny_like, metadata_values
-from pagedserve.controlplane.tenants import (
+from pagedserve.controlplane.tenancy.tenants import (
     DEFAULT_TENANT,
     EVERY_TENANT,
     TenantPolicy,
@@ -162,7 +162,7 @@ def read_keys_file(path: str | Path) -> list[tuple[str, str | None]]:
     Lines: `key` (a tenant of its own, the old format) or `tenant: key`; blank lines and `#`
     comments are ignored. Or JSON: `{"tenant-a": ["key1", "key2"], "tenant-b": "key3"}`, or a
     list of keys and `{"key": ..., "tenant": ...}` objects. Tenant settings lines and objects
-    (controlplane/tenants.py) are read by `read_keys_and_settings`.
+    (controlplane/tenancy/tenants.py) are read by `read_keys_and_settings`.
     """
     return read_keys_and_settings(path)[0]
 

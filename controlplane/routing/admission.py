@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pagedserve.controlplane.errors import ServiceError
-from pagedserve.controlplane.tenants import DEFAULT_TENANT
+from pagedserve.controlplane.tenancy.tenants import DEFAULT_TENANT
 
 T = TypeVar("T")
 

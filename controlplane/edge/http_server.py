@@ -23,22 +23,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ServerTLS
 from pagedserve.controlplane.anthropic.routes import AnthropicRoutes
-from pagedserve.controlplane.auth import (
+from pagedserve.controlplane.edge.http_client_cap import CappedProtocol, ClientConnections
+from pagedserve.controlplane.edge.tls_mismatch import MismatchLog, TLSListener
+from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.frontend import Frontend
+from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
+from pagedserve.controlplane.openai.routes import OpenAIRoutes
+from pagedserve.controlplane.responses.routes import ResponsesRoutes
+from pagedserve.controlplane.responses.store import ResponseStore
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.tenancy.auth import (
     ApiKeys,
     authenticated_as,
     http_credentials,
     http_path_needs_key,
     refusal_message,
 )
-from pagedserve.controlplane.dispatcher import Dispatcher
-from pagedserve.controlplane.errors import ServiceError
-from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_client_cap import CappedProtocol, ClientConnections
-from pagedserve.controlplane.openai.errors import error_response, install_error_handlers, openai_error
-from pagedserve.controlplane.openai.routes import OpenAIRoutes
-from pagedserve.controlplane.responses.routes import ResponsesRoutes
-from pagedserve.controlplane.responses.store import ResponseStore
-from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener
 
 MAX_BODY_BYTES = 4 << 20
 """The largest request body the HTTP API reads (4 MiB); larger ones get 413."""
@@ -240,7 +240,7 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if tls is None:
             self._socket = socket.socket(family, socket.SOCK_STREAM)
-        else:  # a plaintext client gets a log line naming the mismatch (pagedserve.controlplane.tls_mismatch)
+        else:  # a plaintext client gets a log line naming the mismatch (pagedserve.controlplane.edge.tls_mismatch)
             listener = TLSListener(family, socket.SOCK_STREAM)
             listener.mismatch = MismatchLog("http")
             self._socket = listener

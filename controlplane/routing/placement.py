@@ -16,7 +16,7 @@ from pagedserve.common.admission_rules import refusal
 from pagedserve.common.block_hash import cdiv
 from pagedserve.controlplane.config import RoutingWeights
 from pagedserve.controlplane.request import GenerationRequest
-from pagedserve.controlplane.router import Candidate, choose
+from pagedserve.controlplane.routing.router import Candidate, choose
 
 NO_DATAPLANE = "no data plane is available to run this request"
 

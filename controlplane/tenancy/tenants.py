@@ -1,10 +1,10 @@
 """Tenants' shares and limits, as the API keys file sets them. No torch.
 
-A tenant (controlplane/auth.py) may be given, in the same keys file as its keys:
+A tenant (controlplane/tenancy/auth.py) may be given, in the same keys file as its keys:
 
 - `weight` (default 1): its share of admission when tenants compete for KV blocks; the
   admission queue serves equal-priority requests in weighted fair order of tokens
-  (controlplane/admission.py);
+  (controlplane/routing/admission.py);
 - `max_concurrency` (default none): requests of the tenant in progress at once (queued for
   budget or generating); one more is refused RESOURCE_EXHAUSTED / 429 with a retry hint;
 - `tokens_per_minute` (default none): a token bucket holding one minute's worth, refilled

@@ -3,7 +3,7 @@
 Transport-neutral: the gRPC servicer and the OpenAI HTTP front end hand it a validated
 `GenerationRequest` (built by the Frontend) and consume `generate()`'s events. The decisions
 (where a request runs, whether it may move after a failure) are pure functions in
-`pagedserve.controlplane.placement`; this class snapshots the links for them and carries them out. All
+`pagedserve.controlplane.routing.placement`; this class snapshots the links for them and carries them out. All
 state here is soft: the data-plane links rebuild it from snapshots and events after a restart.
 
 The set of data planes: the static `--dataplane` addresses plus what `--dataplane-dns`
@@ -26,19 +26,25 @@ from dataclasses import dataclass
 
 from pagedserve.common.log import get_logger
 from pagedserve.common.telemetry import extract, tracer
-from pagedserve.controlplane.admission import HELD_BACK, AdmissionQueue, HeldBack
-from pagedserve.controlplane.auth import tenant_names
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection, Lost, RequestEvent
 from pagedserve.controlplane.deadlines import timeout_ms
-from pagedserve.controlplane.discovery import Resolver, resolve_dataplanes
 from pagedserve.controlplane.errors import ServiceError
-from pagedserve.controlplane.link_snapshots import PromptHashes, link_snapshots, prompt_hashes
-from pagedserve.controlplane.placement import LinkSnapshot, Refusal, Wait, plan_placement, retry_on_other
-from pagedserve.controlplane.prefix_index import PrefixIndex
 from pagedserve.controlplane.request import GenerationRequest
-from pagedserve.controlplane.tenant_limits import TenantLimits
-from pagedserve.controlplane.tenants import policies as tenant_policies
+from pagedserve.controlplane.routing.admission import HELD_BACK, AdmissionQueue, HeldBack
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection, Lost, RequestEvent
+from pagedserve.controlplane.routing.discovery import Resolver, resolve_dataplanes
+from pagedserve.controlplane.routing.link_snapshots import PromptHashes, link_snapshots, prompt_hashes
+from pagedserve.controlplane.routing.placement import (
+    LinkSnapshot,
+    Refusal,
+    Wait,
+    plan_placement,
+    retry_on_other,
+)
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
+from pagedserve.controlplane.tenancy.auth import tenant_names
+from pagedserve.controlplane.tenancy.tenant_limits import TenantLimits
+from pagedserve.controlplane.tenancy.tenants import policies as tenant_policies
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 log = get_logger(__name__)
@@ -82,7 +88,7 @@ class Dispatcher:
         self.resolver = resolver
         self.index = PrefixIndex()
         self.connections: dict[str, DataPlaneConnection] = {}
-        # Tenants (controlplane/tenants.py): their weights order the admission queue, their
+        # Tenants (controlplane/tenancy/tenants.py): their weights order the admission queue, their
         # limits refuse a request before it queues, and with two or more of them a data plane
         # gets new requests only while ours that wait there for a first token reserve less
         # than about a step of prefill (`tenant_dispatch_tokens`): the rest wait here, where

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.common.log import get_logger
-from pagedserve.controlplane.http_head_timeout import HeadTimeoutProtocol
+from pagedserve.controlplane.edge.http_head_timeout import HeadTimeoutProtocol
 
 log = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """What placement sees of each data-plane link, for one request, at one instant. No torch.
 
-The dispatcher hands `plan_placement` (controlplane/placement.py) a `LinkSnapshot` per link:
+The dispatcher hands `plan_placement` (controlplane/routing/placement.py) a `LinkSnapshot` per link:
 its configuration and health, the block budget this replica keeps for it, its load, how much
 of the request's prompt it caches (through the prefix index), and, with several tenants, what
 the request's tenant holds there (its requests waiting for a first token, its share of the
@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 from pagedserve.common.block_hash import first_block_extra_keys, hash_request_blocks
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection
-from pagedserve.controlplane.placement import LinkSnapshot
-from pagedserve.controlplane.prefix_index import PrefixIndex
 from pagedserve.controlplane.request import GenerationRequest
-from pagedserve.controlplane.router import share_slots
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.routing.placement import LinkSnapshot
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
+from pagedserve.controlplane.routing.router import share_slots
 
 PromptHashes = Callable[[int, str], list[bytes]]
 """The chained block hashes of a request's prompt for a (block_size, hash seed)."""

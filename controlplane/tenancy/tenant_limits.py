@@ -6,7 +6,7 @@ refused later): the tenant's concurrency slot comes back then, and so do the tok
 request was charged for but did not generate. A refusal is RESOURCE_EXHAUSTED (HTTP 429)
 with a retry-after hint, the same shape as a full admission queue's, and is counted per
 tenant and reason for the metrics. Tenants and their policies come from the keys file
-(controlplane/tenants.py); a tenant without limits costs one dictionary look-up.
+(controlplane/tenancy/tenants.py); a tenant without limits costs one dictionary look-up.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pagedserve.controlplane.errors import ServiceError
-from pagedserve.controlplane.tenants import TenantPolicy
+from pagedserve.controlplane.tenancy.tenants import TenantPolicy
 
 CONCURRENCY = "max_concurrency"
 TOKEN_RATE = "tokens_per_minute"

@@ -20,8 +20,8 @@ import grpc
 from pagedserve.common.grpc_options import LINK_CHANNEL_OPTIONS
 from pagedserve.common.log import get_logger
 from pagedserve.common.tls import ClientTLS, token_metadata
-from pagedserve.controlplane.budget import BlockBudget
-from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.routing.budget import BlockBudget
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 log = get_logger(__name__)
