@@ -3,8 +3,8 @@
     python -m helm.generate          # rewrite the generated parts of helm/pagedserve/
     python -m helm.generate --check  # exit 1 if they differ from a fresh generation
 
-The one source of every engine setting is `EngineConfig` (dataplane/config.py); of every
-control-plane tuning setting `ControlPlaneConfig` (controlplane/config.py). Each `setting`
+The one source of every engine setting is `EngineConfig` (dataplane/src/pagedserve/dataplane/config.py); of every
+control-plane tuning setting `ControlPlaneConfig` (controlplane/src/pagedserve/controlplane/config.py). Each `setting`
 field with a command-line flag becomes, in the chart:
 
 - a value (camelCase key) in `values.yaml`, with its default and help, between the
@@ -182,13 +182,13 @@ def blocks() -> list[Block]:
     return [
         Block(
             "engine",
-            "dataplane/config.py EngineConfig",
+            "dataplane/src/pagedserve/dataplane/config.py EngineConfig",
             "pagedserve.engineArgs",
             knobs(EngineConfig, "engine"),
         ),
         Block(
             "controlplane.settings",
-            "controlplane/config.py ControlPlaneConfig",
+            "controlplane/src/pagedserve/controlplane/config.py ControlPlaneConfig",
             "pagedserve.controlplaneSettingsArgs",
             knobs(ControlPlaneConfig, "controlplane"),
         ),

@@ -2,7 +2,7 @@
 interpreter. TRITON_INTERPRET must be set before the first @triton.jit module is imported
 (pagedserve.kernels.triton_ops is imported lazily, on the first Triton call), hence here.
 
-PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/gpu_check.sh sets) makes that fallback an
+PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/src/pagedserve/benchmarks/gpu_check.sh sets) makes that fallback an
 error instead: a GPU check that silently ran in the interpreter would report a pass for
 kernels it never compiled.
 """

@@ -1,4 +1,4 @@
-"""The per-ISA builds of the C++ CPU kernels (kernels/cpu_ext.py): which level a CPU runs,
+"""The per-ISA builds of the C++ CPU kernels (kernels/src/pagedserve/kernels/cpu_ext.py): which level a CPU runs,
 the override, and how the builds' results relate.
 
 Every build this machine executes is loaded side by side (each under its own op namespace).

@@ -1,4 +1,4 @@
-"""The C++ CPU prefill kernel (kernels/cpu/prefill_attention.cpp) against the torch path.
+"""The C++ CPU prefill kernel (kernels/src/pagedserve/kernels/cpu/prefill_attention.cpp) against the torch path.
 
 The reference is paged_attention(impl="torch"): gathers + SDPA with the bottom-right causal
 mask. As for the decode kernel, the extension must build here (no skip).

@@ -1,4 +1,4 @@
-"""The gRPC API's one error boundary (controlplane/edge/servicer.py): an unexpected exception in
+"""The gRPC API's one error boundary (controlplane/src/pagedserve/controlplane/edge/servicer.py): an unexpected exception in
 any handler is INTERNAL naming the request id, with one structured log line carrying the id
 and the traceback; the server keeps serving; a ServiceError keeps its own status."""
 
