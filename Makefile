@@ -3,20 +3,25 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Two installs: what serving needs (`make serve`, `make pull`), then the test/bench tools on top.
+# Every plane is its own distribution (docs/architecture.md); pip installs them from their folders
+# in editable mode, then the `pagedserve` meta distribution at the root, which requires them all.
+DISTS := protos common clients/python kernels controlplane dataplane benchmarks
+EDITABLE := $(foreach d,$(DISTS),-e ./$(d))
+PYPROJECTS := pyproject.toml $(foreach d,$(DISTS),$(d)/pyproject.toml)
 SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed-stamp
 export PYTHONUNBUFFERED := 1
 
 .PHONY: install pull kernels serve chat protos chart clients test lint typecheck unit bench clean
 
-$(SERVE_STAMP): pyproject.toml
+$(SERVE_STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[convert]"
+	$(BIN)/pip install --quiet $(EDITABLE) -e ".[convert]"
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(BIN)/pip install --quiet -e ".[convert,dev,bench,triton]"
+	$(BIN)/pip install --quiet $(EDITABLE) -e ".[convert,dev,bench,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,7 +43,7 @@ serve: pull kernels
 chat: pull
 	$(BIN)/pagedserve chat
 
-# Regenerate every client's gRPC code from protos/*.proto: Python (with typed stubs), Go and Java
+# Regenerate every client's gRPC code from protos/src/pagedserve/protos/pagedserve/v1/*.proto: Python (with typed stubs), Go and Java
 # (Go and Java need Debian's protoc and plugins, see docs/api.md; `--lang python` for Python only).
 protos: install
 	$(BIN)/python -m pagedserve.protos.generate
@@ -53,12 +58,12 @@ clients:
 	clients/go/build.sh build/go
 	clients/java/build.sh build/java
 
-# buf breaking compares the public protos with a git reference (protos/breaking.py says which); the
+# buf breaking compares the public protos with a git reference (protos/src/pagedserve/protos/breaking.py says which); the
 # drift check covers Go and Java when their generators are installed (always in CI).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/buf lint protos
+	$(BIN)/buf lint protos/src/pagedserve/protos
 	$(BIN)/python -m pagedserve.protos.breaking
 	$(BIN)/python -m pagedserve.protos.generate --check
 	$(BIN)/python -m helm.generate --check
@@ -81,7 +86,7 @@ bench: install pull
 # ARGS=--dry-run: print and check the plan on any machine, running nothing on a GPU.
 .PHONY: gpu-check
 gpu-check:
-	benchmarks/gpu_check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(ARGS)
+	benchmarks/src/pagedserve/benchmarks/gpu_check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

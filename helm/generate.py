@@ -3,8 +3,8 @@
     python -m helm.generate          # rewrite the generated parts of helm/pagedserve/
     python -m helm.generate --check  # exit 1 if they differ from a fresh generation
 
-The one source of every engine setting is `EngineConfig` (dataplane/config.py); of every
-control-plane tuning setting `ControlPlaneConfig` (controlplane/config.py). Each `setting`
+The one source of every engine setting is `EngineConfig` (dataplane/src/pagedserve/dataplane/config.py); of every
+control-plane tuning setting `ControlPlaneConfig` (controlplane/src/pagedserve/controlplane/config.py). Each `setting`
 field with a command-line flag becomes, in the chart:
 
 - a value (camelCase key) in `values.yaml`, with its default and help, between the
@@ -55,8 +55,8 @@ CHART = ROOT / "helm" / "pagedserve"
 # Settings the chart fills in itself, never from `engine` / `controlplane.settings`.
 CHART_MANAGED: dict[str, str] = {
     "model_home": "the chart mounts the model store at `models.mountPath` and passes `--model-home`",
-    "dataplanes": "the chart passes the data planes' addresses (`pagedserve.controlplane.discovery`)",
-    "dataplane_dns": "the chart passes the headless Service's name (`pagedserve.controlplane.discovery`)",
+    "dataplanes": "the chart passes the data planes' addresses (`pagedserve.controlplane.routing.discovery`)",
+    "dataplane_dns": "the chart passes the headless Service's name (`pagedserve.controlplane.routing.discovery`)",
     "dataplane_token_file": "the chart mounts the shared token's Secret (`dataplaneAuth.token`)",
     # ControlPlaneConfig.model: the control planes tokenize with the data planes' model.
     "controlplane.model": "the control planes use `engine.model` (they tokenize for the data planes)",
@@ -182,13 +182,13 @@ def blocks() -> list[Block]:
     return [
         Block(
             "engine",
-            "dataplane/config.py EngineConfig",
+            "dataplane/src/pagedserve/dataplane/config.py EngineConfig",
             "pagedserve.engineArgs",
             knobs(EngineConfig, "engine"),
         ),
         Block(
             "controlplane.settings",
-            "controlplane/config.py ControlPlaneConfig",
+            "controlplane/src/pagedserve/controlplane/config.py ControlPlaneConfig",
             "pagedserve.controlplaneSettingsArgs",
             knobs(ControlPlaneConfig, "controlplane"),
         ),

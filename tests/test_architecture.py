@@ -1,21 +1,19 @@
 """The house plan, checked: one import namespace, import layers point down only, and no module
 imports itself back.
 
-Every module imports as `pagedserve.…`. The area folders sit at the top of the repository and
-`pagedserve/<area>` links to each (docs/architecture.md). Layers from the top:
+Every module imports as `pagedserve.…`, a PEP 420 namespace spread over one distribution per
+area: each folder at the top of the repository holds its code in `src/pagedserve/<area>/`
+(docs/architecture.md). Layers from the top:
 
     shell      pagedserve.cli, pagedserve.serve, pagedserve.models_cli, pagedserve.kernels_cli, pagedserve.__main__
     tools      pagedserve.benchmarks
     planes     pagedserve.controlplane, pagedserve.dataplane, pagedserve.clients (the Python client library)
-    neutral    pagedserve.common (and the bare `pagedserve` package), pagedserve.kernels
+    neutral    pagedserve.common, pagedserve.kernels
     wire       pagedserve.protos
 
 A module may import its own area and any lower layer. The planes do not import each other,
 `pagedserve.kernels` imports nothing from serving code, and the control plane never imports torch.
-Every import statement counts: at module level, inside functions and under TYPE_CHECKING. The
-one exception is the offline API's lazy re-export in `pagedserve/__init__.py` (its `__getattr__`
-loads `LLM` from the data plane on first use, and TYPE_CHECKING names it for type checkers;
-importing the package loads no plane).
+Every import statement counts: at module level, inside functions and under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -29,6 +27,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The folders at the top of the repository that are areas of the `pagedserve` namespace.
 AREAS = ("controlplane", "dataplane", "clients", "kernels", "benchmarks", "protos")
+# Each distribution's folder (its pyproject.toml) -> the part of the namespace under its src/:
+# the areas, the plane-neutral code and the shell (the meta distribution at the root).
+DISTRIBUTIONS = {
+    "protos": "pagedserve/protos",
+    "common": "pagedserve/common",
+    "clients/python": "pagedserve/clients/python",
+    "kernels": "pagedserve/kernels",
+    "controlplane": "pagedserve/controlplane",
+    "dataplane": "pagedserve/dataplane",
+    "benchmarks": "pagedserve/benchmarks",
+    ".": "pagedserve",
+}
 # The repository's own top-level names that nothing may import as such any more.
 OLD_TOP_LEVEL = frozenset(AREAS)
 SHELL_MODULES = (
@@ -45,12 +55,12 @@ OUTSIDE = ("tests", "helm")
 
 
 def module_name(path: Path) -> str:
-    """The dotted name a file imports as: `dataplane/kvcache/block_pool.py` ->
+    """The dotted name a file imports as: `dataplane/src/pagedserve/dataplane/kvcache/block_pool.py` ->
     `pagedserve.dataplane.kvcache.block_pool`; tests and helm keep their folder names."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     parts = parts[:-1] if parts[-1] == "__init__" else parts
-    if parts[0] in AREAS:
-        parts = ("pagedserve", *parts)
+    if "src" in parts and parts[0] not in OUTSIDE:
+        parts = parts[parts.index("src") + 1 :]
     return ".".join(parts)
 
 
@@ -65,12 +75,8 @@ def _files(folder: Path) -> Iterator[Path]:
 
 def our_modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for path in (ROOT / "pagedserve").rglob("*.py"):
-        # pagedserve/<area> links to the area's folder: each file is read once, where it lives.
-        if not any(parent.is_symlink() for parent in path.relative_to(ROOT).parents if parent != Path(".")):
-            found[module_name(path)] = path
-    for area in AREAS:
-        for path in _files(ROOT / area):
+    for folder, part in DISTRIBUTIONS.items():
+        for path in _files(ROOT / folder / "src" / part):
             found[module_name(path)] = path
     return found
 
@@ -102,32 +108,12 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def _lazy_reexports(tree: ast.Module) -> set[int]:
-    """Lines of the import statements inside a module-level `__getattr__` or `if TYPE_CHECKING:`
-    (the offline API's names, loaded on first use and typed for a type checker)."""
-    blocks = [
-        node
-        for node in tree.body
-        if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__")
-        or (isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-    ]
-    return {
-        node.lineno
-        for block in blocks
-        for node in ast.walk(block)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-    }
-
-
 def imports_of(module: str) -> Iterator[tuple[str, int]]:
     """(imported name, line) for every import statement in `module` (absolute or relative)."""
     path = EVERY_MODULE[module]
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    lazy = _lazy_reexports(tree) if module == "pagedserve" else set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in lazy:
-            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -153,7 +139,11 @@ def edges() -> dict[str, set[str]]:
 
 def test_the_walker_sees_our_packages() -> None:
     # Guards the test itself: an empty or partial module list would make every check pass.
-    for expected in ("pagedserve.cli", "pagedserve.common.settings", "pagedserve.controlplane.dispatcher"):
+    for expected in (
+        "pagedserve.cli",
+        "pagedserve.common.settings",
+        "pagedserve.controlplane.routing.dispatcher",
+    ):
         assert expected in MODULES
     assert "pagedserve.dataplane.config" in edges()["pagedserve.dataplane.engine.llm"]
 
@@ -187,20 +177,6 @@ def test_kernels_import_no_serving_code_and_the_control_plane_no_torch() -> None
     assert bad == []
 
 
-def test_the_offline_api_is_the_only_lazy_reexport() -> None:
-    # The exemption above covers exactly the offline API's names, loaded on first use.
-    tree = ast.parse(MODULES["pagedserve"].read_text())
-    lazy = _lazy_reexports(tree)
-    named = {
-        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.lineno in lazy
-    }
-    assert named == {
-        "pagedserve.common.sampling_params",
-        "pagedserve.dataplane.engine",
-        "pagedserve.dataplane.engine.llm",
-    }
-
-
 def test_one_namespace_nothing_imports_the_old_top_level_names() -> None:
     # `import dataplane` from the repository root would still find the folder, and load a second
     # copy of every module beside `pagedserve.dataplane`: nothing may use those names.
@@ -224,10 +200,19 @@ def test_no_product_or_tool_module_imports_tests() -> None:
     assert bad == []
 
 
-def test_every_area_is_linked_into_the_namespace() -> None:
+def test_every_area_is_a_distribution_of_the_namespace() -> None:
+    # One real package tree: no links, and no distribution ships pagedserve/__init__.py (one
+    # that did would make `pagedserve` a regular package and hide every other part).
     for area in AREAS:
-        link = ROOT / "pagedserve" / area
-        assert link.is_symlink() and link.resolve() == (ROOT / area).resolve(), link
+        assert any(folder.split("/")[0] == area for folder in DISTRIBUTIONS), area
+    for folder, part in DISTRIBUTIONS.items():
+        src = ROOT / folder / "src"
+        assert (ROOT / folder / "pyproject.toml").is_file(), folder
+        assert (src / part).is_dir() and not (src / "pagedserve" / "__init__.py").exists(), folder
+        assert [p for p in src.rglob("*") if p.is_symlink()] == [], folder
+        # (an editable install writes its *.egg-info beside the package: git ignores it)
+        kept = sorted(p.name for p in src.iterdir() if p.name != "__pycache__" and p.suffix != ".egg-info")
+        assert kept == ["pagedserve"], folder
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

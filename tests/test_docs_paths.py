@@ -23,7 +23,7 @@ LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 # A path into the repository: a top-level folder, then anything path-like. It must not follow
 # a word character, `/`, `.` or `~` (URLs, ~/... and /abs/... are not repository paths).
 REPO_PATH = re.compile(
-    r"(?<![\w/.~-])((?:docs|benchmarks|clients|helm|tests|dataplane|controlplane|kernels|pagedserve|protos)/[\w./*-]*\w)"
+    r"(?<![\w/.~-])((?:docs|benchmarks|clients|common|helm|src|tests|dataplane|controlplane|kernels|protos)/[\w./*-]*\w)"
 )
 
 
@@ -58,6 +58,6 @@ def test_the_patterns_find_what_they_must() -> None:
         "api.md",
         "https://example.com",
     ]
-    assert REPO_PATH.findall("in `dataplane/engine/llm_engine.py`, not https://x.org/docs/a.md") == [
-        "dataplane/engine/llm_engine.py"
-    ]
+    assert REPO_PATH.findall(
+        "in `dataplane/src/pagedserve/dataplane/engine/llm_engine.py`, not https://x.org/docs/a.md"
+    ) == ["dataplane/src/pagedserve/dataplane/engine/llm_engine.py"]

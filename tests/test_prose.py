@@ -17,8 +17,9 @@ CODE = (
     "clients",
     "benchmarks",
     "protos",
+    "common",
+    "src",
     "helm",
-    "pagedserve",
     "tests",
 )
 # A hexadecimal word of 7-40 characters with at least one digit and one letter: what `git log
@@ -40,14 +41,13 @@ def is_comment_or_docstring(text: str) -> bool:
 
 
 def python_files() -> list[Path]:
-    """Our Python sources, each once (the package tree links to the areas), without the
-    generated protobuf code."""
+    """Our Python sources, each once, without the generated protobuf code."""
     seen: dict[Path, Path] = {}
     for area in CODE:
         for path in sorted((ROOT / area).rglob("*.py")):
             real = path.resolve()
-            generated = real.is_relative_to(ROOT / "protos" / "pagedserve")
-            if ".venv" not in real.parts and not generated:
+            generated = real.is_relative_to(ROOT / "protos/src/pagedserve/protos/pagedserve")
+            if ".venv" not in real.parts and "build" not in real.parts and not generated:
                 seen.setdefault(real, path)
     return sorted(seen)
 

@@ -69,4 +69,5 @@ def test_the_plot_hint_installs_the_bench_extra_the_way_the_readme_installs() ->
     assert command and command.group(1) == "bench", PLOT_EXTRA_HINT
     assert "pagedserve[" not in PLOT_EXTRA_HINT  # no such distribution on PyPI
     install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
-    assert 'pip install -e ".[' in install  # the README's own form: an editable install of the checkout
+    # The README's own form: the checkout's distributions installed editable, the root with extras.
+    assert "pip install -e ./protos" in install and '-e ".[' in install

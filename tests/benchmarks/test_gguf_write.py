@@ -1,4 +1,4 @@
-"""The Q4_K test-data quantizer (benchmarks/gguf_write.py) writes blocks that the `gguf` package
+"""The Q4_K test-data quantizer (benchmarks/src/pagedserve/benchmarks/gguf_write.py) writes blocks that the `gguf` package
 and our decoder read alike, close to the weights; and the tensor-name map is the loader's inverse."""
 
 from __future__ import annotations

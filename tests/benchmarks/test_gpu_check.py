@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh on a machine without a GPU: the dry run passes and writes nothing, a
+"""benchmarks/src/pagedserve/benchmarks/gpu_check.sh on a machine without a GPU: the dry run passes and writes nothing, a
 real run refuses, and the pieces that judge a GPU run's output (greedy comparison with ties,
 step summaries, the engine's memory-plan log lines) work on canned inputs."""
 
@@ -36,7 +36,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behav
 def test_dry_run_prints_the_plan_checks_it_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh", "--dry-run", "--out", str(out)],
+        ["bash", "benchmarks/src/pagedserve/benchmarks/gpu_check.sh", "--dry-run", "--out", str(out)],
         cwd=ROOT,
         env={**os.environ, "PYTHON": sys.executable},
         capture_output=True,

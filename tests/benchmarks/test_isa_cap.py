@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagedserve.benchmarks.isa_cap import SITE_DIR, active_cap, cap_env
-from pagedserve.kernels.cpu_ext import cpu_flags
+from pagedserve.kernels.cpu_isa import cpu_flags
 
 PROBE = (
     "import torch, torch.cpu; "

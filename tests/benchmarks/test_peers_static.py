@@ -1,4 +1,4 @@
-"""benchmarks/peers.py's static-batching transformers peer on a tiny random Llama: the CPU/fp32
+"""benchmarks/src/pagedserve/benchmarks/peers.py's static-batching transformers peer on a tiny random Llama: the CPU/fp32
 defaults and the explicit device/dtype keywords (what gpu_check passes, there "cuda" and bf16)
 give the same tokens, which are transformers' own greedy ones, each cut to its request's length."""
 

@@ -1,4 +1,4 @@
-"""`benchmarks/server_process.py`: a server the benchmark launches is ready when /health says
+"""`benchmarks/src/pagedserve/benchmarks/server_process.py`: a server the benchmark launches is ready when /health says
 200, and is gone, with every process it started, however the run ends.
 
 A fake server (a Python script: one child process, like `pagedserve serve`'s data plane or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -138,10 +139,11 @@ def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
     from pagedserve.benchmarks.tiny_models import make_tiny_model
 
     copy = tmp_path / "src"
-    for area in ("pagedserve", "controlplane", "dataplane", "kernels", "clients", "protos", "benchmarks"):
-        # symlinks=True: pagedserve/<area> stay links to the copied areas (the edit below is seen)
-        shutil.copytree(REPO / area, copy / area, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    config_py = copy / "dataplane" / "config.py"
+    dists: tuple[str, ...] = ("src", "protos/src", "common/src", "clients/python/src", "kernels/src")
+    dists += ("controlplane/src", "dataplane/src", "benchmarks/src")
+    for dist in dists:
+        shutil.copytree(REPO / dist, copy / dist, ignore=shutil.ignore_patterns("__pycache__"))
+    config_py = copy / "dataplane/src/pagedserve/dataplane/config.py"
     anchor = '    max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)\n'
     text = config_py.read_text()
     assert anchor in text
@@ -149,7 +151,7 @@ def test_one_edit_adds_a_setting_everywhere(tmp_path: Path) -> None:
         text.replace(anchor, anchor + '    dummy_knob: int = setting(7, "a knob for this test", minimum=1)\n')
     )
 
-    env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": os.pathsep.join(str(copy / dist) for dist in dists), "PATH": "/usr/bin:/bin"}
     help_text = subprocess.run(
         [sys.executable, "-m", "pagedserve", "serve", "--help"],
         cwd=copy,

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pagedserve.controlplane.admission import AdmissionQueue
-from pagedserve.controlplane.budget import BlockBudget
 from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.routing.admission import AdmissionQueue
+from pagedserve.controlplane.routing.budget import BlockBudget
 from tests.clock import FakeClock
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.controlplane.budget import BlockBudget
+from pagedserve.controlplane.routing.budget import BlockBudget
 
 
 def test_reserve_release_and_report() -> None:

@@ -14,10 +14,10 @@ import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection
-from pagedserve.controlplane.dispatcher import Admitted, Dispatcher
-from pagedserve.controlplane.prefix_index import PrefixIndex
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.routing.dispatcher import Admitted, Dispatcher
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc
 
 WAIT_S = 5.0  # bound on every wait: each is for a message on a local port

@@ -15,15 +15,19 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedserve.controlplane.dataplane_client import RequestEvent
 from pagedserve.controlplane.deadlines import MAX_TIMEOUT_MS, MAX_TIMEOUT_S, request_deadline, timeout_ms
-from pagedserve.controlplane.dispatcher import DEADLINE_GRACE_S, Admitted, GenerationEvent, _next_event
-from pagedserve.controlplane.errors import ServiceError
+from pagedserve.controlplane.edge.http_server import create_app
+from pagedserve.controlplane.errors import ServiceError, named_error
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_server import create_app
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
-from pagedserve.controlplane.named_errors import named_error
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.dataplane_client import RequestEvent
+from pagedserve.controlplane.routing.dispatcher import (
+    DEADLINE_GRACE_S,
+    Admitted,
+    GenerationEvent,
+    _next_event,
+)
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 NOW = 1000.0

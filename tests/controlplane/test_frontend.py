@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from pagedserve.common.protocol import sampling_fields_from_proto, sampling_params_from_proto
-from pagedserve.controlplane.dispatcher import Admitted, GenerationEvent
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import CompletionDone, Frontend, StreamEvent, TextDelta
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.openai.protocol import ChatCompletionRequest
 from pagedserve.controlplane.openai.render import sampling_fields
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.dispatcher import Admitted, GenerationEvent
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 WORDS = ["<pad>", "Hello", ",", " world", "!", " How", " are", " you", "?"]
@@ -261,7 +261,7 @@ def test_every_numeric_field_is_range_checked_before_conversion(
 
 def test_n_is_bounded_before_any_per_sample_state_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     built = []
-    monkeypatch.setattr("pagedserve.controlplane.frontend.IncrementalDetokenizer", lambda *a: built.append(a))
+    monkeypatch.setattr("pagedserve.controlplane.request.IncrementalDetokenizer", lambda *a: built.append(a))
     fe = frontend(FakeDispatcher([[[HELLO]]]))
     with pytest.raises(ServiceError, match=r"^sampling_params\.n must be at most 128, got 4294967295$"):
         fe.validate([HELLO], {"n": 2**32 - 1})

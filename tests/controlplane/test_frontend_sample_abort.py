@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection, RequestHandle
 from pagedserve.controlplane.frontend import CompletionDone
-from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection, RequestHandle
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 from tests.controlplane.test_frontend import (
     ARE,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.controlplane import http_client_cap
-from pagedserve.controlplane.http_client_cap import ClientConnections
+from pagedserve.controlplane.edge import http_client_cap
+from pagedserve.controlplane.edge.http_client_cap import ClientConnections
 
 
 class Clock:

@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 2}, "length_penalty"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
-        # (tools are read by controlplane/tools/definitions.py; an earlier call on a user message
+        # (tools are read by controlplane/src/pagedserve/controlplane/tools/definitions.py; an earlier call on a user message
         # or with a bad name is refused here)
         (
             {"messages": [{"role": "user", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]},
@@ -57,7 +57,7 @@ def test_unsupported_chat_parameters_are_refused_naming_them(extra: dict[str, An
         {"tool_choice": "none"},
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
         {"response_format": {"type": "text"}},
-        # structured outputs are read (and checked) by controlplane/openai/structured.py
+        # structured outputs are read (and checked) by controlplane/src/pagedserve/controlplane/openai/structured.py
         {"response_format": {"type": "json_object"}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
         {"structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}},

@@ -15,15 +15,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedserve.common.constraints import MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_SCHEMA_DEPTH, Constraint
-from pagedserve.controlplane.dispatcher import Admitted, GenerationEvent
+from pagedserve.controlplane.edge.http_server import create_app
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_server import create_app
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.openai.protocol import UNSUPPORTED, ChatCompletionRequest
 from pagedserve.controlplane.openai.render import MIN_LOGPROB, floored_logprob
 from pagedserve.controlplane.openai.structured import Structured, structured_output
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.dispatcher import Admitted, GenerationEvent
 from pagedserve.protos.pagedserve.v1 import common_pb2, dataplane_pb2
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

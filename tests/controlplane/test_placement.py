@@ -13,13 +13,14 @@ import pytest
 
 from pagedserve.common.admission_rules import refusal
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.controlplane.admission import HeldBack
 from pagedserve.controlplane.config import ControlPlaneConfig, RoutingWeights
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection
-from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
-from pagedserve.controlplane.link_snapshots import prompt_hashes
-from pagedserve.controlplane.placement import (
+from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.admission import HeldBack
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.routing.link_snapshots import prompt_hashes
+from pagedserve.controlplane.routing.placement import (
     NO_DATAPLANE,
     WAIT,
     WAIT_HELD_BACK,
@@ -30,7 +31,6 @@ from pagedserve.controlplane.placement import (
     reservation_refusal,
     retry_on_other,
 )
-from pagedserve.controlplane.request import GenerationRequest
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 W = RoutingWeights()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 
 

@@ -13,13 +13,13 @@ from fastapi.testclient import TestClient
 
 from pagedserve.common.priority import MAX_PRIORITY, MIN_PRIORITY
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.controlplane.admission import AdmissionQueue
+from pagedserve.controlplane.edge.http_server import create_app
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.http_server import create_app
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
-from pagedserve.controlplane.placement import WAIT, Placement
 from pagedserve.controlplane.request import GenerationRequest
+from pagedserve.controlplane.routing.admission import AdmissionQueue
+from pagedserve.controlplane.routing.placement import WAIT, Placement
 from tests.controlplane.test_admission import Pool, make_queue, until_waiting
 from tests.controlplane.test_deadline_sources import Digits, FakeDispatcher
 from tests.controlplane.test_placement import plan, snap

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.controlplane.config import RoutingWeights
-from pagedserve.controlplane.router import Candidate, choose, score
+from pagedserve.controlplane.routing.router import Candidate, choose, score
 
 
 def cand(name: str, **kw: int) -> Candidate:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.controlplane.admission import HELD_BACK, AdmissionQueue, HeldBack
+from pagedserve.controlplane.routing.admission import HELD_BACK, AdmissionQueue, HeldBack
 from tests.controlplane.test_admission import Pool, until_waiting
 
 COST = 100  # tokens per request (prompt + max_tokens × n)

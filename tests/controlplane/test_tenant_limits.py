@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.controlplane.auth import load_keys, load_tenant_settings, read_keys_file
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dispatcher import Dispatcher
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.metrics import ControlPlaneMetrics
 from pagedserve.controlplane.request import GenerationRequest
-from pagedserve.controlplane.router import MIN_PENDING, Candidate, share_slots
-from pagedserve.controlplane.tenant_limits import TenantLimits
-from pagedserve.controlplane.tenants import DEFAULT_TENANT, TenantPolicy
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.routing.router import MIN_PENDING, Candidate, share_slots
+from pagedserve.controlplane.tenancy.auth import load_keys, load_tenant_settings, read_keys_file
+from pagedserve.controlplane.tenancy.tenant_limits import TenantLimits
+from pagedserve.controlplane.tenancy.tenants import DEFAULT_TENANT, TenantPolicy
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2
 from tests.controlplane.test_dataplane_link_drain import FakeDataPlane, wait_for, with_fake_dataplane
 

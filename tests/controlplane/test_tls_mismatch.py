@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from pagedserve.controlplane import tls_mismatch
-from pagedserve.controlplane.tls_mismatch import MismatchLog, TLSListener, describe
+from pagedserve.controlplane.edge import tls_mismatch
+from pagedserve.controlplane.edge.tls_mismatch import MismatchLog, TLSListener, describe
 
 
 def test_describe_names_what_came_instead_of_tls() -> None:

@@ -1,4 +1,4 @@
-"""The load-time choice between the panel kernel and oneDNN (dataplane/runner/linear_selection.py).
+"""The load-time choice between the panel kernel and oneDNN (dataplane/src/pagedserve/dataplane/runner/linear_selection.py).
 
 A kernel made artificially slow must lose to oneDNN (and oneDNN made slow must lose to the
 kernel): the choice follows the timings, not a preference. The table is cached per CPU,

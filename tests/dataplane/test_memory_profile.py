@@ -1,6 +1,6 @@
 """GPU memory planning, on the CPU: the worst-case batch, the profile's code path through the
 real model (memory figures from a scripted fake of torch.cuda's), and the budget arithmetic.
-Nothing here needs a GPU; benchmarks/gpu_check.sh is where the CUDA path runs."""
+Nothing here needs a GPU; benchmarks/src/pagedserve/benchmarks/gpu_check.sh is where the CUDA path runs."""
 
 from __future__ import annotations
 

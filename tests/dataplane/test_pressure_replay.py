@@ -1,7 +1,7 @@
 """`pagedserve bench pressure`'s workload replayed through the scheduler alone (no model): the
 token and block accounting the benchmark measures, exact, in a fraction of a second.
 
-Why the CPU's default host pool is the device pool's bytes (dataplane/engine/startup.py, plan_host_blocks): on
+Why the CPU's default host pool is the device pool's bytes (dataplane/src/pagedserve/dataplane/engine/startup.py, plan_host_blocks): on
 the benchmark's saturated replay (24 chat-trace requests, 6,065 tokens of KV demand on a
 68-block device pool, SmolLM2 in fp32 at 48 MiB) a host pool of a quarter of the device pool
 fills, and auto falls back to recomputing 10 % of the tokens; the same bytes as the device pool

@@ -105,7 +105,7 @@ def assert_same_as_unconstrained(
     outputs: list[list[list[int]]], base: list[list[list[int]]], refs: list[Reference], context: str
 ) -> None:
     """Equal to the unconstrained run, token for token; a divergence passes only where the
-    transformers reference shows a numerical tie (see benchmarks/tiny_models.py), at most once."""
+    transformers reference shows a numerical tie (see benchmarks/src/pagedserve/benchmarks/tiny_models.py), at most once."""
     ties = 0
     for i, (samples, base_samples, ref) in enumerate(zip(outputs, base, refs, strict=True)):
         assert len(samples) == len(base_samples)

@@ -1,8 +1,9 @@
 """The Dockerfile, without a Docker engine: it parses (the official BuildKit parser through
-the `dockerfile` package), hadolint finds nothing, the runtime stage is what the chart
-expects (non-root uid, `pagedserve` entrypoint, the model store volume), the default command
-line is one `pagedserve` accepts, and the build context keeps out what the image must not
-carry."""
+the `dockerfile` package), hadolint finds nothing, the runtime stages are what the chart
+expects (non-root uid, `pagedserve` or `pagedserve-controlplane` entrypoint, the model store
+volume), the default command lines are ones their entrypoints accept, the control plane's
+image is built from the torch-free distributions only, and the build context keeps out what
+the image must not carry."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from pagedserve.cli import build_parser
+from pagedserve.controlplane.cli import build_parser as controlplane_parser
 from tests.deploy.chart import CHART, ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -54,21 +56,37 @@ def env(stage: list[Any]) -> dict[str, str]:
     return out
 
 
-def test_multi_stage_build_with_a_slim_runtime() -> None:
+def test_multi_stage_build_with_slim_runtimes() -> None:
     all_stages = stages()
-    assert list(all_stages) == ["base", "builder", "runtime"]
-    runtime = all_stages["runtime"]
-    copies = [i for i in runtime if i.cmd.upper() == "COPY"]
-    assert [c.flags for c in copies] == [("--from=builder",)], "the runtime takes the built venv only"
-    assert "pip install" not in " ".join(" ".join(i.value) for i in runtime if i.cmd.upper() == "RUN")
+    assert list(all_stages) == ["base", "controlplane-builder", "builder", "controlplane", "runtime"]
+    for name, builder in (("runtime", "builder"), ("controlplane", "controlplane-builder")):
+        runtime = all_stages[name]
+        copies = [i for i in runtime if i.cmd.upper() == "COPY"]
+        assert [c.flags for c in copies] == [(f"--from={builder}",)], "a runtime takes its built venv only"
+        assert "pip install" not in " ".join(" ".join(i.value) for i in runtime if i.cmd.upper() == "RUN")
 
 
-def test_runtime_runs_pagedserve_as_non_root_with_the_model_volume() -> None:
-    runtime = stages()["runtime"]
+def test_the_control_plane_image_is_built_from_the_torch_free_distributions() -> None:
+    builder = stages()["controlplane-builder"]
+    copied = [i.value[0] for i in builder if i.cmd.upper() == "COPY"]
+    assert copied == ["protos", "common", "controlplane"]
+    installs = " ".join(" ".join(i.value) for i in builder if i.cmd.upper() == "RUN")
+    assert "pip install ./protos ./common ./controlplane" in installs and "torch" in installs
+    assert "TORCH" not in " ".join(" ".join(i.value) for i in builder if i.cmd.upper() == "ARG")
+    runtime = stages()["controlplane"]
+    assert last(runtime, "ENTRYPOINT").value == ("pagedserve-controlplane",)
+    assert "g++" not in " ".join(" ".join(i.value) for i in runtime if i.cmd.upper() == "RUN")
+    args = controlplane_parser().parse_args(list(last(runtime, "CMD").value))
+    assert args.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("name", ["runtime", "controlplane"])
+def test_runtimes_run_as_non_root_with_the_model_volume(name: str) -> None:
+    runtime = stages()[name]
     user = last(runtime, "USER").value[0]
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0 and (not gid or int(gid) != 0)
-    assert last(runtime, "ENTRYPOINT").value == ("pagedserve",)
+    assert last(runtime, "ENTRYPOINT").value[0].startswith("pagedserve")
     assert "/models" in last(runtime, "VOLUME").value
     variables = env(runtime)
     assert variables["PAGEDSERVE_MODEL_HOME"] == "/models"
@@ -92,7 +110,7 @@ def test_cpu_and_cuda_variants() -> None:
     assert "TORCH_VERSION=2.13.0" in args["TORCH_VERSION"]
     assert 'cuda) extras="convert,triton"' in text and 'cpu) extras="convert"' in text
     # The pinned torch is the project's pin.
-    assert '"torch==2.13.0"' in (ROOT / "pyproject.toml").read_text()
+    assert '"torch==2.13.0"' in (ROOT / "kernels" / "pyproject.toml").read_text()
 
 
 def test_hadolint_is_clean() -> None:
@@ -109,5 +127,5 @@ def test_build_context_keeps_out_local_state() -> None:
     assert rules[0] == "**", "ignore everything, then let in what the Dockerfile copies"
     allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
     copied = {src for i in instructions() if i.cmd.upper() == "COPY" and not i.flags for src in i.value[:-1]}
-    assert copied <= allowed, copied - allowed
+    assert {c.rstrip("/") for c in copied} <= allowed, copied - allowed
     assert not {".venv", ".git", "tests", "helm"} & allowed

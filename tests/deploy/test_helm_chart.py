@@ -17,6 +17,7 @@ import pytest
 from helm.generate import CHART_MANAGED, Knob, blocks
 from pagedserve.cli import build_parser
 from pagedserve.common import settings
+from pagedserve.controlplane.cli import build_parser as controlplane_parser
 from pagedserve.dataplane.cli import dataplane_config_from_args
 from pagedserve.dataplane.config import DataPlaneConfig
 from pagedserve.dataplane.server.metrics_http import HEALTH_PATH
@@ -59,11 +60,15 @@ def chart_defaults() -> dict[str, Any]:
 
 
 def parse(args: list[str]) -> argparse.Namespace:
-    """The container's command line as `pagedserve` (the image's entrypoint) parses it."""
+    """The container's command line as its image's entrypoint parses it: `pagedserve` (the CPU
+    and CUDA images), or `pagedserve-controlplane` (the control-plane image; its flags are
+    `pagedserve controlplane`'s, and `command` is set to say so)."""
     try:
+        if args and args[0].startswith("-"):
+            return controlplane_parser().parse_args(args, argparse.Namespace(command="controlplane"))
         return build_parser().parse_args(args)
     except SystemExit as exc:  # argparse exits on an unknown flag or a bad value
-        raise AssertionError(f"pagedserve rejects: {args}") from exc
+        raise AssertionError(f"the image's entrypoint rejects: {args}") from exc
 
 
 def workloads(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,11 +167,13 @@ def test_every_container_command_line_parses_with_the_real_cli(name: str) -> Non
     for workload in workloads(rendered(name)):
         spec = pod_spec(workload)
         for c in spec.get("initContainers", []) + spec["containers"]:
-            assert "command" not in c, "the image's entrypoint (pagedserve) runs every container"
+            assert "command" not in c, "the image's entrypoint runs every container"
             args = parse(c["args"])
             assert args.command == {"controlplane": "controlplane", "dataplane": "dataplane"}.get(
                 c["name"], "models"
             )
+            # The control plane runs in its own image, without torch.
+            assert c["image"].endswith("-controlplane") == (c["name"] == "controlplane"), c["image"]
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -472,7 +479,9 @@ def test_two_gpu_set() -> None:
     assert sts["spec"]["replicas"] == 2
     assert dp["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert dp["image"].endswith(":0.1.0-cuda")
-    assert container(one(objs, "Deployment", "controlplane"), "controlplane")["image"].endswith(":0.1.0-cpu")
+    assert container(one(objs, "Deployment", "controlplane"), "controlplane")["image"].endswith(
+        ":0.1.0-controlplane"
+    )
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu" and spec["runtimeClassName"] == "nvidia"
     args = parse(dp["args"])

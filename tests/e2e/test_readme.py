@@ -37,7 +37,7 @@ def test_the_readme_has_its_python_snippets() -> None:
     # calling: a missing block would pass silently below.
     assert len(blocks) == 5
     assert "from openai import OpenAI" in blocks[0]
-    assert "from pagedserve import LLM, SamplingParams" in blocks[1]
+    assert "from pagedserve.dataplane import LLM, SamplingParams" in blocks[1]
     assert "GenerationClient" in blocks[2]
     assert "response_format=City" in blocks[3]
     assert 'tool_choice="required"' in blocks[4]
@@ -177,21 +177,45 @@ def _option(*names: str) -> Callable[[], bool]:
 
 COMPONENTS = (
     Component(
-        "the data-plane engine", r"data-plane engine", lambda: _exists("dataplane/engine/llm_engine.py")
+        "the data-plane engine",
+        r"data-plane engine",
+        lambda: _exists("dataplane/src/pagedserve/dataplane/engine/llm_engine.py"),
     ),
-    Component("the offline LLM API", r"`LLM`\s+API", lambda: _exists("dataplane/engine/llm.py")),
+    Component(
+        "the offline LLM API",
+        r"`LLM`\s+API",
+        lambda: _exists("dataplane/src/pagedserve/dataplane/engine/llm.py"),
+    ),
     Component("prefix caching", r"prefix caching", _option("--enable-prefix-caching")),
     Component("the two planes over gRPC", r"pagedserve serve", _command("serve")),
-    Component("the Python client", r"Python client", lambda: _exists("clients/python/client.py")),
     Component(
-        "the OpenAI HTTP API", r"OpenAI-compatible HTTP", lambda: _exists("controlplane/openai/routes.py")
+        "the Python client",
+        r"Python client",
+        lambda: _exists("clients/python/src/pagedserve/clients/python/client.py"),
+    ),
+    Component(
+        "the OpenAI HTTP API",
+        r"OpenAI-compatible HTTP",
+        lambda: _exists("controlplane/src/pagedserve/controlplane/openai/routes.py"),
     ),
     Component("API keys", r"API\s+keys", _option("--api-key", "--api-key-file")),
     Component("TLS/mTLS", r"TLS/mTLS", _option("--tls-cert-file", "--tls-client-ca-file")),
-    Component("Prometheus metrics", r"Prometheus", lambda: _exists("controlplane/metrics.py")),
-    Component("OpenTelemetry tracing", r"OpenTelemetry", lambda: _exists("pagedserve/common/telemetry.py")),
+    Component(
+        "Prometheus metrics",
+        r"Prometheus",
+        lambda: _exists("controlplane/src/pagedserve/controlplane/metrics.py"),
+    ),
+    Component(
+        "OpenTelemetry tracing",
+        r"OpenTelemetry",
+        lambda: _exists("common/src/pagedserve/common/telemetry.py"),
+    ),
     Component("pagedserve doctor", r"pagedserve doctor", _command("doctor")),
-    Component("Triton kernels", r"Triton paged attention", lambda: _exists("kernels/triton_ops")),
+    Component(
+        "Triton kernels",
+        r"Triton paged attention",
+        lambda: _exists("kernels/src/pagedserve/kernels/triton_ops"),
+    ),
     Component("an FP8 KV cache", r"FP8 KV cache", lambda: "fp8_e4m3" in _parser_facts()[2]),
     Component("the benchmark suite", r"pagedserve bench", _command("bench")),
     Component("the Helm chart", r"\bHelm\b", lambda: _exists("helm/pagedserve/Chart.yaml")),
@@ -201,9 +225,12 @@ COMPONENTS = (
     Component(
         "per-ISA CPU kernels",
         r"AVX-512",
-        lambda: "avx512" in (REPO / "kernels/cpu_ext.py").read_text() and _exists("kernels/cpu"),
+        lambda: (
+            "avx512" in (REPO / "kernels/src/pagedserve/kernels/cpu_isa.py").read_text()
+            and _exists("kernels/src/pagedserve/kernels/cpu")
+        ),
     ),
-    # Not built while the OpenAI API refuses them with 400 (controlplane/openai/protocol.py).
+    # Not built while the OpenAI API refuses them with 400 (controlplane/src/pagedserve/controlplane/openai/protocol.py).
     Component(
         "structured outputs",
         r"structured outputs",
@@ -225,7 +252,7 @@ COMPONENTS = (
         "integer dot products",
         r"integer\s+dot\s+products",
         lambda: all(
-            op in (REPO / "kernels/cpu/panel_quant.h").read_text()
+            op in (REPO / "kernels/src/pagedserve/kernels/cpu/panel_quant.h").read_text()
             for op in ("_mm512_dpbusd_epi32", "_mm256_maddubs_epi16")
         ),
     ),
@@ -233,7 +260,7 @@ COMPONENTS = (
     Component(
         "NEON dot products",
         r"NEON\s+dot\s+products",
-        lambda: "vdotq_s32" in (REPO / "kernels/cpu/panel_quant.h").read_text(),
+        lambda: "vdotq_s32" in (REPO / "kernels/src/pagedserve/kernels/cpu/panel_quant.h").read_text(),
     ),
 )
 
@@ -353,6 +380,11 @@ SHELL = (
         "builds the Go and Java clients (minutes); tests/e2e/clients builds them with the same build.sh",
     ),
     Shell("python3 -m venv", False, "creates a venv and installs from the package index"),
+    Shell(
+        "client-venv/bin/pagedserve-client generate",
+        False,
+        "needs the client-only venv; tests/test_packaging.py installs the client in an empty venv and runs it",
+    ),
     Shell(".venv/bin/pagedserve client generate", True, "calls the server", live=True, expect="Paris"),
     Shell(
         "pagedserve models pull --model-home",

@@ -2,7 +2,7 @@
 interpreter. TRITON_INTERPRET must be set before the first @triton.jit module is imported
 (pagedserve.kernels.triton_ops is imported lazily, on the first Triton call), hence here.
 
-PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/gpu_check.sh sets) makes that fallback an
+PAGEDSERVE_KERNEL_TESTS=cuda (what benchmarks/src/pagedserve/benchmarks/gpu_check.sh sets) makes that fallback an
 error instead: a GPU check that silently ran in the interpreter would report a pass for
 kernels it never compiled.
 """
@@ -34,7 +34,7 @@ elif not torch.cuda.is_available():
 def _runnable_isas() -> tuple[str, ...]:
     # Imported here, not at the top: TRITON_INTERPRET must be settled before kernels' imports
     # (pagedserve.kernels.cpu_ext imports no Triton module).
-    from pagedserve.kernels.cpu_ext import runnable_isas
+    from pagedserve.kernels.cpu_isa import runnable_isas
 
     return runnable_isas()
 
@@ -42,7 +42,7 @@ def _runnable_isas() -> tuple[str, ...]:
 @pytest.fixture(scope="session", params=_runnable_isas())
 def ext(request: pytest.FixtureRequest) -> CpuKernels:
     """The C++ CPU kernels, once per instruction-set build this CPU executes (avx512, avx2,
-    portable: pagedserve.kernels.cpu_ext.CPU_ISAS), so every kernel test covers every ISA variant the
+    portable: pagedserve.kernels.cpu_isa.CPU_ISAS), so every kernel test covers every ISA variant the
     machine can run. They must build here (a missing kernel is a failure, not a skip)."""
     from pagedserve.kernels.cpu_ext import load_cpu_kernels
 

@@ -1,4 +1,4 @@
-"""The C++ kernels' build (kernels/cpu_ext.py): a folder per content digest shared by every
+"""The C++ kernels' build (kernels/src/pagedserve/kernels/cpu_ext.py): a folder per content digest shared by every
 checkout, built from staged copies of the sources, under an flock the OS releases when its
 holder dies, so an interrupted build never blocks a later start."""
 

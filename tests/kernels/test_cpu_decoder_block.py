@@ -1,4 +1,4 @@
-"""The C++ decoder-layer halves (kernels/cpu/decoder_block.cpp) against the same steps as
+"""The C++ decoder-layer halves (kernels/src/pagedserve/kernels/cpu/decoder_block.cpp) against the same steps as
 separate ops (rms_norm, panel_linear, rotary_neox, add_rms_norm, silu_and_mul and torch's
 in-place add): bit-identical, on shapes with ragged panels (out features not a multiple of
 32), biases or none, the row tiles and the 96-row chunks of long prefills; and against a

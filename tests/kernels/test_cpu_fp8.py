@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel over an FP8 cache (kernels/cpu/paged_attention.cpp).
+"""The C++ CPU decode kernel over an FP8 cache (kernels/src/pagedserve/kernels/cpu/paged_attention.cpp).
 
 The kernel widens FP8 codes through a 256-entry table per format and folds k_scale into the
 query scale and v_scale into the output, as the Triton kernel does. It is compared with the

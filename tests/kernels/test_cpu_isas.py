@@ -1,4 +1,4 @@
-"""The per-ISA builds of the C++ CPU kernels (kernels/cpu_ext.py): which level a CPU runs,
+"""The per-ISA builds of the C++ CPU kernels (kernels/src/pagedserve/kernels/cpu_ext.py): which level a CPU runs,
 the override, and how the builds' results relate.
 
 Every build this machine executes is loaded side by side (each under its own op namespace).
@@ -17,16 +17,14 @@ import pytest
 import torch
 from test_paged_attention import MIXED_QUERY_LENS, MIXED_SEQ_LENS, make_batch
 
-from pagedserve.kernels import cpu_ext, paged_attention
-from pagedserve.kernels.cpu_ext import (
+from pagedserve.kernels import cpu_ext, cpu_isa, paged_attention
+from pagedserve.kernels.cpu_ext import INT8_DOT_PRODUCTS, CpuKernels, load_cpu_kernels
+from pagedserve.kernels.cpu_isa import (
     CPU_ISAS,
-    INT8_DOT_PRODUCTS,
     ISA_ENV,
-    CpuKernels,
     check_isa,
     cpu_flags,
     isa_for_flags,
-    load_cpu_kernels,
     native_isa,
     runnable_isas,
     selected_isa,
@@ -86,8 +84,8 @@ def test_selected_isa_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_level_above_the_cpu_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     # As on an AVX2-only CPU (Zen 3): the check is cached, so call its undecorated body.
-    monkeypatch.setattr(cpu_ext, "native_isa", lambda: "avx2")
-    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: ZEN3)
+    monkeypatch.setattr(cpu_isa, "native_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: ZEN3)
     with pytest.raises(
         ValueError,
         match=r"PAGEDSERVE_CPU_ISA=avx512: this CPU cannot run it \(missing avx512bw, avx512dq, avx512f, "

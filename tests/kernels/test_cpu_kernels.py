@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel (kernels/cpu/paged_attention.cpp) against the float64 reference.
+"""The C++ CPU decode kernel (kernels/src/pagedserve/kernels/cpu/paged_attention.cpp) against the float64 reference.
 
 The extension must build here: a build failure fails these tests (load_cpu_kernels(strict=True)
 raises with the compiler's output) rather than skipping them. CI has a compiler and installs

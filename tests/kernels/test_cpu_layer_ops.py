@@ -1,4 +1,4 @@
-"""The C++ elementwise layer kernels (kernels/cpu/layer_ops.cpp) against transformers' math.
+"""The C++ elementwise layer kernels (kernels/src/pagedserve/kernels/cpu/layer_ops.cpp) against transformers' math.
 
 The extension must build here (load_cpu_kernels(strict=True)). Residual adds and rotary are
 asserted bit-identical; RMSNorm and SiLU within a few ulp (their sum order and exp differ).

@@ -1,5 +1,5 @@
-"""The C++ panel-packed fp32 linear kernel (kernels/cpu/linear.cpp) and its packing
-(kernels/linear.py) against a float64 x @ w.T + b.
+"""The C++ panel-packed fp32 linear kernel (kernels/src/pagedserve/kernels/cpu/linear.cpp) and its packing
+(kernels/src/pagedserve/kernels/linear.py) against a float64 x @ w.T + b.
 
 The extension must build here (load_cpu_kernels(strict=True)). Beyond accuracy, the kernel
 promises bit-identical rows whatever the batch, the row's position in it, the row stride of x

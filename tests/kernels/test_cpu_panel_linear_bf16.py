@@ -1,4 +1,4 @@
-"""The C++ bf16-weight panel linear (kernels/cpu/linear_bf16.cpp) and its packing, on every
+"""The C++ bf16-weight panel linear (kernels/src/pagedserve/kernels/cpu/linear_bf16.cpp) and its packing, on every
 ISA build (the `ext` fixture).
 
 The reference is float64 over the same rounded operands the kernel multiplies: the weight

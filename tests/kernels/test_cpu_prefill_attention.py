@@ -1,4 +1,4 @@
-"""The C++ CPU prefill kernel (kernels/cpu/prefill_attention.cpp) against the torch path.
+"""The C++ CPU prefill kernel (kernels/src/pagedserve/kernels/cpu/prefill_attention.cpp) against the torch path.
 
 The reference is paged_attention(impl="torch"): gathers + SDPA with the bottom-right causal
 mask. As for the decode kernel, the extension must build here (no skip).
@@ -49,7 +49,7 @@ def _process_kernels_are_ext(request: pytest.FixtureRequest, monkeypatch: pytest
     """paged_attention(impl="cpp") takes the process's kernels: make them the ISA build the
     test's `ext` is, so the op and the dispatcher are compared within one build."""
     if "ext" in request.fixturenames:
-        from pagedserve.kernels.cpu_ext import ISA_ENV
+        from pagedserve.kernels.cpu_isa import ISA_ENV
 
         monkeypatch.setenv(ISA_ENV, request.getfixturevalue("ext").isa)
 

@@ -1,5 +1,5 @@
-"""Quantized weights kept quantized: the GGUF block decoders (kernels/gguf_blocks.py) against the
-`gguf` package's de-quantizers, and the C++ quant_panel_linear (kernels/cpu/linear_quant.cpp)
+"""Quantized weights kept quantized: the GGUF block decoders (kernels/src/pagedserve/kernels/gguf_blocks.py) against the
+`gguf` package's de-quantizers, and the C++ quant_panel_linear (kernels/src/pagedserve/kernels/cpu/linear_quant.cpp)
 against panel_linear over the de-quantized weight, on every ISA build this CPU runs.
 
 In floats the kernel promises bit-identical results to the fp32 panel kernel on the

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import build_parser, main
-from pagedserve.kernels.cpu_ext import CPU_ISAS, runnable_isas, selected_isa
+from pagedserve.kernels.cpu_isa import CPU_ISAS, runnable_isas, selected_isa
 
 
 def test_build_names_the_library_a_start_loads(capsys: pytest.CaptureFixture[str]) -> None:

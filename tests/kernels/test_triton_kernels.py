@@ -9,7 +9,7 @@ softmax statistics and accumulators and differ only in where they round to the q
 An FP8 cache adds no tolerance: FP8 values widen exactly to fp32/fp16/bf16 and both sides
 read the same quantized cache; the references see its dequantized values.
 
-Interpreter workarounds (triton 3.9; kernels/triton_ops/jit.py): bf16 dot operands are
+Interpreter workarounds (triton 3.9; kernels/src/pagedserve/kernels/triton_ops/jit.py): bf16 dot operands are
 widened to fp32 after rounding to bf16, and fp32 -> bf16 output casts round explicitly, so
 the interpreter computes what the GPU does; FP8 quantization never relies on Triton's cast
 rounding. test_interpreter_bug_workarounds_are_needed shows the bugs are real, so the

@@ -62,6 +62,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.image.cpuTag) -}}
 {{- end }}
 
+{{- define "pagedserve.image.controlplane" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-controlplane" .Chart.AppVersion) .Values.image.controlplaneTag) -}}
+{{- end }}
+
 {{- define "pagedserve.image.dataplane" -}}
 {{- if gt (int .Values.dataplane.gpusPerPod) 0 -}}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.cudaTag) -}}

@@ -2,7 +2,7 @@
 {{/* Each define renders one block of values as container args, one flag per value;
      a value that is null or absent leaves its flag out (the dataclass default applies). */}}
 
-{{/* engine: dataplane/config.py EngineConfig */}}
+{{/* engine: dataplane/src/pagedserve/dataplane/config.py EngineConfig */}}
 {{- define "pagedserve.engineArgs" -}}
 {{- $s := ((.Values).engine | default dict) -}}
 {{- $v := 0 -}}
@@ -136,7 +136,7 @@
 {{- end }}
 {{- end }}
 
-{{/* controlplane.settings: controlplane/config.py ControlPlaneConfig */}}
+{{/* controlplane.settings: controlplane/src/pagedserve/controlplane/config.py ControlPlaneConfig */}}
 {{- define "pagedserve.controlplaneSettingsArgs" -}}
 {{- $s := ((((.Values).controlplane | default dict)).settings | default dict) -}}
 {{- $v := 0 -}}

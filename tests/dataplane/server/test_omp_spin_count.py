@@ -1,4 +1,4 @@
-"""The data plane sets libgomp's spin count before torch loads (dataplane/server/openmp.py):
+"""The data plane sets libgomp's spin count before torch loads (dataplane/src/pagedserve/dataplane/server/openmp.py):
 idle OpenMP threads then spin only that long, an explicit GOMP_SPINCOUNT wins, and a libgomp
 already loaded keeps its own (with a warning). Each case runs in a fresh interpreter, since
 libgomp reads the variable once, when it is loaded."""

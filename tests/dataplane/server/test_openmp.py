@@ -1,4 +1,4 @@
-"""release_openmp_threads ends the calling thread's libgomp worker threads (dataplane/server/openmp.py)."""
+"""release_openmp_threads ends the calling thread's libgomp worker threads (dataplane/src/pagedserve/dataplane/server/openmp.py)."""
 
 from __future__ import annotations
 

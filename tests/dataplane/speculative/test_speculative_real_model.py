@@ -18,7 +18,9 @@ PASSAGE = (
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_drafts_from_the_prompt_are_accepted_and_change_nothing(default_model_path: Path, method: str) -> None:
+def test_drafts_from_the_prompt_are_accepted_and_change_nothing(
+    default_model_path: Path, method: str
+) -> None:
     config = json.dumps({"method": method, "num_speculative_tokens": 5})
     llm = LLM(str(default_model_path), speculative_config=config, kv_cache_memory=2**28, swap_space=0)
     prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}])

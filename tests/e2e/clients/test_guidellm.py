@@ -3,7 +3,7 @@
 guidellm sends `stream_options: {"include_usage": true, "continuous_usage_stats": true}`,
 `max_completion_tokens` and `ignore_eos` on every streamed chat request; a server that refuses
 any of them fails all its requests. It is installed into its own cached venv (our CPU torch pin,
-benchmarks/peer_venv.py; ~1 min the first time) and runs synchronously and at concurrency 4 on
+benchmarks/src/pagedserve/benchmarks/peer_venv.py; ~1 min the first time) and runs synchronously and at concurrency 4 on
 synthetic prompts: every request completes with exactly the tokens asked for, none errors, and
 the data plane's KV pool is all free afterwards.
 """

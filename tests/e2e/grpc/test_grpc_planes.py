@@ -389,7 +389,7 @@ def test_a_cancel_reaches_a_draining_data_plane_and_frees_its_blocks(tiny: Path)
 
 
 def test_dataplanes_discovered_by_dns(tiny: Path) -> None:
-    from pagedserve.controlplane.discovery import resolve_dataplanes
+    from pagedserve.controlplane.routing.discovery import resolve_dataplanes
 
     async def run() -> None:
         assert "127.0.0.1:5" in await resolve_dataplanes("localhost:5")

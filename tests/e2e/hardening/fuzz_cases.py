@@ -240,7 +240,7 @@ UNSUPPORTED_PARAMS = (
 )
 
 
-# Structured outputs (controlplane/openai/structured.py): shapes near the valid ones, wrong in
+# Structured outputs (controlplane/src/pagedserve/controlplane/openai/structured.py): shapes near the valid ones, wrong in
 # one place or not at all (a body that carries one counts as mutated: it must never be a 5xx);
 # schemas, regexes and grammars that parse but do not compile reach the data plane's compiler.
 # (short texts only: a 10,000-character regex takes the compiler seconds, a case's whole time)

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
+from pagedserve.controlplane.edge.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import pagedserve
+from pagedserve.common.version import __version__
 from tests.e2e.hardening.tiny_served import Http, Reply, make_tiny_served_model
 from tests.e2e.harness import ServerThread, engine_config
 
@@ -401,7 +401,7 @@ def test_tokenize_detokenize_and_version(http: Http, server: ServerThread) -> No
     # The prompt a completion is generated from is exactly what /tokenize reports.
     usage = completions(http, prompt="Say hello.").json()["usage"]
     assert usage["prompt_tokens"] == tokens["count"]
-    assert http.get("/version").json() == {"version": pagedserve.__version__}
+    assert http.get("/version").json() == {"version": __version__}
     error_of(http.post("/tokenize", {"prompt": "a", "messages": []}), 400, "prompt")
     error_of(http.post("/detokenize", {"tokens": [10**6]}), 400, "tokens")
     error_of(raw(http, "/tokenize", '{"prompt": "Say \\ud800"}'), 400, "prompt")

@@ -1,4 +1,4 @@
-"""The gRPC API's one error boundary (controlplane/servicer.py): an unexpected exception in
+"""The gRPC API's one error boundary (controlplane/src/pagedserve/controlplane/edge/servicer.py): an unexpected exception in
 any handler is INTERNAL naming the request id, with one structured log line carrying the id
 and the traceback; the server keeps serving; a ServiceError keeps its own status."""
 
@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
+from pagedserve.controlplane.edge.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.errors import ServiceError
 from pagedserve.controlplane.frontend import Frontend
-from pagedserve.controlplane.servicer import GenerationServicer, add_generation_service
 from pagedserve.controlplane.tokenizer import Tokenizer
 from pagedserve.protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hardening.tiny_served import make_tiny_served_model

@@ -41,7 +41,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.clients.python import GenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.common.models import DEFAULT_MODEL
-from pagedserve.controlplane.http_server import HttpServer
+from pagedserve.controlplane.edge.http_server import HttpServer
 from tests.e2e.harness import REPO, wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Proc, gone, http_status
 

@@ -256,7 +256,7 @@ def test_the_data_plane_exports_its_cpu_and_kernels(server: ServerThread) -> Non
     """The live data plane's exposition names its CPU, kernel build and each linear's kernel,
     and the doctor reads them (tiny layers are below the timing size: panel, untimed)."""
     from pagedserve.controlplane.doctor import kernels_line
-    from pagedserve.kernels.cpu_ext import cpu_report
+    from pagedserve.kernels.cpu_isa import cpu_report
 
     exposition = generate_latest(server.dataplane.loop.metrics.registry).decode()
     (sample,) = parse(exposition).values()

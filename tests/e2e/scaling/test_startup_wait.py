@@ -21,8 +21,8 @@ from pagedserve.clients.python import GenerationClient
 from pagedserve.clients.python.client import NO_RETRY
 from pagedserve.common.lifecycle import free_port
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dispatcher import Dispatcher
-from pagedserve.controlplane.placement import NO_DATAPLANE
+from pagedserve.controlplane.routing.dispatcher import Dispatcher
+from pagedserve.controlplane.routing.placement import NO_DATAPLANE
 from pagedserve.controlplane.server import ControlPlane, start_control_plane
 from pagedserve.dataplane.server.server import build_engine_loop, create_server
 from tests.e2e.harness import engine_config, wait_until_async

@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.clients.python import GenerationClient
 from pagedserve.common.tls import ClientTLS, ServerTLS
-from pagedserve.controlplane.auth import ApiKeys, load_api_keys
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import start_control_plane
+from pagedserve.controlplane.tenancy.auth import ApiKeys, load_api_keys
 from tests.e2e.certs import Pki, make_pki
 from tests.e2e.harness import Process, ServerThread, engine_config
 

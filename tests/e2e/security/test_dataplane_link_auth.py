@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.tls import DATAPLANE_TOKEN_METADATA, read_token_file
 from pagedserve.controlplane.config import ControlPlaneConfig
-from pagedserve.controlplane.dataplane_client import DataPlaneConnection
-from pagedserve.controlplane.prefix_index import PrefixIndex
+from pagedserve.controlplane.routing.dataplane_client import DataPlaneConnection
+from pagedserve.controlplane.routing.prefix_index import PrefixIndex
 from pagedserve.dataplane.config import DataPlaneConfig
 from pagedserve.dataplane.server.server import build_engine_loop, create_server
 from pagedserve.protos.pagedserve.v1 import dataplane_pb2, dataplane_pb2_grpc

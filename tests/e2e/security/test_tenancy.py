@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
-from pagedserve.controlplane.auth import (
+from pagedserve.controlplane.config import ControlPlaneConfig
+from pagedserve.controlplane.tenancy.auth import (
     ApiKeys,
     load_api_keys,
     load_keys,
@@ -28,7 +29,6 @@ from pagedserve.controlplane.auth import (
     request_tenant,
     tenant_salt,
 )
-from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.harness import ServerThread, engine_config
 

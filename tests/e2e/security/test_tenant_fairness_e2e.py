@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
 from pagedserve.clients.python.client import NO_RETRY
-from pagedserve.controlplane.auth import load_keys, load_tenant_settings
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import start_control_plane
+from pagedserve.controlplane.tenancy.auth import load_keys, load_tenant_settings
 from tests.e2e.harness import engine_config, start_dataplane, wait_idle, wait_until_async
 
 FLOOD = 48
