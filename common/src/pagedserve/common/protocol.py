@@ -39,6 +39,7 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "speculative",
 )
 _FLOAT_FIELDS = (
     "temperature",
@@ -244,6 +245,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if not params.speculative:
+        msg.speculative = False
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:

@@ -37,6 +37,10 @@ class CompletionDone:
     queue_seconds: float
     time_to_first_token_seconds: float
     e2e_seconds: float
+    # Speculative decoding: tokens drafted and verified for it, and those accepted (the data
+    # plane's count; 0 for a completion the control plane stopped at a stop string).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 StreamEvent = TextDelta | CompletionDone
@@ -94,6 +98,7 @@ async def completion_events(
                 if not c.detokenizer.stopped:
                     continue
                 reason, completion_tokens, cached = "stop", c.num_tokens, c.cached_tokens
+                spec = (0, 0)
                 if sum(not x.done for x in completions) > 1:
                     # Its siblings run on: stop this one on the data plane too (its blocks
                     # come back now, not at the group's end). The last one needs no abort:
@@ -105,6 +110,7 @@ async def completion_events(
                     yield TextDelta(event.index, (), tail)
                 reason = FINISH_REASON_NAMES.get(event.finish_reason, "abort")
                 completion_tokens, cached = event.usage.completion_tokens, event.usage.cached_tokens
+                spec = (event.usage.spec_draft_tokens, event.usage.spec_accepted_tokens)
             first_of_request = not any(x.done for x in completions)
             c.done = True
             done = CompletionDone(
@@ -117,6 +123,8 @@ async def completion_events(
                 queue_seconds=queue_seconds,
                 time_to_first_token_seconds=(c.first_token_time - start) if c.first_token_time else 0.0,
                 e2e_seconds=time.monotonic() - start,
+                spec_draft_tokens=spec[0],
+                spec_accepted_tokens=spec[1],
             )
             metrics.completion(
                 reason,

@@ -124,6 +124,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             prompt_tokens=event.prompt_tokens,
                             completion_tokens=event.completion_tokens,
                             cached_tokens=event.cached_tokens,
+                            spec_draft_tokens=event.spec_draft_tokens,
+                            spec_accepted_tokens=event.spec_accepted_tokens,
                         ),
                         timings=generation_pb2.Timings(
                             queue_seconds=event.queue_seconds,

@@ -98,6 +98,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool | None = False
     truncate_prompt_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None  # vLLM's: words never generated
+    speculative: StrictBool | None = None  # false: no drafted tokens for this request
     cache_salt: str | None = None
     # Seconds the server may spend on the request, queue included (controlplane/src/pagedserve/controlplane/deadlines.py):
     # past it the response is 504 (a stream ends with the tokens so far, then the error).

@@ -56,12 +56,20 @@ def openai_usage(done: list[CompletionDone], n: int) -> dict[str, Any]:
         first_of_prompt.setdefault(d.index // n, d)
     prompt = sum(d.prompt_tokens for d in first_of_prompt.values())
     completion = sum(d.completion_tokens for d in done)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in first_of_prompt.values())},
     }
+    drafted = sum(d.spec_draft_tokens for d in done)
+    if drafted:  # speculative decoding ran: OpenAI's predicted-output counts say how it went
+        accepted = sum(d.spec_accepted_tokens for d in done)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return usage
 
 
 def sampling_fields(
@@ -85,6 +93,7 @@ def sampling_fields(
         "min_p",
         "repetition_penalty",
         "min_tokens",
+        "speculative",
     ):
         value = getattr(body, name)
         if value is not None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\x95\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x16 \x01(\rH\r\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18\x19 \x01(\rH\x0e\x88\x01\x01\x12\x11\n\tbad_words\x18\x1a \x03(\t\x12;\n\x13\x62\x61\x64_words_token_ids\x18\x1b \x03(\x0b\x32\x1e.pagedserve.v1.TokenIdSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\r\n\x0b_min_tokensB\x19\n\x17_truncate_prompt_tokens\"\x1e\n\x0fTokenIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"[\n\x12PromptTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xe6\x01\n\rPoolingParams\x12>\n\x0cpooling_type\x18\x01 \x01(\x0e\x32(.pagedserve.v1.PoolingParams.PoolingType\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\"o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x42\x0c\n\n_normalize*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x42N\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xbf\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x16 \x01(\rH\r\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18\x19 \x01(\rH\x0e\x88\x01\x01\x12\x11\n\tbad_words\x18\x1a \x03(\t\x12;\n\x13\x62\x61\x64_words_token_ids\x18\x1b \x03(\x0b\x32\x1e.pagedserve.v1.TokenIdSequence\x12\x18\n\x0bspeculative\x18\x1c \x01(\x08H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\r\n\x0b_min_tokensB\x19\n\x17_truncate_prompt_tokensB\x0e\n\x0c_speculative\"\x1e\n\x0fTokenIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"[\n\x12PromptTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xe6\x01\n\rPoolingParams\x12>\n\x0cpooling_type\x18\x01 \x01(\x0e\x32(.pagedserve.v1.PoolingParams.PoolingType\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\"o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x42\x0c\n\n_normalize*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x42N\n\x10io.pagedserve.v1P\x01Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\020io.pagedserve.v1P\001Z8github.com/pagedserve/pagedserve/clients/go/pagedservev1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1742
-  _globals['_FINISHREASON']._serialized_end=1892
+  _globals['_FINISHREASON']._serialized_start=1784
+  _globals['_FINISHREASON']._serialized_end=1934
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=1091
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=812
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=860
-  _globals['_TOKENIDSEQUENCE']._serialized_start=1093
-  _globals['_TOKENIDSEQUENCE']._serialized_end=1123
-  _globals['_CHOICES']._serialized_start=1125
-  _globals['_CHOICES']._serialized_end=1151
-  _globals['_USAGE']._serialized_start=1154
-  _globals['_USAGE']._serialized_end=1291
-  _globals['_TOPLOGPROB']._serialized_start=1293
-  _globals['_TOPLOGPROB']._serialized_end=1340
-  _globals['_TOKENLOGPROB']._serialized_start=1342
-  _globals['_TOKENLOGPROB']._serialized_end=1413
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1415
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1506
-  _globals['_POOLINGPARAMS']._serialized_start=1509
-  _globals['_POOLINGPARAMS']._serialized_end=1739
-  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_start=1614
-  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_end=1725
+  _globals['_SAMPLINGPARAMS']._serialized_end=1133
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=838
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=886
+  _globals['_TOKENIDSEQUENCE']._serialized_start=1135
+  _globals['_TOKENIDSEQUENCE']._serialized_end=1165
+  _globals['_CHOICES']._serialized_start=1167
+  _globals['_CHOICES']._serialized_end=1193
+  _globals['_USAGE']._serialized_start=1196
+  _globals['_USAGE']._serialized_end=1333
+  _globals['_TOPLOGPROB']._serialized_start=1335
+  _globals['_TOPLOGPROB']._serialized_end=1382
+  _globals['_TOKENLOGPROB']._serialized_start=1384
+  _globals['_TOKENLOGPROB']._serialized_end=1455
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1457
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1548
+  _globals['_POOLINGPARAMS']._serialized_start=1551
+  _globals['_POOLINGPARAMS']._serialized_end=1781
+  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_start=1656
+  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_end=1767
 # @@protoc_insertion_point(module_scope)

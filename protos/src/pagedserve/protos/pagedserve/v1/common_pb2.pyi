@@ -107,6 +107,7 @@ class SamplingParams(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     BAD_WORDS_FIELD_NUMBER: _builtins.int
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per completion, >= 1. Default: the rest of the model's context."""
     temperature: _builtins.float
@@ -155,6 +156,10 @@ class SamplingParams(_message.Message):
     """vLLM's: a matched stop string stays in the output text (it still ends the completion)."""
     truncate_prompt_tokens: _builtins.int
     """vLLM's: only the prompt's last N tokens are kept, N >= 1. Default: the whole prompt."""
+    speculative: _builtins.bool
+    """False: never draft tokens for this request, even where the server runs speculative
+    decoding (--speculative-config). Default true.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end a completion (besides EOS), not included in the output."""
@@ -221,10 +226,11 @@ class SamplingParams(_message.Message):
         truncate_prompt_tokens: _builtins.int | None = ...,
         bad_words: _abc.Iterable[_builtins.str] | None = ...,
         bad_words_token_ids: _abc.Iterable[Global___TokenIdSequence] | None = ...,
+        speculative: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_speculative", b"_speculative", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculative", b"speculative", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "bad_words_token_ids", b"bad_words_token_ids", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_speculative", b"_speculative", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "bad_words_token_ids", b"bad_words_token_ids", "choice", b"choice", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculative", b"speculative", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -246,6 +252,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__speculative: _TypeAlias = _typing.Literal["speculative"]  # noqa: Y015
+    _WhichOneofArgType__speculative: _TypeAlias = _typing.Literal["_speculative", b"_speculative"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -276,6 +284,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative) -> _WhichOneofReturnType__speculative | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload

@@ -69,7 +69,7 @@ public final class Common {
   static {
     java.lang.String[] descriptorData = {
       "\n\032pagedserve/v1/common.proto\022\rpagedserve" +
-      ".v1\"\225\010\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
+      ".v1\"\277\010\n\016SamplingParams\022\027\n\nmax_tokens\030\001 \001" +
       "(\rH\001\210\001\001\022\030\n\013temperature\030\002 \001(\002H\002\210\001\001\022\022\n\005top" +
       "_p\030\003 \001(\002H\003\210\001\001\022\022\n\005top_k\030\004 \001(\005H\004\210\001\001\022\022\n\005min" +
       "_p\030\005 \001(\002H\005\210\001\001\022\021\n\004seed\030\006 \001(\003H\006\210\001\001\022\026\n\016stop" +
@@ -88,36 +88,37 @@ public final class Common {
       "_output\030\030 \001(\010\022#\n\026truncate_prompt_tokens\030" +
       "\031 \001(\rH\016\210\001\001\022\021\n\tbad_words\030\032 \003(\t\022;\n\023bad_wor" +
       "ds_token_ids\030\033 \003(\0132\036.pagedserve.v1.Token" +
-      "IdSequence\0320\n\016LogitBiasEntry\022\013\n\003key\030\001 \001(" +
-      "\r\022\r\n\005value\030\002 \001(\002:\0028\001B\014\n\nconstraintB\r\n\013_m" +
-      "ax_tokensB\016\n\014_temperatureB\010\n\006_top_pB\010\n\006_" +
-      "top_kB\010\n\006_min_pB\007\n\005_seedB\004\n\002_nB\013\n\t_logpr" +
-      "obsB\023\n\021_presence_penaltyB\024\n\022_frequency_p" +
-      "enaltyB\025\n\023_repetition_penaltyB\022\n\020_prompt" +
-      "_logprobsB\r\n\013_min_tokensB\031\n\027_truncate_pr" +
-      "ompt_tokens\"\036\n\017TokenIdSequence\022\013\n\003ids\030\001 " +
-      "\003(\r\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"\211\001\n\005Usag" +
-      "e\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion_t" +
-      "okens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\022\031\n\021sp" +
-      "ec_draft_tokens\030\004 \001(\r\022\034\n\024spec_accepted_t" +
-      "okens\030\005 \001(\r\"/\n\nTopLogprob\022\020\n\010token_id\030\001 " +
-      "\001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014TokenLogprob\022\017\n\007" +
-      "logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132\031.pagedserve." +
-      "v1.TopLogprob\"[\n\022PromptTokenLogprob\022\017\n\007l" +
-      "ogprob\030\001 \001(\002\022\014\n\004rank\030\002 \001(\r\022&\n\003top\030\003 \003(\0132" +
-      "\031.pagedserve.v1.TopLogprob\"\346\001\n\rPoolingPa" +
-      "rams\022>\n\014pooling_type\030\001 \001(\0162(.pagedserve." +
-      "v1.PoolingParams.PoolingType\022\026\n\tnormaliz" +
-      "e\030\002 \001(\010H\000\210\001\001\"o\n\013PoolingType\022\034\n\030POOLING_T" +
-      "YPE_UNSPECIFIED\020\000\022\025\n\021POOLING_TYPE_LAST\020\001" +
-      "\022\025\n\021POOLING_TYPE_MEAN\020\002\022\024\n\020POOLING_TYPE_" +
-      "CLS\020\003B\014\n\n_normalize*\226\001\n\014FinishReason\022\035\n\031" +
-      "FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH_RE" +
-      "ASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n" +
-      "\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_REASON_" +
-      "TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P\001Z8gith" +
-      "ub.com/pagedserve/pagedserve/clients/go/" +
-      "pagedservev1b\006proto3"
+      "IdSequence\022\030\n\013speculative\030\034 \001(\010H\017\210\001\001\0320\n\016" +
+      "LogitBiasEntry\022\013\n\003key\030\001 \001(\r\022\r\n\005value\030\002 \001" +
+      "(\002:\0028\001B\014\n\nconstraintB\r\n\013_max_tokensB\016\n\014_" +
+      "temperatureB\010\n\006_top_pB\010\n\006_top_kB\010\n\006_min_" +
+      "pB\007\n\005_seedB\004\n\002_nB\013\n\t_logprobsB\023\n\021_presen" +
+      "ce_penaltyB\024\n\022_frequency_penaltyB\025\n\023_rep" +
+      "etition_penaltyB\022\n\020_prompt_logprobsB\r\n\013_" +
+      "min_tokensB\031\n\027_truncate_prompt_tokensB\016\n" +
+      "\014_speculative\"\036\n\017TokenIdSequence\022\013\n\003ids\030" +
+      "\001 \003(\r\"\032\n\007Choices\022\017\n\007choices\030\001 \003(\t\"\211\001\n\005Us" +
+      "age\022\025\n\rprompt_tokens\030\001 \001(\r\022\031\n\021completion" +
+      "_tokens\030\002 \001(\r\022\025\n\rcached_tokens\030\003 \001(\r\022\031\n\021" +
+      "spec_draft_tokens\030\004 \001(\r\022\034\n\024spec_accepted" +
+      "_tokens\030\005 \001(\r\"/\n\nTopLogprob\022\020\n\010token_id\030" +
+      "\001 \001(\r\022\017\n\007logprob\030\002 \001(\002\"G\n\014TokenLogprob\022\017" +
+      "\n\007logprob\030\001 \001(\002\022&\n\003top\030\002 \003(\0132\031.pagedserv" +
+      "e.v1.TopLogprob\"[\n\022PromptTokenLogprob\022\017\n" +
+      "\007logprob\030\001 \001(\002\022\014\n\004rank\030\002 \001(\r\022&\n\003top\030\003 \003(" +
+      "\0132\031.pagedserve.v1.TopLogprob\"\346\001\n\rPooling" +
+      "Params\022>\n\014pooling_type\030\001 \001(\0162(.pagedserv" +
+      "e.v1.PoolingParams.PoolingType\022\026\n\tnormal" +
+      "ize\030\002 \001(\010H\000\210\001\001\"o\n\013PoolingType\022\034\n\030POOLING" +
+      "_TYPE_UNSPECIFIED\020\000\022\025\n\021POOLING_TYPE_LAST" +
+      "\020\001\022\025\n\021POOLING_TYPE_MEAN\020\002\022\024\n\020POOLING_TYP" +
+      "E_CLS\020\003B\014\n\n_normalize*\226\001\n\014FinishReason\022\035" +
+      "\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH_" +
+      "REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022" +
+      "\027\n\023FINISH_REASON_ABORT\020\003\022\034\n\030FINISH_REASO" +
+      "N_TOOL_CALLS\020\004BN\n\020io.pagedserve.v1P\001Z8gi" +
+      "thub.com/pagedserve/pagedserve/clients/g" +
+      "o/pagedservev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -128,7 +129,7 @@ public final class Common {
     internal_static_pagedserve_v1_SamplingParams_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_pagedserve_v1_SamplingParams_descriptor,
-        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "JsonSchema", "JsonObject", "Regex", "Choice", "Grammar", "PromptLogprobs", "MinTokens", "AllowedTokenIds", "IncludeStopStrInOutput", "TruncatePromptTokens", "BadWords", "BadWordsTokenIds", "Constraint", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "PromptLogprobs", "MinTokens", "TruncatePromptTokens", });
+        new java.lang.String[] { "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "StopTokenIds", "IgnoreEos", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "Stop", "LogitBias", "JsonSchema", "JsonObject", "Regex", "Choice", "Grammar", "PromptLogprobs", "MinTokens", "AllowedTokenIds", "IncludeStopStrInOutput", "TruncatePromptTokens", "BadWords", "BadWordsTokenIds", "Speculative", "Constraint", "MaxTokens", "Temperature", "TopP", "TopK", "MinP", "Seed", "N", "Logprobs", "PresencePenalty", "FrequencyPenalty", "RepetitionPenalty", "PromptLogprobs", "MinTokens", "TruncatePromptTokens", "Speculative", });
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_descriptor =
       internal_static_pagedserve_v1_SamplingParams_descriptor.getNestedTypes().get(0);
     internal_static_pagedserve_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable = new

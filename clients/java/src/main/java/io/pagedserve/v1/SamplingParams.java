@@ -1152,6 +1152,35 @@ private static final long serialVersionUID = 0L;
     return badWordsTokenIds_.get(index);
   }
 
+  public static final int SPECULATIVE_FIELD_NUMBER = 28;
+  private boolean speculative_ = false;
+  /**
+   * <pre>
+   * False: never draft tokens for this request, even where the server runs speculative
+   * decoding (--speculative-config). Default true.
+   * </pre>
+   *
+   * <code>optional bool speculative = 28;</code>
+   * @return Whether the speculative field is set.
+   */
+  @java.lang.Override
+  public boolean hasSpeculative() {
+    return ((bitField0_ & 0x00004000) != 0);
+  }
+  /**
+   * <pre>
+   * False: never draft tokens for this request, even where the server runs speculative
+   * decoding (--speculative-config). Default true.
+   * </pre>
+   *
+   * <code>optional bool speculative = 28;</code>
+   * @return The speculative.
+   */
+  @java.lang.Override
+  public boolean getSpeculative() {
+    return speculative_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -1259,6 +1288,9 @@ private static final long serialVersionUID = 0L;
     }
     for (int i = 0; i < badWordsTokenIds_.size(); i++) {
       output.writeMessage(27, badWordsTokenIds_.get(i));
+    }
+    if (((bitField0_ & 0x00004000) != 0)) {
+      output.writeBool(28, speculative_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -1409,6 +1441,10 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(27, badWordsTokenIds_.get(i));
     }
+    if (((bitField0_ & 0x00004000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(28, speculative_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1516,6 +1552,11 @@ private static final long serialVersionUID = 0L;
         .equals(other.getBadWordsList())) return false;
     if (!getBadWordsTokenIdsList()
         .equals(other.getBadWordsTokenIdsList())) return false;
+    if (hasSpeculative() != other.hasSpeculative()) return false;
+    if (hasSpeculative()) {
+      if (getSpeculative()
+          != other.getSpeculative()) return false;
+    }
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 16:
@@ -1644,6 +1685,11 @@ private static final long serialVersionUID = 0L;
     if (getBadWordsTokenIdsCount() > 0) {
       hash = (37 * hash) + BAD_WORDS_TOKEN_IDS_FIELD_NUMBER;
       hash = (53 * hash) + getBadWordsTokenIdsList().hashCode();
+    }
+    if (hasSpeculative()) {
+      hash = (37 * hash) + SPECULATIVE_FIELD_NUMBER;
+      hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+          getSpeculative());
     }
     switch (constraintCase_) {
       case 16:
@@ -1860,6 +1906,7 @@ private static final long serialVersionUID = 0L;
         badWordsTokenIdsBuilder_.clear();
       }
       bitField0_ = (bitField0_ & ~0x04000000);
+      speculative_ = false;
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1995,6 +2042,10 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x01000000) != 0)) {
         result.truncatePromptTokens_ = truncatePromptTokens_;
         to_bitField0_ |= 0x00002000;
+      }
+      if (((from_bitField0_ & 0x08000000) != 0)) {
+        result.speculative_ = speculative_;
+        to_bitField0_ |= 0x00004000;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -2168,6 +2219,9 @@ private static final long serialVersionUID = 0L;
             badWordsTokenIdsBuilder_.addAllMessages(other.badWordsTokenIds_);
           }
         }
+      }
+      if (other.hasSpeculative()) {
+        setSpeculative(other.getSpeculative());
       }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
@@ -2402,6 +2456,11 @@ private static final long serialVersionUID = 0L;
               }
               break;
             } // case 218
+            case 224: {
+              speculative_ = input.readBool();
+              bitField0_ |= 0x08000000;
+              break;
+            } // case 224
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -4915,6 +4974,66 @@ private static final long serialVersionUID = 0L;
         badWordsTokenIds_ = null;
       }
       return badWordsTokenIdsBuilder_;
+    }
+
+    private boolean speculative_ ;
+    /**
+     * <pre>
+     * False: never draft tokens for this request, even where the server runs speculative
+     * decoding (--speculative-config). Default true.
+     * </pre>
+     *
+     * <code>optional bool speculative = 28;</code>
+     * @return Whether the speculative field is set.
+     */
+    @java.lang.Override
+    public boolean hasSpeculative() {
+      return ((bitField0_ & 0x08000000) != 0);
+    }
+    /**
+     * <pre>
+     * False: never draft tokens for this request, even where the server runs speculative
+     * decoding (--speculative-config). Default true.
+     * </pre>
+     *
+     * <code>optional bool speculative = 28;</code>
+     * @return The speculative.
+     */
+    @java.lang.Override
+    public boolean getSpeculative() {
+      return speculative_;
+    }
+    /**
+     * <pre>
+     * False: never draft tokens for this request, even where the server runs speculative
+     * decoding (--speculative-config). Default true.
+     * </pre>
+     *
+     * <code>optional bool speculative = 28;</code>
+     * @param value The speculative to set.
+     * @return This builder for chaining.
+     */
+    public Builder setSpeculative(boolean value) {
+      
+      speculative_ = value;
+      bitField0_ |= 0x08000000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * False: never draft tokens for this request, even where the server runs speculative
+     * decoding (--speculative-config). Default true.
+     * </pre>
+     *
+     * <code>optional bool speculative = 28;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearSpeculative() {
+      bitField0_ = (bitField0_ & ~0x08000000);
+      speculative_ = false;
+      onChanged();
+      return this;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

@@ -689,5 +689,26 @@ public interface SamplingParamsOrBuilder extends
   io.pagedserve.v1.TokenIdSequenceOrBuilder getBadWordsTokenIdsOrBuilder(
       int index);
 
+  /**
+   * <pre>
+   * False: never draft tokens for this request, even where the server runs speculative
+   * decoding (--speculative-config). Default true.
+   * </pre>
+   *
+   * <code>optional bool speculative = 28;</code>
+   * @return Whether the speculative field is set.
+   */
+  boolean hasSpeculative();
+  /**
+   * <pre>
+   * False: never draft tokens for this request, even where the server runs speculative
+   * decoding (--speculative-config). Default true.
+   * </pre>
+   *
+   * <code>optional bool speculative = 28;</code>
+   * @return The speculative.
+   */
+  boolean getSpeculative();
+
   public io.pagedserve.v1.SamplingParams.ConstraintCase getConstraintCase();
 }
