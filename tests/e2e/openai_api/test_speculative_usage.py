@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from pagedserve.dataplane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.e2e.harness import ServerThread
@@ -39,7 +40,9 @@ def client(default_model_path: Path) -> Iterator[OpenAI]:
 
 
 def test_usage_counts_accepted_and_rejected_drafts(client: OpenAI) -> None:
-    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}
+    ]
     drafted = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=messages,
@@ -48,7 +51,7 @@ def test_usage_counts_accepted_and_rejected_drafts(client: OpenAI) -> None:
     )
     plain = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=40,
         temperature=0,
         extra_body={"speculative": False},
