@@ -47,7 +47,7 @@ def test_usage_counts_accepted_and_rejected_drafts(client: OpenAI) -> None:
         model="SmolLM2-135M-Instruct",
         messages=messages,
         max_tokens=40,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     plain = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
