@@ -55,6 +55,8 @@ def another_value(flag: str, action: argparse.Action, field: dataclasses.Field[A
         return [flag, str(choice)], choice
     if field.metadata["parse"] is parse_bytes:
         return [flag, "1GiB"], 2**30
+    if flag == "--speculative-config":  # JSON text, checked by its config
+        return [flag, '{"method": "suffix"}'], '{"method": "suffix"}'
     bounds = field.metadata["bounds"]
     value = (field.default if isinstance(field.default, int | float) else 0) * 2 or 1
     value = min(value, bounds.get("maximum", value))

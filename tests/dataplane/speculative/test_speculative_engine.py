@@ -145,7 +145,7 @@ def test_a_step_returns_every_token_of_an_accepted_run(tiny: Path) -> None:
 
 
 def test_seeded_sampling_is_token_for_token_the_run_without_drafts(tiny: Path) -> None:
-    """A seeded draw depends only on the seed and the output position, and a drafted position
+    """A seeded draw depends only on the request's seed value and the output position, and a drafted position
     samples from the distribution a plain step would: so with the same seed the text is the
     same, drafts accepted or rejected. For every seed alike, so the distributions over seeds
     (what an unseeded request draws from) are the same too."""

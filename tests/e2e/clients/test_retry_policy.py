@@ -15,7 +15,8 @@ import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
 from pagedserve.clients.python import client as client_module
-from pagedserve.clients.python.client import DEFAULT_RETRY, NO_RETRY, Completion, RetryPolicy, StreamChunk
+from pagedserve.clients.python.client import Completion, StreamChunk
+from pagedserve.clients.python.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
 
 _ids = itertools.count()

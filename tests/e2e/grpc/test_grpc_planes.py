@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.dataplane import LLM, SamplingParams
 from tests.e2e.harness import (
     HeldEngine,

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from tests.e2e.harness import engine_config, get_state, start_controlplane, start_dataplane, wait_idle
 
 STREAMS = 4  # = max_num_seqs

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import start_control_plane
 from pagedserve.dataplane.server.engine_loop import EngineLoop

@@ -39,7 +39,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from pagedserve.clients.python import GenerationClient, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.common.models import DEFAULT_MODEL
 from pagedserve.controlplane.edge.http_server import HttpServer
 from tests.e2e.harness import REPO, wait_until

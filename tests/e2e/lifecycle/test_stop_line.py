@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from pagedserve.clients.python import GenerationClient
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.controlplane.server import stopping_line
 from tests.e2e.harness import wait_until
 from tests.e2e.lifecycle.test_process_lifecycle import LOG_NOISE, Serve

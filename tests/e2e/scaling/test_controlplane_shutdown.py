@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.clients.python import AsyncGenerationClient, Completion, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from tests.e2e.harness import (
     DataPlane,
     controlplane_process,

@@ -25,7 +25,7 @@ import pytest
 
 from pagedserve.benchmarks.tiny_models import make_tiny_model
 from pagedserve.clients.python import AsyncGenerationClient
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import ControlPlane, start_control_plane
 from tests.e2e.harness import (

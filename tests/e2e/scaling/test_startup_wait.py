@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from pagedserve.clients.python import GenerationClient
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.common.lifecycle import free_port
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.routing.dispatcher import Dispatcher

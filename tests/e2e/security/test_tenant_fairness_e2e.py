@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.clients.python import AsyncGenerationClient, StreamChunk
-from pagedserve.clients.python.client import NO_RETRY
+from pagedserve.clients.python.retry import NO_RETRY
 from pagedserve.controlplane.config import ControlPlaneConfig
 from pagedserve.controlplane.server import start_control_plane
 from pagedserve.controlplane.tenancy.auth import load_keys, load_tenant_settings

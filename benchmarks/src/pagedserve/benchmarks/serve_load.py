@@ -81,7 +81,7 @@ def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[list[int]]:
 class GrpcTarget:
     def __init__(self, address: str, api_key: str | None) -> None:
         from pagedserve.clients.python import AsyncGenerationClient
-        from pagedserve.clients.python.client import NO_RETRY
+        from pagedserve.clients.python.retry import NO_RETRY
 
         # No client retries: a refused request counts as refused (the HTTP target does not retry).
         self.client = AsyncGenerationClient(address, api_key=api_key, retry=NO_RETRY)

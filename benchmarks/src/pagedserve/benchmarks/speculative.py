@@ -84,12 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument(
-        "--peers", nargs="*", default=[], choices=["llama.cpp"], help="peers to run beside ours"
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=["llama.cpp"],
+        help="peers to run beside ours (default: none)",
     )
     parser.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"), help="each engine's KV pool"
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the results here (default: not written)"
+    )
     return parser
 
 

@@ -172,7 +172,7 @@ async def _round(
     import random
 
     from pagedserve.clients.python import AsyncGenerationClient
-    from pagedserve.clients.python.client import NO_RETRY
+    from pagedserve.clients.python.retry import NO_RETRY
 
     rng = random.Random(next(_rounds_run))
 

@@ -200,7 +200,7 @@ class SchedulerConfig:
         None,
         'speculative decoding as JSON in vLLM\'s shape, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
-        "(methods: ngram, suffix; default: off)",
+        "(default: off; methods: ngram, suffix)",
     )
 
     def __post_init__(self) -> None:

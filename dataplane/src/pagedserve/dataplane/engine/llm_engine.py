@@ -14,13 +14,13 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.dataplane.config import EngineConfig
 from pagedserve.dataplane.engine.outputs import EngineStats, StepResult, sample_request_id
 from pagedserve.dataplane.engine.sample_groups import Riders, SampleGroups
+from pagedserve.dataplane.engine.speculator import Speculator
 from pagedserve.dataplane.engine.startup import load_engine_model, plan_kv, start_runner
 from pagedserve.dataplane.kvcache import BlockHash, BlockPool, KVCacheManager, KVEventRecord
 from pagedserve.dataplane.runner.quant_linear import weight_bytes
 from pagedserve.dataplane.runner.sampler import SampledToken
 from pagedserve.dataplane.scheduler import Request, Scheduler, SchedulerOutput
 from pagedserve.dataplane.scheduler.step_budget import split_tokens
-from pagedserve.dataplane.speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
