@@ -95,6 +95,11 @@ SCRIPTS: dict[str, tuple[str, str]] = {
         "pagedserve.benchmarks.gguf_quality",
         "GGUF weights served quantized (Q8_0, Q4_K, Q4_0, the default Q4_1 file): perplexity vs the fp32 model",
     ),
+    "quality": (
+        "pagedserve.benchmarks.quality",
+        "fp32 vs bf16 weights vs --quantization int8: perplexity, greedy agreement and top-2 logit margins, "
+        "real and random weights",
+    ),
     "attention-kernels": (
         "pagedserve.benchmarks.attention_kernels",
         "decode attention GB/s: Triton 16-bit vs FP8 on CUDA (vs the HBM peak); C++/torch on the CPU",

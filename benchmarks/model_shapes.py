@@ -8,8 +8,8 @@ $PAGEDSERVE_CACHE_HOME, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserv
 hashes everything the files depend on (the config, the seed, the init scale, the storage dtype,
 the tokenizer), so a changed recipe writes a new folder and never reuses a stale one.
 
-The vocabulary is the tokenizer's (49,152 for SmolLM2), not the checkpoint's, so the parameter
-counts are those of the layout with that vocabulary: about 0.40 B for Qwen2-0.5B's.
+The vocabulary is the tokenizer's, not the checkpoint's, so the parameter counts are those
+of the layout with that vocabulary (smaller than the checkpoint's: its embedding is).
 
 Weights: each tensor from its own generator (seeded by the shape's seed and the tensor's name,
 so one tensor does not depend on the order the others were drawn in), normal with std
