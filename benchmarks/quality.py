@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=48, help="chat prompts decoded greedily")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument(
+        "--reference-int8",
+        action="store_true",
+        help="also run transformers' own fp32 forward with every linear's weights replaced by their "
+        "per-channel int8 de-quantization (and per block of 32): what int8-weights should measure",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here (default: print only)")
     return ap
 
@@ -171,6 +177,44 @@ def measure(
     return {**forced, "tokens": tokens, "tops": tops}
 
 
+def reference_int8(path: Path, ids: list[int], ref_top2: Any, group: int | None) -> dict[str, Any]:
+    """transformers' fp32 model of `path` in one forward over `ids`, every nn.Linear's weight
+    replaced by its int8 de-quantization (per output channel, or per `group` inputs; the LM
+    head untied first, so the embedding stays fp32 as the engine's does)."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.kernels.quant import quantize_int8
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True).eval()
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = quantize_int8(module.weight.data, group).dequantize()
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        logits = model(tokens).logits[0, :-1].float()
+    nll = -float(torch.log_softmax(logits, dim=-1).gather(1, tokens[0, 1:, None]).sum())
+    picked = logits.gather(1, ref_top2)
+    return {
+        "perplexity": math.exp(nll / (len(ids) - 1)),
+        "argmax": logits.argmax(dim=-1),
+        "margins": picked[:, 0] - picked[:, 1],
+    }
+
+
+def reference_row(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """A teacher-forced-only row (no greedy decoding) against the fp32 engine."""
+    return {
+        "perplexity": got["perplexity"],
+        "ppl_change": got["perplexity"] / ref["perplexity"] - 1.0,
+        "argmax_agreement": float((got["argmax"] == ref["argmax"]).float().mean()),
+        "margin_shift": quantiles((got["margins"] - ref["own_margins"]).abs().tolist()),
+        "tokens": None,
+    }
+
+
 def run_model(args: argparse.Namespace, model: str, variants: list[str]) -> dict[str, Any]:
     import torch
 
@@ -209,6 +253,11 @@ def run_model(args: argparse.Namespace, model: str, variants: list[str]) -> dict
             # How far the variant's rounding moved fp32's decision between its top two tokens.
             row["margin_shift"] = quantiles((got["margins"] - ref["own_margins"]).abs().tolist())
         rows[variant] = row
+    if args.reference_int8:
+        for group in (None, 32):
+            name = f"transformers, int8 per {'block of 32' if group else 'channel'} (reference)"
+            got = phase(name, partial(reference_int8, path, ids, ref["top2"], group))
+            rows[name] = reference_row(got, ref)
     margins = ref["own_margins"]
     return {
         "model": str(path),
@@ -256,11 +305,15 @@ def print_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         for name, row in r["rows"].items():
-            at = row["fp32_margin_at_divergence"]
+            at = row.get("fp32_margin_at_divergence")
+            greedy_cells = (
+                f"{row['identical_prompts']}/{r['prompts']} | {100 * row['token_agreement']:.1f} %"
+                if "identical_prompts" in row
+                else "- | -"
+            )
             print(
                 f"| {r['name']} | {name} | {row['perplexity']:.4f} | {100 * row['ppl_change']:+.2f} % "
-                f"| {100 * row['argmax_agreement']:.1f} % | {row['identical_prompts']}/{r['prompts']} "
-                f"| {100 * row['token_agreement']:.1f} % | "
+                f"| {100 * row['argmax_agreement']:.1f} % | {greedy_cells} | "
                 + ("-" if at is None else " / ".join(f"{m:.3f}" for m in at))
                 + " |"
             )

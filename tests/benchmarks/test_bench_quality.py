@@ -60,3 +60,35 @@ def test_teacher_forced_against_itself(tiny: Path) -> None:
     assert torch.equal(again["argmax"], ref["argmax"])
     assert again["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
     assert torch.allclose(again["margins"], ref["own_margins"], atol=1e-5)
+
+
+def test_engine_int8_weights_are_the_reference_int8(tiny: Path) -> None:
+    """The engine's --quantization int8 --quantized-matmul float32 measures what per-channel
+    int8 weights mean: transformers' forward on the de-quantized weights gives the same
+    perplexity, argmax and margins (the check behind docs/quantization.md's 0/48 finding)."""
+    import torch
+
+    from pagedserve.benchmarks.quality import reference_int8
+    from pagedserve.dataplane import LLM
+
+    ids = [(7 * i + 3) % 384 for i in range(50)]
+    fp32 = LLM(
+        str(tiny), dtype="float32", kv_cache_memory=16 << 20, max_model_len=128, enable_prefix_caching=False
+    )
+    ref = teacher_forced(fp32, ids, chunk=16)
+    del fp32
+    int8 = LLM(
+        str(tiny),
+        dtype="float32",
+        kv_cache_memory=16 << 20,
+        max_model_len=128,
+        enable_prefix_caching=False,
+        quantization="int8",
+        quantized_matmul="float32",
+    )
+    ours = teacher_forced(int8, ids, chunk=16, ref_top2=ref["top2"])
+    theirs = reference_int8(tiny, ids, ref["top2"], None)
+    assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-5)
+    assert ours["perplexity"] != pytest.approx(ref["perplexity"], rel=1e-5)  # the rounding shows
+    assert torch.equal(ours["argmax"], theirs["argmax"])
+    assert torch.allclose(ours["margins"], theirs["margins"], atol=1e-3)
