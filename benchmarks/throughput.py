@@ -409,14 +409,16 @@ def _matmul_bound(rep: dict[str, Any], ours: EngineRun | None, shapes: Any, outp
     peak = ours.probes.get("matmul_peak") if ours is not None else None
     if ours is None or peak is None:
         return ""
-    bound = matmul_bound(shapes, ours.steps, peak.gflops, output_tokens, ours.total_seconds)
+    bound = matmul_bound(shapes, ours.steps, peak, output_tokens, ours.total_seconds)
     rep["matmul_bound"] = {
         "peak": asdict(peak),
         **asdict(bound),
+        "peak_gflops": bound.peak_gflops,
         "bound_tok_s": bound.bound_tok_s,
         "reached": bound.reached,
     }
-    line = f"{bound.line()}; peak measured at {peak.rows} rows on the engine's own linears: {peak.kernels}"
+    rows = "/".join(str(n) for n in peak.by_rows)
+    line = f"{bound.line()}; peaks: best of {rows} rows on the engine's own linears: {peak.kernels}"
     print(line, file=sys.stderr)
     return line
 

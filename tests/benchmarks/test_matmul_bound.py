@@ -11,6 +11,7 @@ import pytest
 
 from pagedserve.benchmarks.matmul_bound import (
     MatmulBound,
+    MatmulPeak,
     matmul_bound,
     matmul_params,
     probe_modules,
@@ -65,44 +66,57 @@ def test_workload_flops() -> None:
 
 
 def test_bound_of_a_run() -> None:
+    """The layers' FLOPs at the layers' rate plus the head's at the head's."""
     shapes = linear_shapes(QWEN2_05B)
     # A 100-token prompt prefilled (its last row sampled), then 9 decode steps of one row.
     steps = [FakeStep("prefill", 100, 1, attention_pairs=100 * 101 // 2)]
     steps += [FakeStep("decode", 1, 1, attention_pairs=101 + i) for i in range(9)]
-    bound = matmul_bound(shapes, steps, peak_gflops=100.0, output_tokens=10, seconds=4.0)
-    flops = 2 * 24 * LAYER * 109 + 2 * 896 * 49152 * 10
-    assert bound.flops == flops
+    peak = MatmulPeak(layer_gflops=100.0, head_gflops=50.0, by_rows={}, kernels="test")
+    bound = matmul_bound(shapes, steps, peak, output_tokens=10, seconds=4.0)
+    layers, head = 2 * 24 * LAYER * 109, 2 * 896 * 49152 * 10
+    assert (bound.layer_flops, bound.head_flops, bound.flops) == (layers, head, layers + head)
     assert bound.attention_flops == 4 * 24 * 14 * 64 * (5050 + sum(101 + i for i in range(9)))
-    assert bound.bound_seconds == pytest.approx(flops / 100e9, rel=1e-12)
-    assert bound.bound_tok_s == pytest.approx(10 / (flops / 100e9), rel=1e-12)
-    assert bound.reached == pytest.approx(flops / 100e9 / 4.0, rel=1e-12)
+    seconds = layers / 100e9 + head / 50e9
+    assert bound.bound_seconds == pytest.approx(seconds, rel=1e-12)
+    assert bound.peak_gflops == pytest.approx((layers + head) / seconds / 1e9, rel=1e-12)
+    assert bound.bound_tok_s == pytest.approx(10 / seconds, rel=1e-12)
+    assert bound.reached == pytest.approx(seconds / 4.0, rel=1e-12)
 
 
 def test_bound_line() -> None:
-    line = MatmulBound(
-        flops=200 * 10**9, attention_flops=5 * 10**9, peak_gflops=100.0, output_tokens=100, seconds=4.0
-    ).line()
-    assert line.startswith("matmul bound 50.0 tok/s (200.0 GFLOP of linears at 100.0 GFLOP/s); ")
-    assert "this run reached 50.0 % of it" in line
+    bound = MatmulBound(
+        layer_flops=150 * 10**9,
+        head_flops=50 * 10**9,
+        attention_flops=5 * 10**9,
+        layer_gflops=100.0,
+        head_gflops=100.0,
+        output_tokens=100,
+        seconds=4.0,
+    )
+    assert bound.line().startswith(
+        "matmul bound 50.0 tok/s (200.0 GFLOP of linears at 100.0 GFLOP/s: layers 100.0, LM head 100.0); "
+    )
+    assert "this run reached 50.0 % of it" in bound.line()
 
 
 def test_probe_times_one_layer_and_the_head(tiny: Path) -> None:
     from pagedserve.dataplane.runner.model_loader import load_model
 
     model = load_model(tiny, "float32", "cpu")
-    modules = probe_modules(model)
+    layer, head = probe_modules(model)
     # The owned layer's fused q/k/v and gate/up, o and down, then the LM head (tiny: 64 hidden,
     # 4 heads of 16, 2 KV heads, MLP 128, vocab 384).
-    assert [(m.in_features, m.out_features) for m in modules] == [
+    assert [(m.in_features, m.out_features) for m in layer] == [
         (64, 64 + 2 * 32),
         (64, 64),
         (64, 256),
         (128, 64),
-        (64, 384),
     ]
+    assert (head.in_features, head.out_features) == (64, 384)
     peak = probe_peak(model, rows=(2, 8), reps=1)
     assert set(peak.by_rows) == {2, 8}
-    assert peak.rows in (2, 8) and peak.gflops == peak.by_rows[peak.rows] > 0
+    assert peak.layer_gflops == max(r[0] for r in peak.by_rows.values()) > 0
+    assert peak.head_gflops == max(r[1] for r in peak.by_rows.values()) > 0
 
 
 def test_profile_arithmetic() -> None:
