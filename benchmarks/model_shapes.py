@@ -5,8 +5,8 @@ seeded random weights and the default model's tokenizer.
 downloading it: on first use the folder (config.json, model.safetensors in bf16, the default
 model's tokenizer files) is written under `<cache>/model-shapes/<name>-<key>/`, where the cache is
 $PAGEDSERVE_CACHE_HOME, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve. The key
-hashes everything the files depend on (the config, the seed, the init scale, the storage dtype,
-the tokenizer), so a changed recipe writes a new folder and never reuses a stale one.
+hashes everything the files depend on (the config, the random seed, the init scale, the
+storage dtype, the tokenizer), so a changed recipe writes a new folder and never reuses a stale one.
 
 The vocabulary is the tokenizer's, not the checkpoint's, so the parameter counts are those
 of the layout with that vocabulary (smaller than the checkpoint's: its embedding is).
