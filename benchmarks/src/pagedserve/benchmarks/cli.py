@@ -97,7 +97,12 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     ),
     "speculative": (
         "pagedserve.benchmarks.speculative",
-        "speculative decoding: code editing, document QA and chat, with and without n-gram / suffix drafting",
+        "speculative decoding: code editing, document QA, JSON echo and chat, with and without n-gram / suffix drafting",
+    ),
+    "quality": (
+        "pagedserve.benchmarks.quality",
+        "fp32 vs bf16 weights vs --quantization int8: perplexity, greedy agreement and top-2 logit margins, "
+        "real and random weights",
     ),
     "attention-kernels": (
         "pagedserve.benchmarks.attention_kernels",

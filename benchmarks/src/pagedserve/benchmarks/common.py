@@ -18,14 +18,19 @@ def default_model() -> str:
 # Engine settings a benchmark may take as they are (declared from pagedserve.dataplane.config with
 # settings.add_arguments(..., only=KERNEL_SETTINGS)): the kernels and the dtypes they read.
 KERNEL_SETTINGS = frozenset({"cpu_linear", "cpu_weight_dtype", "kv_cache_dtype"})
+# The quantized paths, for the benchmarks that take them (optional values: not passed on as
+# flags to a server the way KERNEL_SETTINGS are).
+QUANT_SETTINGS = frozenset({"quantization", "quantized_matmul"})
 
 
 def engine_from_args(args: Any, model: str, enable_prefix_caching: bool) -> Any:
     """A fp32 `LLM` with the engine flags every model-driven benchmark takes (block size, limits,
-    KV pool bytes, threads; the KERNEL_SETTINGS the benchmark has, else the engine's defaults)."""
+    KV pool bytes, threads; the KERNEL_SETTINGS and QUANT_SETTINGS the benchmark has, else the
+    engine's defaults)."""
     from pagedserve.dataplane import LLM
 
-    kernel_flags = {name: getattr(args, name) for name in sorted(KERNEL_SETTINGS) if hasattr(args, name)}
+    names = sorted(KERNEL_SETTINGS | QUANT_SETTINGS)
+    kernel_flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
 
     return LLM(
         model,

@@ -7,7 +7,7 @@ at EOS or `--max-tokens`):
 
 1. code editing: the prompt holds a 100-300-line source file of this package and asks for
    it back with one identifier renamed (the answer repeats most of the prompt);
-2. document QA: a passage of benchmarks/data/passages.txt and a request to quote the
+2. document QA: a passage of the shipped data/passages.txt and a request to quote the
    sentences that answer a question (the answer quotes the prompt);
 3. JSON echo: a record in the prompt to be copied under its JSON schema (structured output;
    every output is parsed and counted);

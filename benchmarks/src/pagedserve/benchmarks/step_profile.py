@@ -185,6 +185,7 @@ def phase_ranges(runner: Any) -> Iterator[None]:
     import pagedserve.dataplane.models.llama as llama
     import pagedserve.dataplane.runner.model_runner as model_runner
     from pagedserve.dataplane.runner.cpu_linear import PackedLinear, PanelLinear
+    from pagedserve.dataplane.runner.quant_linear import QuantLinear, QuantPanelLinear
 
     functions = [
         (attention, "write_kv_cache", "kv_write"),
@@ -220,7 +221,7 @@ def phase_ranges(runner: Any) -> Iterator[None]:
             kind = type(m).__name__
             if m is runner.model.output_embeddings():
                 key = "lm_head"
-            elif isinstance(m, nn.Linear | PackedLinear | PanelLinear):
+            elif isinstance(m, nn.Linear | PackedLinear | PanelLinear | QuantLinear | QuantPanelLinear):
                 key = "linear"
             elif kind.endswith("RMSNorm"):
                 key = "rmsnorm"

@@ -45,6 +45,13 @@ What it does, in one process and strictly one phase after another (never side by
    vLLM's CPU build in its own interpreter. Greedy agreement with each peer is reported (fp32
    greedy on both sides: expect ~100%; left padding can flip a rare near-tie).
 
+Every run with our engine also prints its matmul bound (`pagedserve.benchmarks.matmul_bound`):
+the tok/s the workload would reach if the run were its linears alone at the rate the loaded
+engine's own linears reach here (weight dtype and kernel as served), and the share of it the run
+reached. `--profile` adds where a decode step goes (`pagedserve.benchmarks.throughput_profile`).
+`--model-shape NAME` runs on a deployed checkpoint's layout with random weights instead of
+`--model` (`pagedserve.benchmarks.model_shapes`).
+
 Reported: useful output tok/s for every run and our speed-up over each (goal >= 2.0x over
 static transformers), our total/decode/prefill time, linear-layer GFLOP/s achieved in decode and
 prefill steps and the fraction of the machine's roofline each reached at its own row counts,
@@ -59,6 +66,7 @@ import argparse
 import gc
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +75,20 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `datapla
 
 from pagedserve.benchmarks.common import (
     KERNEL_SETTINGS,
+    QUANT_SETTINGS,
     cpu_line,
     default_model,
     phase,
     selection_table,
     warn_if_busy,
 )
+from pagedserve.benchmarks.matmul_bound import matmul_bound, probe_peak
+from pagedserve.benchmarks.model_shapes import SHAPES, ensure_shape_model
 from pagedserve.benchmarks.peers import PEERS, PeerRun, vllm_available
 from pagedserve.benchmarks.report import Report
 from pagedserve.benchmarks.roofline import Roofline, linear_shapes, measure_roofline
 from pagedserve.benchmarks.throughput_engine import EngineRun, run_engine
+from pagedserve.benchmarks.throughput_profile import profile_probe, profile_table
 from pagedserve.benchmarks.throughput_report import (
     build_report,
     plot,
@@ -98,8 +110,17 @@ FULL_PEERS = ("transformers", "transformers-cb")
 
 # -- the subcommand ------------------------------------------------------------------------------
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument(
         "--model", default=default_model(), help="store name or local HF folder (default: %(default)s)"
+    )
+    which.add_argument(
+        "--model-shape",
+        choices=SHAPES,
+        default=None,
+        help="instead of --model: the layout of a deployed checkpoint with seeded random weights and "
+        "the default model's tokenizer, written into the cache on first use (benchmarks/model_shapes.py) (default: none, --model's "
+        "checkpoint)",
     )
     ap.add_argument(
         "--full",
@@ -133,7 +154,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--kv-cache-memory", type=parse_bytes, default="2GiB", help="engine KV pool size (as `serve`)"
     )
-    settings.add_arguments(ap, EngineConfig, only=KERNEL_SETTINGS)  # as `serve` takes them
+    settings.add_arguments(ap, EngineConfig, only=KERNEL_SETTINGS | QUANT_SETTINGS)  # as `serve` takes them
     ap.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -173,6 +194,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--roofline-reps", type=int, default=3, help="timed runs per machine measurement (median)"
     )
     ap.add_argument("--also-generate", action="store_true", help="also time LLM.generate on the workload")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed run, profile a decode step of its shape and print where it goes: matmul, "
+        "attention, norms + activations, sampling, scheduling + Python (benchmarks/throughput_profile.py)",
+    )
     ap.add_argument(
         "--repeats",
         type=int,
@@ -229,7 +256,14 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     from pagedserve.common.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    model_path = resolve_model_path(args.model)
+    if args.model_shape:
+        model_path = phase(
+            f"model shape {args.model_shape}",
+            lambda: ensure_shape_model(args.model_shape),
+            "found in the cache, or its random weights written there (seconds to a minute)",
+        )
+    else:
+        model_path = resolve_model_path(args.model)
     warn_if_busy(report.loads["start"])
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     prompts = chat_prompts(tokenizer, args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
@@ -240,6 +274,9 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
     ours: EngineRun | None = None
     roof: Roofline | None = None
+    probes: dict[str, Any] = {"matmul_peak": lambda llm, _steps: probe_peak(llm.engine.runner.model)}
+    if args.profile:
+        probes["profile"] = profile_probe
     if not args.skip_engine:
         ours = phase(
             "engine",
@@ -249,6 +286,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
                 prompts,
                 lengths,
                 lambda: report.bar(len(prompts), "pagedserve requests"),
+                probes,
             ),
             "load the model and pick its kernels (about 10 s on 2 cores, 15-40 s more if the C++ kernels "
             "are not built yet), warm up, then the "
@@ -327,13 +365,16 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         rounds.append((again.total_seconds, peer_seconds))
 
     rep = build_report(args, model_path, shapes, prompts, lengths, ours, roof, done)
+    bound_line = _matmul_bound(rep, ours, shapes, sum(lengths))
     notes = [
         f"workload: {rep['workload']['summary']}",
-        f"{model_path.name}, fp32 (engine linear weights {args.cpu_weight_dtype}, KV cache "
+        f"{model_path.name}, fp32 (engine linear weights {args.cpu_weight_dtype}"
+        f"{', --quantization ' + args.quantization if args.quantization else ''}, KV cache "
         f"{args.kv_cache_dtype}), "
         f"{rep['torch']['threads']} torch threads; greedy, ignore_eos; "
         f"load average at start {report.loads['start']}",
         cpu_line(),
+        *([bound_line] if bound_line else []),
     ]
     if not done:
         notes.append(
@@ -352,12 +393,34 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             *selection_table(ours.kernels),
             [cpu_line(), "times: ms per call at each row count, best of the load-time rounds"],
         )
+    if ours is not None and ours.probes.get("profile"):
+        rep["profile"] = ours.probes["profile"]
+        report.table(*profile_table(rep["profile"]))
     if len(rounds) > 1:
         rep["rounds"] = rounds_report(rounds, sum(lengths))
         report.table("Rounds, interleaved", *rounds_table(rep["rounds"]))
     print_details(rep)
     plot(report, rep)
     return rep
+
+
+def _matmul_bound(rep: dict[str, Any], ours: EngineRun | None, shapes: Any, output_tokens: int) -> str:
+    """Put the run against its own linears' measured peak (matmul_bound.py); the line to print."""
+    peak = ours.probes.get("matmul_peak") if ours is not None else None
+    if ours is None or peak is None:
+        return ""
+    bound = matmul_bound(shapes, ours.steps, peak, output_tokens, ours.total_seconds)
+    rep["matmul_bound"] = {
+        "peak": asdict(peak),
+        **asdict(bound),
+        "peak_gflops": bound.peak_gflops,
+        "bound_tok_s": bound.bound_tok_s,
+        "reached": bound.reached,
+    }
+    rows = "/".join(str(n) for n in peak.by_rows)
+    line = f"{bound.line()}; peaks: best of {rows} rows on the engine's own linears: {peak.kernels}"
+    print(line, file=sys.stderr)
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

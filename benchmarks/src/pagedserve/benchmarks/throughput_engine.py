@@ -33,6 +33,9 @@ class StepRecord:
     context_tokens: int = 0
     # (query, key) pairs the attention scores, causal: the context_tokens of a decode step.
     attention_pairs: int = 0
+    # Time inside the model runner's execute (the forward and sampling); the rest of the step is
+    # the engine's scheduling and bookkeeping. 0 where the engine has no runner to time.
+    runner_seconds: float = 0.0
 
 
 @dataclass
@@ -67,6 +70,7 @@ class EngineRun:
     classified_by: str = "scheduler"
     kv_element_bytes: int = FP32_BYTES  # the engine's KV-cache element size
     kernels: list[dict[str, Any]] = field(default_factory=list)  # common.kernel_selection
+    probes: dict[str, Any] = field(default_factory=dict)  # run_engine's `probes`, by name
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,12 @@ def run_engine(
     prompts: list[list[int]],
     lengths: list[int],
     make_bar: Callable[[], Any] | None = None,
+    probes: dict[str, Callable[[Any, list[StepRecord]], Any]] | None = None,
 ) -> EngineRun:
     """Our engine on the workload; `make_bar` makes a tqdm-like object just before the timed
-    run (after load and warm-up, so its rate is the run's), advanced per finished request."""
+    run (after load and warm-up, so its rate is the run's), advanced per finished request.
+    Each of `probes` is called after the timed run with the `LLM` and the steps, while the
+    engine is still loaded (what it returns lands in EngineRun.probes)."""
     from pagedserve.dataplane import SamplingParams
 
     def params(n: int) -> Any:
@@ -151,12 +158,28 @@ def run_engine(
 
         scheduler.schedule = schedule_and_record  # type: ignore[union-attr]
 
+    # Time the runner inside each step the same way (instance attribute: no engine edit).
+    runner = getattr(engine, "runner", None)
+    execute = getattr(runner, "execute", None)
+    in_runner: list[float] = []
+    if execute is not None:
+
+        def timed_execute(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return execute(*a, **kw)
+            finally:
+                in_runner.append(time.perf_counter() - t)
+
+        runner.execute = timed_execute  # type: ignore[union-attr]
+
     steps: list[StepRecord] = []
     bar = make_bar() if make_bar is not None else None
     try:
         t0 = time.perf_counter()
         requests = [engine.add_request(p, params(n)) for p, n in zip(prompts, lengths, strict=True)]
         while engine.has_unfinished_requests():
+            in_runner.clear()
             s0 = time.perf_counter()
             result = engine.step()
             s1 = time.perf_counter()
@@ -179,6 +202,7 @@ def run_engine(
                     result.num_preempted,
                     shape.context_tokens,
                     shape.attention_pairs,
+                    sum(in_runner),
                 )
             )
             if result.num_batched_tokens == 0 and engine.has_unfinished_requests():
@@ -189,6 +213,8 @@ def run_engine(
             bar.close()
         if hooked:
             del scheduler.schedule  # type: ignore[union-attr]
+        if execute is not None:
+            del runner.execute  # type: ignore[union-attr]
 
     outputs = [list(r.output_token_ids) for r in requests]
     check_lengths("engine", outputs, lengths)
@@ -198,6 +224,7 @@ def run_engine(
     preemptions = sum(int(getattr(r, "num_preemptions", 0)) for r in requests)
     kv_element_bytes = _kv_element_bytes(engine)
     kernels = kernel_selection(engine)
+    probed = {name: probe(llm, steps) for name, probe in (probes or {}).items()}
     del llm, engine, requests
     gc.collect()
     return EngineRun(
@@ -211,6 +238,7 @@ def run_engine(
         "scheduler" if hooked else "step-result",
         kv_element_bytes,
         kernels,
+        probed,
     )
 
 
