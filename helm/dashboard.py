@@ -165,6 +165,31 @@ def dashboard() -> dict[str, Any]:
         8,
     )
     panel("Engine step p90", "s", _quantiles("pagedserve_engine_step_seconds", DP, by="pod")[1:2], 16, 8)
+    row("Speculative decoding (per data plane; flat when --speculative-config is off)")
+    panel(
+        "Drafted tokens accepted",
+        "percentunit",
+        [
+            (
+                f"sum by (pod) (rate(pagedserve_spec_decode_num_accepted_tokens_total{{{DP}}}{RATE}))"
+                f" / sum by (pod) (rate(pagedserve_spec_decode_num_draft_tokens_total{{{DP}}}{RATE}))",
+                "{{pod}}",
+            )
+        ],
+        0,
+    )
+    panel(
+        "Tokens per drafted run (1 + mean accepted)",
+        "short",
+        [
+            (
+                f"1 + sum by (pod) (rate(pagedserve_spec_decode_num_accepted_tokens_total{{{DP}}}{RATE}))"
+                f" / sum by (pod) (rate(pagedserve_spec_decode_num_drafts_total{{{DP}}}{RATE}))",
+                "{{pod}}",
+            )
+        ],
+        12,
+    )
 
     for i, p in enumerate(panels, start=1):
         p["id"] = i

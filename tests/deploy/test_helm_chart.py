@@ -377,6 +377,7 @@ def other_value(knob: Knob) -> Any:
         "device": "cuda",
         "kv_cache_dtype": "fp8_e5m2",  # kv_scales_path needs an FP8 cache
         "model": "/models/custom-llama",
+        "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
     }
     if knob.name in special:
         return special[knob.name]
