@@ -51,6 +51,7 @@ from pagedserve.common import admission_rules
 from pagedserve.dataplane.config import SchedulerConfig
 from pagedserve.dataplane.kvcache import KVCacheManager
 from pagedserve.dataplane.request import Request, RequestStatus
+from pagedserve.dataplane.scheduler.drafts import drafts_to_verify
 from pagedserve.dataplane.scheduler.fair_share import Shares, several_tenants
 from pagedserve.dataplane.scheduler.integrity import check_integrity
 from pagedserve.dataplane.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -179,7 +180,12 @@ class Scheduler:
                 if num_new == 0:
                     i += 1  # a prompt chunk past this step's bound: it goes on next step
                     continue
-            drafts = self._drafts(request, num_new, budget) if decoding else []
+            later = len(self.running) - i - 1
+            drafts = (
+                drafts_to_verify(self.kv_cache, request, num_new, budget - later, len(self.running))
+                if decoding
+                else []
+            )
             if drafts:
                 num_new += len(drafts)
             while self.kv_cache.allocate_slots(request, num_new) is None:
@@ -195,18 +201,6 @@ class Scheduler:
                 prefill -= num_new
             i += 1
         return budget, prefill
-
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """The drafted tokens `request` verifies this step (speculative decoding): as many of
-        its `spec_token_ids` as the budget holds, and none when their KV slots would need a
-        block the pool cannot spare without preempting (a draft never evicts anyone)."""
-        drafts = request.spec_token_ids[: max(0, budget - num_new)]
-        if not drafts:
-            return []
-        needed = self.kv_cache.num_blocks_for(request.num_computed_tokens + num_new + len(drafts))
-        if needed - len(request.block_table) > self.kv_cache.pool.num_free_blocks:
-            return []
-        return drafts
 
     def _prefill_bound(self, budget: int, ranks: Priorities | None) -> int:
         """Prompt tokens this step may compute: bounded while requests decode (their next
