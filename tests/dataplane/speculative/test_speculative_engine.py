@@ -62,7 +62,8 @@ def generate(
     path: Path, spec: str | None, params: SamplingParams, oracle: list[Any] | None = None, **kwargs: Any
 ) -> tuple[list[Any], LLM]:
     """`prompts()` generated with `spec`; with `oracle` (a run's outputs) its drafter drafts them."""
-    llm = LLM(str(path), max_model_len=256, speculative_config=spec, **kwargs)
+    kwargs.setdefault("kv_cache_memory", 2**26)  # (small pools start fast)
+    llm = LLM(str(path), max_model_len=256, speculative_config=spec, swap_space=0.05, **kwargs)
     if oracle is not None:
         truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts(), oracle, strict=True)}
         llm.engine.speculator.drafter = OracleDrafter(truth, wrong=3)  # type: ignore[union-attr]
@@ -126,7 +127,7 @@ def test_seeded_sampling_repeats_and_opting_out_drafts_nothing(tiny: Path) -> No
 
 
 def test_a_step_returns_every_token_of_an_accepted_run(tiny: Path) -> None:
-    llm = LLM(str(tiny), max_model_len=256, speculative_config=NGRAM)
+    llm = LLM(str(tiny), max_model_len=256, speculative_config=NGRAM, kv_cache_memory=2**26, swap_space=0)
     engine = llm.engine
     prompt = [9, 10, 11, 12, 13] * 6
     engine.add_request(
