@@ -169,6 +169,27 @@ def test_chunked_prefill_prefix_hits_and_preemption(
         assert engine.scheduler.num_recompute_preemptions > 0
 
 
+def test_speculative_runs_are_verified_on_every_rank(
+    models: dict[str, tuple[Path, list[Reference]]], llms: list[LLM]
+) -> None:
+    """Drafted runs reach the workers with the step's inputs: tokens stay the reference's."""
+    from tests.dataplane.speculative.test_speculative_engine import OracleDrafter
+
+    path, refs = models["llama"]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128, speculative_config=spec)
+    llms.append(llm)
+    items = workload()
+    truth = {tuple(p): r.tokens for (p, _), r in zip(items, refs, strict=True)}
+    assert llm.engine.speculator is not None
+    llm.engine.speculator.drafter = OracleDrafter(truth, wrong=3)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in items]
+    outputs = llm.generate([p for p, _ in items], params, use_tqdm=False)
+    check(llm, [o.token_ids for o in outputs], refs, "tp=2 speculative")
+    stats = llm.engine.speculator.stats
+    assert stats.accepted_tokens > 0 and stats.drafted_tokens > stats.accepted_tokens
+
+
 def test_heads_that_do_not_split_are_refused_by_name(tmp_path: Path) -> None:
     path = make_tiny_model("qwen3", tmp_path)  # 6 query heads, 2 KV heads
     with pytest.raises(
