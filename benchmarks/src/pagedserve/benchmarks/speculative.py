@@ -40,6 +40,7 @@ from pagedserve.benchmarks.workloads import DATA_DIR, chat_prompts
 from pagedserve.common.constraints import Constraint
 from pagedserve.common.settings import ArgumentParser, parse_bytes
 from pagedserve.dataplane import LLM, SamplingParams
+from pagedserve.dataplane.engine.speculator import make_drafter
 
 # Source files of this package the code-editing prompts hold, and the identifier each renames.
 CODE_FILES: tuple[tuple[str, str, str], ...] = (
@@ -169,6 +170,9 @@ def _measure(
     assert spec is not None
     before = (spec.stats.runs, spec.stats.accepted_tokens, spec.stats.drafted_tokens)
     t_plain, out_plain = _run(llm, prompts, plain, streams)
+    # A fresh drafter: the suffix drafter learns finished outputs, and the run without drafts
+    # just produced the very outputs the run with them is to generate.
+    spec.drafter = make_drafter(spec.config)
     t_spec, out_spec = _run(llm, prompts, drafted, streams)
     tokens = sum(len(o) for o in out_plain)
     runs = spec.stats.runs - before[0]

@@ -15,7 +15,7 @@ from pagedserve.dataplane.speculative.ngram import NgramDrafter
 from pagedserve.dataplane.speculative.policy import Acceptance, StepCost, draft_lengths
 from pagedserve.dataplane.speculative.suffix import SuffixDrafter
 
-# One step in this many that has drafts verifies all of them, whatever the policy says.
+# One step in this many that has drafts verifies at least the first draft of each request.
 PROBE_EVERY = 16
 
 
@@ -79,14 +79,17 @@ class Speculator:
             return
         cost = self.cost.line()
         self._proposing_steps += 1
+        counts = {rid: len(d) for rid, d in proposals.items()}
+        rates = {rid: self.acceptance.rate(rid) for rid in proposals}
+        lengths = (
+            dict.fromkeys(proposals, 0) if cost is None else draft_lengths(counts, rates, decoding, cost)
+        )
         if cost is None or self._proposing_steps % PROBE_EVERY == 1:
-            # Verify every draft now and then: the acceptance rates and the cost's slope are
-            # only measured on steps that draft, and a policy that stopped would never see
-            # them change (as when a request starts repeating itself, or the batch shrinks).
-            lengths = {rid: len(d) for rid, d in proposals.items()}
-        else:
-            rates = {rid: self.acceptance.rate(rid) for rid in proposals}
-            lengths = draft_lengths({rid: len(d) for rid, d in proposals.items()}, rates, decoding, cost)
+            # Now and then each request verifies at least its first draft, whatever the policy
+            # says: acceptance and the cost's slope are measured only on steps that draft, and
+            # a policy that stopped would never see them change (a request starts repeating
+            # itself, the batch shrinks). One token each keeps the probe cheap at any batch.
+            lengths = {rid: max(n, 1) for rid, n in lengths.items()}
         by_id = {r.request_id: r for r in running}
         for rid, draft in proposals.items():
             by_id[rid].spec_token_ids = draft[: lengths[rid]]

@@ -238,9 +238,18 @@ class ModelRunner:
             inputs.input_ids.extend(r.all_token_ids[start:end])
             inputs.input_ids.extend(item.spec_token_ids)  # (drafts: past the known tokens)
             inputs.positions.extend(range(start, end))
-            inputs.query_lens.append(item.num_new_tokens)
-            inputs.seq_lens.append(end)
-            inputs.block_tables.append(r.block_table)
+            if item.spec_token_ids:
+                # A drafted run is attended as one decode row per token, each over the context
+                # up to itself (the causal mask of a short query, exactly): the decode kernels
+                # read the paged cache in place, where a prefill path would gather the whole
+                # context for a few query rows.
+                inputs.query_lens.extend([1] * item.num_new_tokens)
+                inputs.seq_lens.extend(range(start + 1, end + 1))
+                inputs.block_tables.extend([r.block_table] * item.num_new_tokens)
+            else:
+                inputs.query_lens.append(item.num_new_tokens)
+                inputs.seq_lens.append(end)
+                inputs.block_tables.append(r.block_table)
             if item.samples:  # a drafted run samples at its last known token and every draft
                 sample_rows.extend(
                     range(len(inputs.input_ids) - 1 - len(item.spec_token_ids), len(inputs.input_ids))
