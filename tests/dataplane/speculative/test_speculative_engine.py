@@ -15,8 +15,16 @@ import pytest
 from pagedserve.dataplane import LLM, SamplingParams
 from pagedserve.dataplane.engine.outputs import StepResult
 
+# Every draft verified (not only those the cost model finds worth it): the tests check
+# verification and rollback, which the adaptive policy would otherwise often spare.
 NGRAM = json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": False,
+    }
 )
 
 

@@ -21,7 +21,8 @@ against no drafting, the mean accepted tokens per verified draft, and how many o
 token for token those of the run without drafting (greedy: all of them, or it is a bug).
 
 `--peers llama.cpp` adds llama-cpp-python's prompt-lookup decoding
-(`LlamaPromptLookupDecoding`) on the default model's GGUF file, one stream, on each workload
+(`LlamaPromptLookupDecoding`) on the GGUF file the default model is made from, one stream, on
+each workload
 (its venv is built on first use: benchmarks/llamacpp_env.py).
 """
 
@@ -56,6 +57,8 @@ QUESTIONS = (
     "What is the main point of the passage?",
 )
 METHODS = ("ngram", "suffix")
+# The GGUF file the default model is made from (`pagedserve pull`): llama.cpp's input.
+PEER_GGUF = "SmolLM2-135M-Instruct-Q4_1"
 WORKLOADS = ("code", "qa", "json", "chat")
 RECORD_SCHEMA = {
     "type": "object",
@@ -213,11 +216,12 @@ def _llamacpp(prompts: dict[str, list[list[int]]], max_tokens: int, k: int) -> d
     import tempfile
 
     from pagedserve.benchmarks.llamacpp_env import ensure_llamacpp_python
-    from pagedserve.common.models import DEFAULT_MODEL, resolve_model_path
+    from pagedserve.common.models import resolve_model_path
+    from pagedserve.common.models.gguf_folder import gguf_weights_file
 
-    gguf = next(resolve_model_path(DEFAULT_MODEL).glob("*.gguf"), None)
+    gguf = gguf_weights_file(resolve_model_path(PEER_GGUF))
     if gguf is None:
-        return {"error": "the default model's folder has no .gguf file"}
+        return {"error": f"{PEER_GGUF} is not a GGUF model"}
     python = ensure_llamacpp_python()
     runs = {name: {"prompts": p, "max_tokens": max_tokens} for name, p in prompts.items()}
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,11 +12,11 @@ from pagedserve.dataplane.scheduler.step_budget import decodes_next
 from pagedserve.dataplane.speculative.config import SpeculativeConfig
 from pagedserve.dataplane.speculative.drafter import Drafter
 from pagedserve.dataplane.speculative.ngram import NgramDrafter
-from pagedserve.dataplane.speculative.policy import Acceptance, StepCost, draft_lengths
+from pagedserve.dataplane.speculative.policy import Acceptance, StepCost, draft_lengths, worth_drafting
 from pagedserve.dataplane.speculative.suffix import SuffixDrafter
 
-# One step in this many that has drafts verifies at least the first draft of each request.
-PROBE_EVERY = 16
+# One step in this many that could draft verifies at least the first draft of each request.
+PROBE_EVERY = 32
 
 
 @dataclass
@@ -55,36 +55,34 @@ class Speculator:
         self.acceptance = Acceptance()
         self.cost = StepCost()
         self.stats = SpeculationStats()
-        self._proposing_steps = 0
+        self._drafting_steps = 0
 
     def propose(self, running: Sequence[Request], room: Callable[[Request], int]) -> None:
         """Set each running request's `spec_token_ids` for the next step: drafts for those
         that decode and may draft, cut to what pays (policy.py) and to `room(request)`, the
         tokens it may still append; none for the others."""
-        proposals: dict[str, list[int]] = {}
-        decoding = 0
+        eligible: list[tuple[Request, int]] = []
         for request in running:
             request.spec_token_ids = []
-            if not decodes_next(request):
-                continue
-            decoding += 1
-            k = min(self.config.num_speculative_tokens, room(request) - 1)
-            if k > 0 and drafts_allowed(request):
-                draft = self.drafter.propose(request.request_id, request.all_token_ids, k)
-                if draft and request.grammar is not None:
-                    draft = draft[: request.grammar.valid_prefix(draft)]
-                if draft:
-                    proposals[request.request_id] = draft
-        if not proposals:
+            if decodes_next(request):
+                k = min(self.config.num_speculative_tokens, room(request) - 1)
+                eligible.append((request, k if k > 0 and drafts_allowed(request) else 0))
+        if not any(k for _, k in eligible):
             return
         cost = self.cost.line()
-        self._proposing_steps += 1
+        self._drafting_steps += 1
+        probe = cost is None or self._drafting_steps % PROBE_EVERY == 1
+        if not self.config.adaptive:
+            cost, probe = None, False
+        rates = {r.request_id: self.acceptance.rate(r.request_id) for r, k in eligible if k}
+        if not probe and not worth_drafting(max(rates.values()), len(eligible), cost):
+            return  # not even the likeliest first draft would pay: spare the drafter's work
+        proposals = self._drafts(eligible)
         counts = {rid: len(d) for rid, d in proposals.items()}
-        rates = {rid: self.acceptance.rate(rid) for rid in proposals}
-        lengths = (
-            dict.fromkeys(proposals, 0) if cost is None else draft_lengths(counts, rates, decoding, cost)
-        )
-        if cost is None or self._proposing_steps % PROBE_EVERY == 1:
+        lengths = counts if not self.config.adaptive else dict.fromkeys(proposals, 0)
+        if cost is not None:
+            lengths = draft_lengths(counts, rates, len(eligible), cost)
+        if probe:
             # Now and then each request verifies at least its first draft, whatever the policy
             # says: acceptance and the cost's slope are measured only on steps that draft, and
             # a policy that stopped would never see them change (a request starts repeating
@@ -93,6 +91,18 @@ class Speculator:
         by_id = {r.request_id: r for r in running}
         for rid, draft in proposals.items():
             by_id[rid].spec_token_ids = draft[: lengths[rid]]
+
+    def _drafts(self, eligible: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Each eligible request's draft of up to k tokens (none for k = 0), cut where its
+        grammar, if it has one, would refuse it."""
+        proposals: dict[str, list[int]] = {}
+        for request, k in eligible:
+            draft = self.drafter.propose(request.request_id, request.all_token_ids, k) if k else []
+            if draft and request.grammar is not None:
+                draft = draft[: request.grammar.valid_prefix(draft)]
+            if draft:
+                proposals[request.request_id] = draft
+        return proposals
 
     def verified(
         self, out: SchedulerOutput, accepted: Mapping[str, Sequence[int]], seconds: float | None

@@ -17,7 +17,8 @@ class SpeculativeConfig:
     the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`) or
     "suffix" (the most frequent continuation of the longest matching suffix, over this request
     and recent requests' outputs, while its share is at least `suffix_min_probability`).
-    `num_speculative_tokens`: the most tokens drafted per sequence and step."""
+    `num_speculative_tokens`: the most tokens drafted per sequence and step. `adaptive`: verify
+    only the drafts that pay for their rows (policy.py); false verifies every draft."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -25,6 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     suffix_min_probability: float = 0.1
     suffix_cache_requests: int = 64
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -43,6 +45,8 @@ class SpeculativeConfig:
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
             raise ValueError(f"speculative_config.suffix_min_probability must be in [0, 1], got {p!r}")
         _check_int("suffix_cache_requests", self.suffix_cache_requests, 0, 100_000)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:

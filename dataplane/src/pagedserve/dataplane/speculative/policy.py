@@ -22,6 +22,10 @@ ACCEPTANCE_WEIGHT = 0.2
 # A request not drafting drifts back towards the acceptance of all requests, so it tries again.
 RECOVERY = 0.05
 INITIAL_ACCEPTANCE = 0.6
+# A draft must pay this many times its fitted cost: the line misses part of what drafting
+# costs (proposing, the extra logits and sampling rows, the probes), and a draft that only
+# breaks even is not worth the risk of a slower batch.
+MARGIN = 1.5
 
 
 class StepCost:
@@ -101,9 +105,19 @@ def draft_lengths(
     for gain, j, rid in candidates:
         if taken[rid] != j - 1:
             continue  # (only after the drafts before it in its sequence)
-        if gain * (fixed + per_token * rows) <= per_token * tokens:
+        if gain * (fixed + per_token * rows) <= MARGIN * per_token * tokens:
             break  # every later candidate yields less, and the bar only rises
         taken[rid] = j
         tokens += gain
         rows += 1
     return taken
+
+
+def worth_drafting(best_rate: float, decoding: int, cost: tuple[float, float] | None) -> bool:
+    """Whether a first draft accepted at `best_rate` (the best of the batch) would raise a
+    step's expected tokens per second with `decoding` sequences decoding: when not, no draft
+    of this step would (`draft_lengths` takes none), and proposing them is wasted work."""
+    if cost is None:
+        return True
+    fixed, per_token = cost
+    return best_rate * (fixed + per_token * decoding) > MARGIN * per_token * decoding
