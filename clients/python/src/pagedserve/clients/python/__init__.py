@@ -9,8 +9,6 @@ with GenerationClient("127.0.0.1:50051") as client:
     print(len(client.embed(["a text", "another"], pooling="mean")[1]))  # one vector per input
 """
 
-from pagedserve.clients.python.embeddings import build_embed_request
-
 from pagedserve.clients.python.client import (
     AsyncGenerationClient,
     Completion,
@@ -19,6 +17,7 @@ from pagedserve.clients.python.client import (
     build_request,
 )
 from pagedserve.clients.python.constraints import JsonSchema, SchemaModel
+from pagedserve.clients.python.embeddings import build_embed_request
 from pagedserve.clients.python.tools import ToolCall
 
 __all__ = [
