@@ -15,6 +15,7 @@ import pytest
 
 from pagedserve.clients.python import AsyncGenerationClient, GenerationClient
 from pagedserve.clients.python import client as client_module
+from pagedserve.clients.python import retry as retry_module
 from pagedserve.clients.python.client import Completion, StreamChunk
 from pagedserve.clients.python.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from tests.e2e.clients.fake_server import EXPECTED_ATTEMPTS, PARTIAL, TEXT, FakeServer
@@ -47,6 +48,7 @@ class Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake_clock = Clock()
     monkeypatch.setattr(client_module, "time", fake_clock)
+    monkeypatch.setattr(retry_module, "time", fake_clock)  # (the deadline checks live there)
     return fake_clock
 
 

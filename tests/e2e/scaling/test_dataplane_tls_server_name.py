@@ -122,7 +122,8 @@ def test_the_chart_passes_the_server_name_with_dns_discovery(
 
     objs = objects(render(merged(LINK_TLS, extra)))
     args = container(one(objs, "Deployment", "controlplane"), "controlplane")["args"]
-    parsed = build_parser().parse_args(args)
+    # The chart runs `pagedserve-controlplane ARGS`, the same as `pagedserve controlplane ARGS`.
+    parsed = build_parser().parse_args(["controlplane", *args])
     assert parsed.dataplane_tls_server_name == expected
     if expected is not None:
         assert parsed.dataplane_dns.rsplit(":", 1)[0] == "llm-pagedserve-dataplane.serving.svc.cluster.local"
