@@ -39,6 +39,7 @@ def main(job_path: str, result_path: str) -> None:
         verbose=False,
         seed=0,
         draft_model=draft,
+        logits_all=draft is not None,  # verifying drafts reads every position's logits
     )
     load_s = time.perf_counter() - t
 
